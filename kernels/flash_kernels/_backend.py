@@ -1,0 +1,65 @@
+"""Which implementation of an op runs: the plain PyTorch reference or our Triton kernels.
+
+Every public op takes ``backend=`` in {"reference", "triton", "auto"} (``None`` means the process default,
+read from ``FLASH_KERNELS_BACKEND``, itself defaulting to "auto").
+
+- "reference": the PyTorch reference, on any device. It is the CPU path and the test oracle.
+- "triton": our kernels. They run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
+  set before triton is imported), which is how CI tests them. If they cannot run here, a ValueError says why.
+- "auto": our kernels on CUDA when the op supports the input, else the reference. Never the interpreter: it
+  is a test tool, thousands of times slower than the reference.
+
+The decision is an explicit check of device, dtype and shape, never a try/except around a launch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+KernelBackend = Literal["reference", "triton", "auto"]
+BACKENDS: tuple[str, ...] = ("reference", "triton", "auto")
+ENV_VAR = "FLASH_KERNELS_BACKEND"
+
+
+def default_backend() -> str:
+    backend = os.environ.get(ENV_VAR, "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={backend!r} is not a kernel backend; use one of {BACKENDS}")
+    return backend
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_backend_name(backend: str | None) -> str:
+    if backend is None:
+        return default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not a kernel backend; use one of {BACKENDS}")
+    return backend
+
+
+def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: str | None = None) -> bool:
+    """True when ``op`` should run our Triton kernel on ``x``.
+
+    ``unsupported`` is the op's own reason it cannot take this input (a dtype, a head dim, a shape), or None.
+    """
+    backend = check_backend_name(backend)
+    if backend == "reference":
+        return False
+    on_device = x.device.type == "cuda" or (x.device.type == "cpu" and triton_interpreter_enabled())
+    if backend == "auto":
+        return x.device.type == "cuda" and unsupported is None
+    if not on_device:
+        raise ValueError(
+            f"{op}: backend='triton' cannot run on device {x.device.type!r}: the Triton kernels need a CUDA "
+            "tensor (or TRITON_INTERPRET=1 set before importing triton, for tests). Use backend='reference' "
+            "or 'auto'."
+        )
+    if unsupported is not None:
+        raise ValueError(f"{op}: backend='triton' cannot run this input: {unsupported}. Use backend='auto'.")
+    return True

@@ -1,0 +1,31 @@
+"""Test helpers shared by the kernel and model tests: dtype-aware tolerances and relative errors."""
+
+from __future__ import annotations
+
+import torch
+
+# Tolerances per dtype for an op compared against its float32/float64 reference. Low-precision kernels are
+# judged by relative error of the whole tensor (||out - ref|| / ||ref||), which is robust to a few large
+# elements, plus an elementwise bound for gross local errors.
+REL_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+ABS_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; 0 when both are zero."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    denom = ref64.norm().item()
+    diff = (out64 - ref64).norm().item()
+    return diff if denom == 0 else diff / denom
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *, scale: float = 1.0, name: str = "") -> None:
+    """Assert ``out`` matches ``ref`` within the tolerance of ``dtype`` (times ``scale``), with no NaN/inf."""
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    assert torch.isfinite(out).all(), f"{name}: output has NaN or inf"
+    err = rel_err(out, ref)
+    assert err <= REL_TOL[dtype] * scale, f"{name}: relative error {err:.3g} > {REL_TOL[dtype] * scale:.3g} ({dtype})"
+    max_abs = (out.double() - ref.double()).abs().max().item() if out.numel() else 0.0
+    ref_max = ref.double().abs().max().item() if ref.numel() else 0.0
+    bound = ABS_TOL[dtype] * scale * max(1.0, ref_max)
+    assert max_abs <= bound, f"{name}: max abs error {max_abs:.3g} > {bound:.3g} ({dtype})"
