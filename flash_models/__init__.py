@@ -1,0 +1,1 @@
+"""flash-models: a transformer model zoo on its own kernels."""
