@@ -1,0 +1,941 @@
+"""FlashAttention forward and backward in Triton, with a plain PyTorch reference.
+
+Semantics follow FlashAttention-2's public functions:
+
+- q is (B, Sq, Hq, D), k and v are (B, Sk, Hkv, D); GQA/MQA when Hq % Hkv == 0 (q head h reads kv head
+  h // (Hq // Hkv)).
+- Query row i sits at absolute key position ``i + Sk - Sq`` (bottom-right alignment). Key j is visible
+  to row i when ``diag - left <= j <= diag + right`` with ``diag = i + Sk - Sq``; ``causal`` means
+  ``right = 0``; -1 means unbounded.
+- ``softcap > 0`` replaces a score s by ``softcap * tanh(s / softcap)`` (s already scaled); ALiBi then adds
+  ``-slope * |diag - j|``.
+- Dropout (training) drops entries of the normalised probabilities, as FA2 does. The keep mask comes from
+  Philox (``tl.rand``) keyed on (seed, batch, head, row, column); ``dropout_keep_mask`` regenerates it so the
+  reference can replay exactly what the kernel did.
+- A row that sees no key outputs zeros; its log-sum-exp is -inf (FA2 leaves +inf there; -inf is the value
+  that keeps ``exp(s - lse)`` meaning "nothing").
+- ``return_lse`` adds the natural-log log-sum-exp, (B, Hq, Sq) (varlen: (Hq, total_q)), float32. It is not
+  differentiable (as in FA2).
+
+The Triton path is registered as ``flash_kernels::attn_fwd`` / ``attn_bwd`` custom ops with fake
+implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it. The backward is
+atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group, one for dQ), hence always
+deterministic; ``deterministic=`` is accepted for FA2 compatibility.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import triton_interpreter_enabled, use_triton
+
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _visible_ref(sq: int, sk: int, causal: bool, window: tuple[int, int], device) -> torch.Tensor:
+    """(Sq, Sk) bool: which keys each query row may attend to (bottom-right aligned)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    diag = i + sk - sq
+    left, right = window
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        right = 0
+    if left >= 0:
+        visible &= j >= diag - left
+    if right >= 0:
+        visible &= j <= diag + right
+    return visible
+
+
+def _attention_ref(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_mask):
+    """Batched reference. q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), alibi (B, Hq) or None, dropout_mask
+    (B, Hq, Sq, Sk) bool or None. Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    bsz, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qf = q.to(compute).transpose(1, 2)  # (B, Hq, Sq, D)
+    kf = k.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
+    vf = v.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = (qf @ kf.transpose(-1, -2)) * softmax_scale  # (B, Hq, Sq, Sk)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        dist = (i + sk - sq - j).abs().to(compute)
+        s = s - alibi_slopes.to(compute)[:, :, None, None] * dist
+    visible = _visible_ref(sq, sk, causal, window_size, q.device)
+    s = s.masked_fill(~visible, float("-inf"))
+    # Softmax by hand so that fully masked rows give p = 0 with finite gradients (logsumexp would give NaN).
+    m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    e = torch.exp(s - m)
+    denom = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
+    lse = (m + torch.log(denom)).squeeze(-1).detach().float()
+    if dropout_p > 0.0:
+        if dropout_mask is None:
+            dropout_mask = torch.rand_like(p) >= dropout_p
+        p = p * dropout_mask / (1.0 - dropout_p)
+    out = (p @ vf).transpose(1, 2).to(q.dtype)  # (B, Sq, Hq, D)
+    return out, lse
+
+
+def _alibi_2d(alibi_slopes, bsz, hq):
+    if alibi_slopes is None:
+        return None
+    return alibi_slopes.expand(bsz, hq) if alibi_slopes.dim() == 1 else alibi_slopes
+
+
+def flash_attn_func_ref(
+    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+    dropout_p=0.0, dropout_mask=None, return_lse=False,
+):
+    """Plain PyTorch attention, in float32 (float64 for float64 inputs); differentiable through autograd.
+    ``dropout_mask`` (B, Hq, Sq, Sk) bool replays a given keep mask; without one a fresh mask is drawn."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    out, lse = _attention_ref(
+        q, k, v, causal=causal, softmax_scale=scale, window_size=tuple(window_size), softcap=softcap,
+        alibi_slopes=_alibi_2d(alibi_slopes, q.shape[0], q.shape[2]), dropout_p=dropout_p, dropout_mask=dropout_mask,
+    )
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func_ref(
+    q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
+    softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+    dropout_mask=None, return_lse=False,
+):
+    """Reference for packed sequences: q (total_q, Hq, D). ``dropout_mask`` is (B, Hq, max_q, max_k) and
+    sequence b uses its top-left (len_q, len_k) corner, which is how the kernel indexes its RNG."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    nseq = cu_seqlens_q.numel() - 1
+    alibi = _alibi_2d(alibi_slopes, nseq, q.shape[1])
+    outs, lses = [], []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(nseq):
+        qb = q[cq[b]:cq[b + 1]].unsqueeze(0)
+        kb, vb = k[ck[b]:ck[b + 1]].unsqueeze(0), v[ck[b]:ck[b + 1]].unsqueeze(0)
+        mask = None
+        if dropout_mask is not None:
+            mask = dropout_mask[b:b + 1, :, : qb.shape[1], : kb.shape[1]]
+        o, lse = _attention_ref(
+            qb, kb, vb, causal=causal, softmax_scale=scale, window_size=tuple(window_size), softcap=softcap,
+            alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=dropout_p, dropout_mask=mask,
+        )
+        outs.append(o[0])
+        lses.append(lse[0])  # (Hq, len_q)
+    out = torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, dim=1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation (shared with attention_decode)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_qkv(op, q, k, v, q_dims):
+    if q.dim() != q_dims or k.dim() != q_dims or v.dim() != q_dims:
+        raise ValueError(f"{op}: q, k, v must be {q_dims}-D, got {q.dim()}, {k.dim()}, {v.dim()}-D")
+    if k.shape != v.shape:
+        raise ValueError(f"{op}: k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{op}: head dim of q ({q.shape[-1]}) != head dim of k ({k.shape[-1]})")
+    if q.shape[-2] % k.shape[-2] != 0:
+        raise ValueError(
+            f"{op}: number of q heads ({q.shape[-2]}) must be a multiple of the number of kv heads ({k.shape[-2]})"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{op}: q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def _check_common(op, *, window_size, softcap, dropout_p, alibi_slopes, batch, hq, device):
+    if len(window_size) != 2 or any(w < -1 for w in window_size):
+        raise ValueError(f"{op}: window_size must be (left, right) with -1 for unbounded, got {window_size}")
+    if softcap < 0:
+        raise ValueError(f"{op}: softcap must be >= 0, got {softcap}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p must be in [0, 1), got {dropout_p}")
+    if alibi_slopes is not None:
+        if alibi_slopes.shape not in ((hq,), (batch, hq)):
+            raise ValueError(
+                f"{op}: alibi_slopes must be ({hq},) or ({batch}, {hq}), got {tuple(alibi_slopes.shape)}"
+            )
+        if alibi_slopes.device != device:
+            raise ValueError(f"{op}: alibi_slopes is on {alibi_slopes.device}, q on {device}")
+
+
+def _triton_unsupported(q) -> str | None:
+    """Why our kernels cannot take q (None when they can)."""
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {q.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
+    if q.dtype not in TRITON_DTYPES:
+        return f"dtype {q.dtype} is not float16 or bfloat16"
+    return None
+
+
+def _check_cu_seqlens(op, name, cu, total, device):
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{op}: {name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{op}: {name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{op}: {name} is on {cu.device}, q on {device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{op}: {name}[0] must be 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"{op}: {name}[-1] = {values[-1]} != number of packed tokens {total}")
+    return max(b - a for a, b in zip(values, values[1:]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mm(a, b, acc, DOT_F32: tl.constexpr):
+    """a @ b (+ acc) in fp32. DOT_F32 upcasts the operands first: only for Triton's CPU interpreter, whose
+    bf16 tl.dot is wrong (triton 3.8); the values are bf16-exact either way, so the result is the same."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _key_range(m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, left, right):
+    """Key ranges for query rows [m0, m0 + BLOCK_M): masked [lo, full_lo), unmasked [full_lo, full_hi),
+    masked [full_hi, hi). Starts are multiples of BLOCK_N; only the masked ranges pay for the mask."""
+    off = len_k - len_q  # bottom-right alignment: row i sits at key position i + off
+    lo = tl.maximum(m0 + off - left, 0) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(m0 + BLOCK_M - 1 + off + right + 1, len_k)
+    hi = tl.maximum(hi, lo)
+    # The rows beyond len_q in the last block are never stored, so only real rows decide "unmasked".
+    last_row = tl.minimum(m0 + BLOCK_M, len_q) - 1
+    full_lo = tl.minimum(tl.maximum((tl.maximum(last_row + off - left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
+    full_hi = tl.minimum(m0 + off + right + 1, len_k) // BLOCK_N * BLOCK_N
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _scores(qk, rows, cols, len_q, len_k, left, right, scale_log2, softcap, slope_log2,
+            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr):
+    """Raw q.k products -> scores in log2 units, -inf where invisible. ``rows``/``cols`` are the query and key
+    indices broadcast to qk's layout (either orientation). Also returns tanh(s / softcap), which the
+    backward's chain rule needs (qk itself when there is no softcap)."""
+    if SOFTCAP:
+        # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for any x, and tl has no tanh that the interpreter runs.
+        t = 1.0 - 2.0 / (tl.exp(2.0 * qk * (scale_log2 * LN2 / softcap)) + 1.0)
+        s = t * (softcap * LOG2E)
+    else:
+        t = qk
+        s = qk * scale_log2
+    if ALIBI:
+        dist = tl.abs(rows + (len_k - len_q) - cols).to(tl.float32)
+        s = s - slope_log2 * dist
+    if MASK:
+        diag = rows + (len_k - len_q)
+        visible = (cols < len_k) & (cols >= diag - left) & (cols <= diag + right)
+        s = tl.where(visible, s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def _keep(seed, rows, cols, max_k, dropout_p):
+    """Philox keep mask for one (batch, head) at query rows x key cols (broadcast 2-D): True = kept."""
+    return tl.rand(seed, rows * max_k + cols) >= dropout_p
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi,
+               len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    d_mask = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = d_mask[None, :]
+        if MASK:
+            kv_mask = kv_mask & (offs_n[:, None] < len_k)
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+        qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
+        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap,
+                       slope_log2, SOFTCAP, ALIBI, MASK)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # row sees nothing yet: keep exp2 finite
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            p = tl.where(_keep(seed, offs_m[:, None], offs_n[None, :], max_k, dropout_p), p, 0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = _mm(p.to(v.dtype), v, acc, DOT_F32)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    if VARLEN:
+        q_start = tl.load(CuQ + b)
+        len_q = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        len_k = tl.load(CuK + b + 1) - k_start
+    else:
+        q_start = 0
+        len_q = seqlen_q
+        k_start = 0
+        len_k = seqlen_k
+    return q_start, len_q, k_start, len_k
+
+
+def _fwd_configs():
+    if triton_interpreter_enabled():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune_fwd(configs, named_args, **kwargs):
+    # Shared memory: large head dims need small tiles; tiny sequences don't need 128-row tiles.
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    keep = [c for c in configs if bd <= 128 or c.kwargs["BLOCK_N"] <= 64]
+    if bd > 128:
+        keep = [c for c in keep if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64 and c.num_stages <= 2] or keep[-1:]
+    return keep or configs[-1:]
+
+
+@triton.autotune(configs=_fwd_configs(), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
+                 prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE, CuQ, CuK, Alibi,
+    scale_log2, softcap, dropout_p, seed,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, n_heads, group, left, right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= len_q:
+        return
+    b64 = b.to(tl.int64)
+    hk = h // group
+    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=(offs_m[:, None] < len_q) & d_mask[None, :], other=0.0)
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * LOG2E
+    seed_bh = seed + b * n_heads + h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL_OR_LOCAL:
+        lo, full_lo, full_hi, hi = _key_range(m0, BLOCK_M, BLOCK_N, len_q, len_k, left, right)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = len_k // BLOCK_N * BLOCK_N
+        hi = len_k
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
+                               len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
+                               len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
+                               len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if DROPOUT:
+        out = out * (1.0 / (1.0 - dropout_p))
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    row_ok = offs_m < len_q
+    o_base = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _dropout_mask_kernel(M, seed, dropout_p, n_heads, max_q, max_k, BLOCK: tl.constexpr):
+    """keep[b, h, i, j] for all (i < max_q, j < max_k): the same Philox stream the attention kernels draw."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    for start_n in range(0, max_k, BLOCK):
+        offs_n = start_n + tl.arange(0, BLOCK)
+        keep = _keep(seed + b * n_heads + h, offs_m[:, None], offs_n[None, :], max_k, dropout_p)
+        ptrs = M + pid_bh.to(tl.int64) * max_q * max_k + offs_m[:, None] * max_k + offs_n[None, :]
+        tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < max_q) & (offs_n[None, :] < max_k))
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: int, max_k: int, dropout_p: float):
+    """(B, H, max_q, max_k) bool: the keep mask the Triton kernels used for ``rng_state`` (as returned by the
+    ``attn_fwd`` op). Runs a Triton kernel, so it needs CUDA or the interpreter. For the reference's replay."""
+    mask = torch.empty(batch, n_heads, max_q, max_k, dtype=torch.int8, device=rng_state.device)
+    block = 16 if triton_interpreter_enabled() else 64
+    seed = int(rng_state[0].item())
+    _dropout_mask_kernel[(triton.cdiv(max_q, block), batch * n_heads)](mask, seed, dropout_p, n_heads, max_q, max_k, BLOCK=block)
+    return mask.bool()
+
+
+# ---- backward -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_preprocess_kernel(O, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
+                           stride_lb, stride_lh, seqlen_q, n_heads,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[b, h, i] = sum_d dO * O, the row term of the softmax gradient."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    q_start, len_q, _, _ = _seq_bounds(CuQ, CuQ, b, seqlen_q, seqlen_q, VARLEN)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM)
+    b64 = b.to(tl.int64)
+    o = tl.load(O + b64 * stride_ob + (q_start + offs_m[:, None]).to(tl.int64) * stride_os + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < len_q)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d, lo, hi,
+                    len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    d_mask = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < len_q
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # empty rows: p = 0
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        # Work on the transposed tile (keys x rows) so dK, dV accumulate without a transpose.
+        qkT = _mm(k, tl.trans(q), None, DOT_F32)  # (N, M)
+        sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], len_q, len_k, left, right, scale_log2, softcap,
+                         slope_log2, SOFTCAP, ALIBI, MASK)
+        pT = tl.math.exp2(sT - lse[None, :])  # (N, M)
+        dpT = _mm(v, tl.trans(do), None, DOT_F32)  # (N, M)
+        if DROPOUT:
+            keepT = _keep(seed, offs_m[None, :], offs_n[:, None], max_k, dropout_p)
+            inv = 1.0 / (1.0 - dropout_p)
+            dv = _mm(tl.where(keepT, pT * inv, 0.0).to(do.dtype), do, dv, DOT_F32)
+            dpT = tl.where(keepT, dpT * inv, 0.0)
+        else:
+            dv = _mm(pT.to(do.dtype), do, dv, DOT_F32)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dk = _mm(dsT.to(q.dtype), q, dk, DOT_F32)
+    return dk, dv
+
+
+@triton.jit
+def _q_range(n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, left, right, KEYS_PARTIAL):
+    """Query-row ranges that see keys [n0, n0 + BLOCK_N): masked [lo, full_lo), unmasked, masked [full_hi, hi)."""
+    off = len_k - len_q
+    lo = tl.maximum(n0 - off - right, 0) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(n0 + BLOCK_N - 1 - off + left + 1, len_q)
+    hi = tl.maximum(hi, lo)
+    full_lo = (tl.maximum(n0 + BLOCK_N - 1 - off - right, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(n0 - off + left + 1, len_q) // BLOCK_M * BLOCK_M
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    if KEYS_PARTIAL:  # the key bound needs the mask on every row block
+        full_lo = hi
+        full_hi = hi
+    return lo, full_lo, full_hi, hi
+
+
+def _bwd_configs(kind):
+    if triton_interpreter_enabled():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    if kind == "dkdv":
+        shapes = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2)]
+    else:
+        shapes = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _prune_bwd(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    if bd <= 128:
+        return configs
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 and c.num_stages <= 2]
+    return keep or configs[-1:]
+
+
+@triton.autotune(configs=_bwd_configs("dkdv"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
+                 prune_configs_by={"early_config_prune": _prune_bwd})
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, Delta, CuQ, CuK, Alibi,
+    scale_log2, softcap, dropout_p, seed,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, n_heads, group, left, right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (key block, batch, kv head); loops over the q heads of its GQA group, so the group's
+    dK/dV sum stays in registers (no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    n_kv_heads = n_heads // group
+    b = pid_bh // n_kv_heads
+    hk = pid_bh % n_kv_heads
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= len_k:
+        return
+    b64 = b.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    kv_mask = (offs_n[:, None] < len_k) & d_mask[None, :]
+    k = tl.load(K + b64 * stride_kb + (k_start + offs_n[:, None]).to(tl.int64) * stride_ks + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + (k_start + offs_n[:, None]).to(tl.int64) * stride_vs + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    keys_partial = n0 + BLOCK_N > len_k
+    if CAUSAL_OR_LOCAL:
+        lo, full_lo, full_hi, hi = _q_range(n0, BLOCK_M, BLOCK_N, len_q, len_k, left, right, keys_partial)
+    else:
+        lo = 0
+        hi = len_q
+        full_lo = 0
+        full_hi = len_q // BLOCK_M * BLOCK_M
+        if keys_partial:
+            full_hi = 0
+    for g in range(0, group):
+        h = hk * group + g
+        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+        do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_ds + h * stride_dh
+        lse_base = LSE + b64 * stride_lb + h * stride_lh + q_start
+        delta_base = Delta + b64 * stride_lb + h * stride_lh + q_start
+        slope_log2 = 0.0
+        if ALIBI:
+            slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * LOG2E
+        seed_bh = seed + b * n_heads + h
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
+                                 lo, full_lo, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
+                                 seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
+                                 full_lo, full_hi, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
+                                 seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
+                                 full_hi, hi, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
+                                 seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+    # scores were scaled by softmax_scale before the softmax; dK picks that factor up here.
+    dk = dk * (scale_log2 * LN2)
+    out_mask = (offs_n[:, None] < len_k) & d_mask[None, :]
+    tl.store(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi,
+                  len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    d_mask = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = d_mask[None, :]
+        if MASK:
+            kv_mask = kv_mask & (offs_n[:, None] < len_k)
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _mm(q, tl.trans(k), None, DOT_F32)
+        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap, slope_log2,
+                       SOFTCAP, ALIBI, MASK)
+        p = tl.math.exp2(s - lse[:, None])
+        dp = _mm(do, tl.trans(v), None, DOT_F32)
+        if DROPOUT:
+            keep = _keep(seed, offs_m[:, None], offs_n[None, :], max_k, dropout_p)
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = _mm(ds.to(k.dtype), k, dq, DOT_F32)
+    return dq
+
+
+@triton.autotune(configs=_bwd_configs("dq"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
+                 prune_configs_by={"early_config_prune": _prune_bwd})
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, Delta, CuQ, CuK, Alibi,
+    scale_log2, softcap, dropout_p, seed,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
+    seqlen_q, seqlen_k, n_heads, group, left, right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= len_q:
+        return
+    b64 = b.to(tl.int64)
+    hk = h // group
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < len_q
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
+    lse = tl.load(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    delta = tl.load(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * LOG2E
+    seed_bh = seed + b * n_heads + h
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if CAUSAL_OR_LOCAL:
+        lo, full_lo, full_hi, hi = _key_range(m0, BLOCK_M, BLOCK_N, len_q, len_k, left, right)
+    else:
+        lo = 0
+        full_lo = 0
+        full_hi = len_k // BLOCK_N * BLOCK_N
+        hi = len_k
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo, len_q, len_k,
+                       left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi, len_q, len_k,
+                       left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi, len_q, len_k,
+                       left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
+                       HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+    dq = dq * (scale_log2 * LN2)
+    tl.store(DQ + b64 * stride_dqb + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqs + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers. Internally every input is 4-D: varlen tensors (total, H, D) are viewed as (1, total, H, D) and
+# the kernels find each sequence through cu_seqlens.
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _dot_f32(q):
+    return triton_interpreter_enabled() and q.dtype == torch.bfloat16
+
+
+def _as4d(x):
+    return x.unsqueeze(0) if x.dim() == 3 else x
+
+
+def _lse_layout(q4, varlen, nseq, max_q):
+    """LSE tensor and its (batch, head) strides: (B, Hq, Sq) or, for varlen, (Hq, total_q)."""
+    hq = q4.shape[2]
+    if varlen:
+        lse = torch.empty(hq, q4.shape[1], dtype=torch.float32, device=q4.device)
+        return lse, 0, lse.stride(0)
+    lse = torch.empty(q4.shape[0], hq, max_q, dtype=torch.float32, device=q4.device)
+    return lse, lse.stride(0), lse.stride(1)
+
+
+def _window_bounds(causal, wl, wr, max_q, max_k):
+    """Kernel window bounds: -1 (unbounded) becomes a bound no row can reach; causal sets right = 0."""
+    unbounded = max_q + max_k + 1
+    right = 0 if causal else (wr if wr >= 0 else unbounded)
+    left = wl if wl >= 0 else unbounded
+    local = causal or wl >= 0 or wr >= 0
+    return left, right, local
+
+
+def _launch_params(q, k, cu_q, alibi, nseq, max_q, max_k):
+    varlen = cu_q is not None
+    d = q.shape[-1]
+    dummy = q.new_empty(1, dtype=torch.int32)
+    alibi_t = alibi if alibi is not None else q.new_empty(1, dtype=torch.float32)
+    stride_ab = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
+    return varlen, d, triton.next_power_of_2(d), dummy, alibi_t, stride_ab
+
+
+def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
+    q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
+    nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
+    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, k4, cu_q, alibi, nseq, max_q, max_k)
+    hq, hkv = q4.shape[2], k4.shape[2]
+    out = torch.empty_like(q)
+    o4 = _as4d(out)
+    lse, slb, slh = _lse_layout(q4, varlen, nseq, max_q)
+    left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
+    seed = int(torch.randint(0, 2**30, (1,)).item()) if dropout_p > 0 else 0
+    rng_state = torch.tensor([seed, 0], dtype=torch.int64)
+    if q4.numel() and max_q > 0:
+        grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
+        _attn_fwd_kernel[grid](
+            q4, k4, v4, o4, lse, cu_q if varlen else dummy, cu_k if varlen else dummy, alibi_t,
+            scale * LOG2E, softcap, dropout_p, seed,
+            0 if varlen else q4.stride(0), q4.stride(1), q4.stride(2),
+            0 if varlen else k4.stride(0), k4.stride(1), k4.stride(2),
+            0 if varlen else v4.stride(0), v4.stride(1), v4.stride(2),
+            0 if varlen else o4.stride(0), o4.stride(1), o4.stride(2), slb, slh, stride_ab,
+            max_q, max_k, hq, hq // hkv, left, right,
+            HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
+            ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q),
+        )
+    return out, lse, rng_state
+
+
+def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p, rng_state):
+    q4, k4, v4, o4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(out), _as4d(do.contiguous())
+    nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
+    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, k4, cu_q, alibi, nseq, max_q, max_k)
+    hq, hkv = q4.shape[2], k4.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq4, dk4, dv4 = _as4d(dq), _as4d(dk), _as4d(dv)
+    delta = torch.empty_like(lse)
+    slb, slh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
+    seed = int(rng_state[0].item())
+    if max_q == 0 or q4.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    cu_q_t, cu_k_t = (cu_q, cu_k) if varlen else (dummy, dummy)
+    bstr = (lambda t: 0 if varlen else t.stride(0))  # noqa: E731
+    pre_block = 16 if triton_interpreter_enabled() else 64
+    _bwd_preprocess_kernel[(triton.cdiv(max_q, pre_block), nseq * hq)](
+        o4, do4, delta, cu_q_t, bstr(o4), o4.stride(1), o4.stride(2), bstr(do4), do4.stride(1), do4.stride(2),
+        slb, slh, max_q, hq, HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, BLOCK_M=pre_block,
+    )
+    common = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
+                  ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q))
+    if max_k > 0:
+        grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), nseq * hkv)  # noqa: E731
+        _attn_bwd_dkdv_kernel[grid_kv](
+            q4, k4, v4, do4, dk4, dv4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
+            bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
+            bstr(do4), do4.stride(1), do4.stride(2), bstr(dk4), dk4.stride(1), dk4.stride(2),
+            bstr(dv4), dv4.stride(1), dv4.stride(2), slb, slh, stride_ab,
+            max_q, max_k, hq, hq // hkv, left, right, **common,
+        )
+    grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
+    _attn_bwd_dq_kernel[grid_q](
+        q4, k4, v4, do4, dq4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
+        bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
+        bstr(do4), do4.stride(1), do4.stride(2), bstr(dq4), dq4.stride(1), dq4.stride(2), slb, slh, stride_ab,
+        max_q, max_k, hq, hq // hkv, left, right, **common,
+    )
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile, with fake implementations and autograd.
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_kernels::attn_fwd", mutates_args=())
+def _attn_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                          window_left, window_right, softcap, alibi_slopes, dropout_p)
+
+
+@_attn_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+      window_right, softcap, alibi_slopes, dropout_p):
+    hq = q.shape[-2]
+    if cu_seqlens_q is not None:
+        lse = q.new_empty(hq, q.shape[0], dtype=torch.float32)
+    else:
+        lse = q.new_empty(q.shape[0], hq, q.shape[1], dtype=torch.float32)
+    return torch.empty_like(q), lse, torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("flash_kernels::attn_bwd", mutates_args=())
+def _attn_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+    causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: torch.Tensor | None, dropout_p: float, rng_state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                          softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+
+
+@_attn_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_FWD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "causal", "softmax_scale",
+             "window_left", "window_right", "softcap", "alibi_slopes", "dropout_p")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_state, inputs[3], inputs[4], inputs[12])
+    ctx.args = inputs[5:12] + (inputs[13],)  # max_q, max_k, causal, scale, wl, wr, softcap, dropout_p
+
+
+def _backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_state, cu_q, cu_k, alibi = ctx.saved_tensors
+    max_q, max_k, causal, scale, wl, wr, softcap, dropout_p = ctx.args
+    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
+                              alibi, dropout_p, rng_state)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flash_kernels::attn_fwd", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _contiguous_last(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Attention over q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq)].
+
+    See the module docstring for masking, softcap, ALiBi and dropout semantics. ``deterministic`` is
+    accepted for FA2 compatibility; our backward has no atomics, so it is always deterministic.
+    """
+    op = "flash_attn_func"
+    _check_qkv(op, q, k, v, 4)
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{op}: batch of q ({q.shape[0]}) != batch of k/v ({k.shape[0]})")
+    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+                  batch=q.shape[0], hq=q.shape[2], device=q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
+        return flash_attn_func_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                   return_lse=return_lse)
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+    out, lse, _ = _attn_fwd_op(q, k, v, None, None, q.shape[1], k.shape[1], causal, float(scale),
+                               int(window_size[0]), int(window_size[1]), float(softcap), alibi, float(dropout_p))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Attention over packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); sequence b is rows
+    cu_seqlens[b]:cu_seqlens[b+1] (int32, length batch + 1, empty sequences allowed) -> (total_q, Hq, D)
+    [, lse (Hq, total_q)]."""
+    op = "flash_attn_varlen_func"
+    _check_qkv(op, q, k, v, 3)
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"{op}: cu_seqlens_q shape {tuple(cu_seqlens_q.shape)} != cu_seqlens_k shape {tuple(cu_seqlens_k.shape)}")
+    longest_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    longest_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if longest_q > max_seqlen_q or longest_k > max_seqlen_k:
+        raise ValueError(
+            f"{op}: max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) is smaller than the longest sequence "
+            f"({longest_q}, {longest_k})"
+        )
+    nseq = cu_seqlens_q.numel() - 1
+    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
+                  batch=nseq, hq=q.shape[1], device=q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
+        return flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                          causal=causal, softmax_scale=scale, window_size=window_size,
+                                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                          return_lse=return_lse)
+    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+    alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+    out, lse, _ = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+                               float(scale), int(window_size[0]), int(window_size[1]), float(softcap), alibi,
+                               float(dropout_p))
+    return (out, lse) if return_lse else out
