@@ -3,14 +3,25 @@
 One pass computes, per row:  h = dropout(x * rowscale) + residual;  y = norm(h) * weight + bias.
 With ``prenorm=True`` the new residual stream ``h`` is returned too, which is what pre-norm blocks need:
 the block contract ``(hidden, residual)`` from DESIGN.md maps straight onto this op.
+The dual variants (``layer_norm_dual``, ``rms_norm_dual``) normalize ``h`` once and apply two weight/bias sets,
+for parallel-residual blocks (GPT-J, GPT-NeoX) whose attention and MLP branches read differently-normed copies.
+
+Dropout in the kernels draws a Philox mask from a seed kept on the device; the backward regenerates the mask
+from that seed rather than storing it. ``return_dropout_mask=True`` also returns the mask, so the reference
+can replay it exactly.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_utils import as_rows, dropout_seed, next_power_of_2, num_programs, placeholder, warps_for_block
 
 
 def layer_norm_ref(
@@ -61,20 +72,527 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return layer_norm_ref(x, weight, bias, is_rms_norm=True, **kwargs)
 
 
-def _norm(
-    x, weight, bias, *, is_rms_norm, residual, eps, dropout_p, rowscale, prenorm, residual_in_fp32,
-    zero_centered_weight, out_dtype, backend, op,
+
+
+def layer_norm_dual_ref(
+    x: torch.Tensor,
+    weight0: torch.Tensor,
+    bias0: torch.Tensor | None,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    dropout_mask: torch.Tensor | None = None,
+    prenorm: bool = False,
+    **kwargs,
 ):
+    """Reference for the dual norm: the same ``h`` (one dropout mask) normalized with two weight/bias sets."""
+    if dropout_p > 0.0 and dropout_mask is None:
+        dropout_mask = torch.rand(x.shape, device=x.device) >= dropout_p
+    common = dict(dropout_p=dropout_p, dropout_mask=dropout_mask, **kwargs)
+    out0 = layer_norm_ref(x, weight0, bias0, prenorm=prenorm, **common)
+    y1 = layer_norm_ref(x, weight1, bias1, prenorm=False, **common)
+    if prenorm:
+        y0, residual_out = out0
+        return y0, y1, residual_out
+    return out0, y1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+# Rows up to these widths are held whole in registers (one read of the inputs); wider rows loop over blocks of
+# _LOOP_BLOCK, recomputing h from the inputs on each pass. The backward also keeps weight-gradient partials in
+# registers, so its single-block limit is lower. Module-level so tests can shrink them to reach the loop path.
+_MAX_FUSED_FWD = 16384
+_MAX_FUSED_BWD = 8192
+_LOOP_BLOCK = 4096
+MAX_WIDTH = 65536
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _keep_mask(seed, row, cols, N, p):
+    """Philox keep mask for one block of one row; the same (seed, row, col) always gives the same bit."""
+    return tl.rand(seed, (row * N + cols).to(tl.int32)) >= p
+
+
+@triton.jit
+def _residual_stream(
+    X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
+    HAS_RES: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    """h = dropout(x * rowscale) + residual for one block of one row, in float32."""
+    h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROWSCALE:
+        h = h * tl.load(ROWSCALE + row).to(tl.float32)
+    if HAS_DROPOUT:
+        h = tl.where(_keep_mask(seed, row, cols, N, p), h / (1.0 - p), 0.0)
+    if HAS_RES:
+        h = h + tl.load(RES + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    y = xhat * w
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X, RES, ROWSCALE, SEED, W, B, W1, B1, Y, Y1, RES_OUT, MASK_OUT, MEAN, RSTD,
+    stride_x, stride_res, stride_y, stride_y1, stride_res_out, N, eps, p,
+    IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, STORE_RES: tl.constexpr,
+    STORE_MASK: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    if SINGLE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
+                             HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+        if STORE_RES:
+            tl.store(RES_OUT + row * stride_res_out + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
+        if STORE_MASK:
+            tl.store(MASK_OUT + row * N + cols, _keep_mask(seed, row, cols, N, p).to(tl.uint8), mask=mask)
+        mean = 0.0
+        if not IS_RMS:
+            mean = tl.sum(h, axis=0) / N
+        d = tl.where(mask, h - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(d * d, axis=0) / N + eps)
+        xhat = d * rstd
+        _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B, ZERO_CENTERED)
+        if HAS_W1:
+            _store_affine(Y1, W1, B1, row, stride_y1, cols, mask, xhat, HAS_B1, ZERO_CENTERED)
+    else:
+        # Wide rows: pass 1 the mean (LayerNorm only), pass 2 the variance (and the stores of h and the
+        # mask), pass 3 the output. Two-pass variance keeps float32 accuracy on rows of 64k.
+        mean = 0.0
+        if not IS_RMS:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                acc += _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
+                                        HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+            mean = tl.sum(acc, axis=0) / N
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
+                                 HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+            if STORE_RES:
+                tl.store(RES_OUT + row * stride_res_out + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
+            if STORE_MASK:
+                tl.store(MASK_OUT + row * N + cols, _keep_mask(seed, row, cols, N, p).to(tl.uint8), mask=mask)
+            d = tl.where(mask, h - mean, 0.0)
+            acc2 += d * d
+        rstd = tl.rsqrt(tl.sum(acc2, axis=0) / N + eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
+                                 HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+            xhat = tl.where(mask, h - mean, 0.0) * rstd
+            _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B, ZERO_CENTERED)
+            if HAS_W1:
+                _store_affine(Y1, W1, B1, row, stride_y1, cols, mask, xhat, HAS_B1, ZERO_CENTERED)
+    if not IS_RMS:
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _load_weight(W, cols, mask, ZERO_CENTERED: tl.constexpr):
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = tl.where(mask, w + 1.0, 0.0)
+    return w
+
+
+@triton.jit
+def _bwd_block_terms(
+    H, W, W1, DY, DY1, row, cols, mask, mean, rstd, stride_h, stride_dy, stride_dy1,
+    HAS_W1: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+):
+    """xhat, dy, dy1 and w * dy (+ w1 * dy1) for one block of one row, in float32."""
+    h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    xhat = tl.where(mask, (h - mean) * rstd, 0.0)
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    wdy = _load_weight(W, cols, mask, ZERO_CENTERED) * dy
+    dy1 = dy
+    if HAS_W1:
+        dy1 = tl.load(DY1 + row * stride_dy1 + cols, mask=mask, other=0.0).to(tl.float32)
+        wdy += _load_weight(W1, cols, mask, ZERO_CENTERED) * dy1
+    return xhat, dy, dy1, wdy
+
+
+@triton.jit
+def _bwd_store_dx(
+    DX, DRES, DRES_OUT, ROWSCALE, seed, row, cols, mask, N, p, dh, stride_dx, stride_dres, stride_dres_out,
+    HAS_DRES_OUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+):
+    """Route dh (the gradient of h) to the residual input and, through dropout and rowscale, to x."""
+    if HAS_DRES_OUT:
+        dh += tl.load(DRES_OUT + row * stride_dres_out + cols, mask=mask, other=0.0).to(tl.float32)
+    if STORE_DRES:
+        tl.store(DRES + row * stride_dres + cols, dh.to(DRES.dtype.element_ty), mask=mask)
+    dx = dh
+    if HAS_DROPOUT:
+        dx = tl.where(_keep_mask(seed, row, cols, N, p), dx / (1.0 - p), 0.0)
+    if HAS_ROWSCALE:
+        dx = dx * tl.load(ROWSCALE + row).to(tl.float32)
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    H, W, W1, DY, DY1, DRES_OUT, MEAN, RSTD, ROWSCALE, SEED, DX, DRES, DW, DB, DW1, DB1,
+    stride_h, stride_dy, stride_dy1, stride_dres_out, stride_dx, stride_dres, M, N, rows_per_program, p,
+    IS_RMS: tl.constexpr, HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr,
+    HAS_DRES_OUT: tl.constexpr, STORE_DRES: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+):
+    # Each program owns a contiguous run of rows and one row of the (programs, N) weight-gradient partials,
+    # which the launcher sums: no atomics, and a deterministic result.
+    pid = tl.program_id(0)
+    row_start = pid.to(tl.int64) * rows_per_program
+    n_rows = tl.minimum(rows_per_program, M - row_start)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    partial = pid.to(tl.int64) * N
+    if SINGLE_BLOCK:
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dw1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(0, n_rows):
+            row = row_start + i
+            mean = 0.0
+            if not IS_RMS:
+                mean = tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            xhat, dy, dy1, wdy = _bwd_block_terms(H, W, W1, DY, DY1, row, cols, mask, mean, rstd, stride_h,
+                                                  stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+            dw += dy * xhat
+            db += dy
+            if HAS_W1:
+                dw1 += dy1 * xhat
+                db1 += dy1
+            c1 = tl.sum(xhat * wdy, axis=0) / N
+            if IS_RMS:
+                dh = (wdy - xhat * c1) * rstd
+            else:
+                c2 = tl.sum(wdy, axis=0) / N
+                dh = (wdy - (xhat * c1 + c2)) * rstd
+            _bwd_store_dx(DX, DRES, DRES_OUT, ROWSCALE, seed, row, cols, mask, N, p, dh, stride_dx, stride_dres,
+                          stride_dres_out, HAS_DRES_OUT, STORE_DRES, HAS_ROWSCALE, HAS_DROPOUT)
+        tl.store(DW + partial + cols, dw, mask=mask)
+        if HAS_B:
+            tl.store(DB + partial + cols, db, mask=mask)
+        if HAS_W1:
+            tl.store(DW1 + partial + cols, dw1, mask=mask)
+            if HAS_B1:
+                tl.store(DB1 + partial + cols, db1, mask=mask)
+    else:
+        # Wide rows: pass 1 reduces the two row sums, pass 2 writes dx and adds into this program's partials
+        # (zero-initialised by the launcher) block by block.
+        for i in range(0, n_rows):
+            row = row_start + i
+            mean = 0.0
+            if not IS_RMS:
+                mean = tl.load(MEAN + row)
+            rstd = tl.load(RSTD + row)
+            acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                xhat, dy, dy1, wdy = _bwd_block_terms(H, W, W1, DY, DY1, row, cols, mask, mean, rstd, stride_h,
+                                                      stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+                acc1 += xhat * wdy
+                acc2 += wdy
+            c1 = tl.sum(acc1, axis=0) / N
+            c2 = tl.sum(acc2, axis=0) / N
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = cols < N
+                xhat, dy, dy1, wdy = _bwd_block_terms(H, W, W1, DY, DY1, row, cols, mask, mean, rstd, stride_h,
+                                                      stride_dy, stride_dy1, HAS_W1, ZERO_CENTERED)
+                if IS_RMS:
+                    dh = (wdy - xhat * c1) * rstd
+                else:
+                    dh = (wdy - (xhat * c1 + c2)) * rstd
+                _bwd_store_dx(DX, DRES, DRES_OUT, ROWSCALE, seed, row, cols, mask, N, p, dh, stride_dx,
+                              stride_dres, stride_dres_out, HAS_DRES_OUT, STORE_DRES, HAS_ROWSCALE, HAS_DROPOUT)
+                tl.store(DW + partial + cols, tl.load(DW + partial + cols, mask=mask) + dy * xhat, mask=mask)
+                if HAS_B:
+                    tl.store(DB + partial + cols, tl.load(DB + partial + cols, mask=mask) + dy, mask=mask)
+                if HAS_W1:
+                    tl.store(DW1 + partial + cols, tl.load(DW1 + partial + cols, mask=mask) + dy1 * xhat, mask=mask)
+                    if HAS_B1:
+                        tl.store(DB1 + partial + cols, tl.load(DB1 + partial + cols, mask=mask) + dy1, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _block(n: int, max_fused: int) -> tuple[int, bool]:
+    """(BLOCK_N, SINGLE_BLOCK) for a row of n elements."""
+    if next_power_of_2(n) <= max_fused:
+        return next_power_of_2(n), True
+    return min(_LOOP_BLOCK, next_power_of_2(max_fused)), False
+
+
+def _norm_fwd(
+    x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
+    residual_dtype, out_dtype, store_residual, store_mask,
+):
+    """x, residual: (M, N) with unit last stride. Returns y, y1, residual_out, mean, rstd, seed, mask."""
+    M, N = x.shape
+    dev = x.device
+    y = torch.empty((M, N), device=dev, dtype=out_dtype)
+    y1 = torch.empty((M, N), device=dev, dtype=out_dtype) if weight1 is not None else placeholder(dev, out_dtype)
+    res_out = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_residual else placeholder(dev, residual_dtype)
+    mean = torch.empty((M,), device=dev, dtype=torch.float32)
+    rstd = torch.empty((M,), device=dev, dtype=torch.float32)
+    seed = dropout_seed(dev) if dropout_p > 0.0 else placeholder(dev, torch.int64)
+    mask = torch.empty((M, N), device=dev, dtype=torch.uint8) if store_mask else placeholder(dev, torch.uint8)
+    block, single = _block(N, _MAX_FUSED_FWD)
+    _norm_fwd_kernel[(M,)](
+        x, residual, rowscale, seed, weight, bias, weight1, bias1, y, y1, res_out, mask, mean, rstd,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        y1.stride(0) if weight1 is not None else 0, res_out.stride(0) if store_residual else 0,
+        N, eps, dropout_p,
+        IS_RMS=is_rms_norm, HAS_RES=residual is not None, HAS_ROWSCALE=rowscale is not None,
+        HAS_DROPOUT=dropout_p > 0.0, HAS_B=bias is not None, HAS_W1=weight1 is not None,
+        HAS_B1=bias1 is not None, STORE_RES=store_residual, STORE_MASK=store_mask,
+        ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
+        num_warps=warps_for_block(block),
+    )
+    return y, y1, res_out, mean, rstd, seed, mask.view(torch.bool)
+
+
+def _norm_bwd(
+    h, dy, dy1, dres_out, weight, weight1, mean, rstd, rowscale, seed, dropout_p, is_rms_norm,
+    zero_centered_weight, has_bias, has_bias1, has_residual, x_dtype, residual_dtype,
+):
+    """Gradients of the fused norm. h is the saved residual stream (M, N). Returns dx, dres, dw, db, dw1, db1."""
+    M, N = h.shape
+    dev = h.device
+    programs = max(1, min(M, num_programs(dev)))
+    rows_per_program = triton.cdiv(M, programs)
+    programs = triton.cdiv(M, rows_per_program)
+    dx = torch.empty((M, N), device=dev, dtype=x_dtype)
+    # The residual gradient equals dh; it needs its own buffer only when dx differs from dh.
+    store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or residual_dtype != x_dtype)
+    dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else placeholder(dev, residual_dtype)
+
+    def partials(present: bool) -> torch.Tensor:
+        return torch.zeros((programs, N), device=dev, dtype=torch.float32) if present else placeholder(dev)
+
+    dw_p, db_p = partials(True), partials(has_bias)
+    dw1_p, db1_p = partials(weight1 is not None), partials(weight1 is not None and has_bias1)
+    block, single = _block(N, _MAX_FUSED_BWD)
+    _norm_bwd_kernel[(programs,)](
+        h, weight, weight1, dy, dy1, dres_out, mean, rstd, rowscale, seed, dx, dres, dw_p, db_p, dw1_p, db1_p,
+        h.stride(0), dy.stride(0), dy1.stride(0) if dy1 is not None else 0,
+        dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0) if store_dres else 0,
+        M, N, rows_per_program, dropout_p,
+        IS_RMS=is_rms_norm, HAS_B=has_bias, HAS_W1=weight1 is not None, HAS_B1=has_bias1,
+        HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_ROWSCALE=rowscale is not None,
+        HAS_DROPOUT=dropout_p > 0.0, ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
+        num_warps=warps_for_block(block),
+    )
+    if has_residual and not store_dres:
+        dres = dx
+    return dx, dres, dw_p.sum(0), db_p.sum(0), dw1_p.sum(0), db1_p.sum(0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library registration: opaque to torch.compile, with fake (shape) implementations and autograd
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_kernels::norm_fwd", mutates_args=())
+def _norm_fwd_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], weight1: Optional[torch.Tensor],
+    bias1: Optional[torch.Tensor], residual: Optional[torch.Tensor], rowscale: Optional[torch.Tensor], eps: float,
+    dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool, residual_dtype: torch.dtype,
+    out_dtype: torch.dtype, store_residual: bool, store_mask: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _norm_fwd(
+        x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
+        residual_dtype, out_dtype, store_residual, store_mask,
+    )
+
+
+@_norm_fwd_op.register_fake
+def _(x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
+      residual_dtype, out_dtype, store_residual, store_mask):
+    M, N = x.shape
+    dev = x.device
+
+    def full(present, dtype):
+        return x.new_empty((M, N), dtype=dtype) if present else placeholder(dev, dtype)
+
+    return (
+        full(True, out_dtype), full(weight1 is not None, out_dtype), full(store_residual, residual_dtype),
+        x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32),
+        x.new_empty((1,) if dropout_p > 0.0 else (0,), dtype=torch.int64), full(store_mask, torch.bool),
+    )
+
+
+@torch.library.custom_op("flash_kernels::norm_bwd", mutates_args=())
+def _norm_bwd_op(
+    h: torch.Tensor, dy: torch.Tensor, dy1: Optional[torch.Tensor], dres_out: Optional[torch.Tensor],
+    weight: torch.Tensor, weight1: Optional[torch.Tensor], mean: torch.Tensor, rstd: torch.Tensor,
+    rowscale: Optional[torch.Tensor], seed: torch.Tensor, dropout_p: float, is_rms_norm: bool,
+    zero_centered_weight: bool, has_bias: bool, has_bias1: bool, has_residual: bool, x_dtype: torch.dtype,
+    residual_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dres, dw, db, dw1, db1 = _norm_bwd(
+        h, dy, dy1, dres_out, weight, weight1, mean, rstd, rowscale, seed, dropout_p, is_rms_norm,
+        zero_centered_weight, has_bias, has_bias1, has_residual, x_dtype, residual_dtype,
+    )
+    # Custom-op outputs may not alias each other: hand back a copy where the residual gradient is dx itself.
+    return dx, (dres.clone() if dres is dx else dres), dw, db, dw1, db1
+
+
+@_norm_bwd_op.register_fake
+def _(h, dy, dy1, dres_out, weight, weight1, mean, rstd, rowscale, seed, dropout_p, is_rms_norm,
+      zero_centered_weight, has_bias, has_bias1, has_residual, x_dtype, residual_dtype):
+    M, N = h.shape
+    vec = lambda present: h.new_empty((N,) if present else (0,), dtype=torch.float32)  # noqa: E731
+    dres = h.new_empty((M, N) if has_residual else (0,), dtype=residual_dtype)
+    return (h.new_empty((M, N), dtype=x_dtype), dres, vec(True), vec(has_bias), vec(weight1 is not None),
+            vec(weight1 is not None and has_bias1))
+
+
+def _norm_setup_context(ctx, inputs, output):
+    (x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
+     residual_dtype, out_dtype, store_residual, store_mask) = inputs
+    _, _, res_out, mean, rstd, seed, _ = output
+    # The backward needs h: the stored residual stream, or x itself when nothing was added to it.
+    h = res_out if store_residual else x
+    ctx.save_for_backward(h, weight, weight1, rowscale, mean, rstd, seed)
+    ctx.args = dict(dropout_p=dropout_p, is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
+                    has_bias=bias is not None, has_bias1=bias1 is not None, has_residual=residual is not None,
+                    x_dtype=x.dtype, residual_dtype=residual.dtype if residual is not None else x.dtype)
+    ctx.param_dtypes = (weight.dtype, bias.dtype if bias is not None else None,
+                        weight1.dtype if weight1 is not None else None, bias1.dtype if bias1 is not None else None)
+    ctx.store_residual = store_residual
+
+
+def _norm_backward(ctx, dy, dy1, dres_out, _dmean, _drstd, _dseed, _dmask):
+    h, weight, weight1, rowscale, mean, rstd, seed = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros(h.shape, device=h.device, dtype=ctx.args["x_dtype"])
+    if weight1 is None:
+        dy1 = None
+    elif dy1 is None:
+        dy1 = torch.zeros_like(dy)
+    if not ctx.store_residual or (dres_out is not None and dres_out.numel() == 0):
+        dres_out = None
+    dx, dres, dw, db, dw1, db1 = _norm_bwd_op(h, as_rows(dy), None if dy1 is None else as_rows(dy1),
+                                              None if dres_out is None else as_rows(dres_out), weight, weight1,
+                                              mean, rstd, rowscale, seed, **ctx.args)
+    w_dt, b_dt, w1_dt, b1_dt = ctx.param_dtypes
+    cast = lambda g, dt: g.to(dt) if dt is not None else None  # noqa: E731
+    dres = dres if ctx.args["has_residual"] else None
+    return (dx, dw.to(w_dt), cast(db, b_dt), cast(dw1, w1_dt), cast(db1, b1_dt), dres,
+            None, None, None, None, None, None, None, None, None)
+
+
+_norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, weight, bias, weight1, bias1, residual, rowscale, dropout_p, op):
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"{op}: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"{op}: weight shape {tuple(weight.shape)} != normalized dim ({x.shape[-1]},)")
-    use_triton(backend, x, op=op, unsupported=f"no Triton {op} kernel is built yet")
-    return layer_norm_ref(
-        x, weight, bias, residual=residual, eps=eps, dropout_p=dropout_p, rowscale=rowscale, prenorm=prenorm,
-        residual_in_fp32=residual_in_fp32, zero_centered_weight=zero_centered_weight, out_dtype=out_dtype,
-        is_rms_norm=is_rms_norm,
+    for name, p in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1)):
+        if p is not None and p.shape != x.shape[-1:]:
+            raise ValueError(f"{op}: {name} shape {tuple(p.shape)} != normalized dim ({x.shape[-1]},)")
+    if rowscale is not None and rowscale.shape != x.shape[:-1]:
+        raise ValueError(f"{op}: rowscale shape {tuple(rowscale.shape)} != x.shape[:-1] {tuple(x.shape[:-1])}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{op}: dropout_p={dropout_p} must be in [0, 1)")
+
+
+def _unsupported(x: torch.Tensor, residual: torch.Tensor | None) -> str | None:
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (supported: float32, float16, bfloat16)"
+    if residual is not None and residual.dtype not in _DTYPES:
+        return f"residual dtype {residual.dtype}"
+    if x.shape[-1] > MAX_WIDTH:
+        return f"row width {x.shape[-1]} > {MAX_WIDTH}"
+    if x.numel() == 0:
+        return "an empty input"
+    return None
+
+
+def _norm(
+    x, weight, bias, weight1, bias1, *, is_rms_norm, residual, eps, dropout_p, rowscale, prenorm,
+    residual_in_fp32, zero_centered_weight, out_dtype, return_dropout_mask, backend, op,
+):
+    _check_inputs(x, weight, bias, weight1, bias1, residual, rowscale, dropout_p, op)
+    dual = weight1 is not None
+    if not use_triton(backend, x, op=op, unsupported=_unsupported(x, residual)):
+        mask = torch.rand(x.shape, device=x.device) >= dropout_p if dropout_p > 0.0 else None
+        common = dict(residual=residual, eps=eps, dropout_p=dropout_p, dropout_mask=mask, rowscale=rowscale,
+                      prenorm=prenorm, residual_in_fp32=residual_in_fp32, zero_centered_weight=zero_centered_weight,
+                      out_dtype=out_dtype, is_rms_norm=is_rms_norm)
+        out = layer_norm_dual_ref(x, weight, bias, weight1, bias1, **common) if dual else layer_norm_ref(x, weight, bias, **common)
+        out = out if isinstance(out, tuple) else (out,)
+        return (*out, mask) if return_dropout_mask else (out if len(out) > 1 else out[0])
+
+    shape = x.shape
+    residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
+    # h differs from x only when something is added to or scales it; only then is it stored (prenorm returns
+    # it, the backward reads it). Otherwise the residual output is x itself and the backward reads x.
+    store_residual = residual is not None or dropout_p > 0.0 or rowscale is not None
+    y, y1, res_out, _, _, _, mask = _norm_fwd_op(
+        as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual),
+        None if rowscale is None else rowscale.reshape(-1), float(eps), float(dropout_p), is_rms_norm,
+        zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
+        return_dropout_mask and dropout_p > 0.0,
     )
+    out = [y.view(shape)] + ([y1.view(shape)] if dual else [])
+    if prenorm:
+        out.append(res_out.view(shape) if store_residual else x.to(residual_dtype))
+    if return_dropout_mask:
+        out.append(mask.view(shape) if dropout_p > 0.0 else None)
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+_NORM_DOC = """{what} over the last dim, fused with dropout, row scaling and residual add (see the module docstring).
+
+    Returns ``y``{dual}; with ``prenorm=True`` also the new residual stream ``h`` (float32 when
+    ``residual_in_fp32``); with ``return_dropout_mask=True`` also the boolean keep mask (None without dropout).
+    Gradients flow to x, residual, the weights and biases (not to rowscale).
+    """
 
 
 def layer_norm(
@@ -90,13 +608,14 @@ def layer_norm(
     residual_in_fp32: bool = False,
     zero_centered_weight: bool = False,
     out_dtype: torch.dtype | None = None,
+    return_dropout_mask: bool = False,
     backend: str | None = None,
 ):
-    """LayerNorm over the last dim, fused with dropout and residual add (see the module docstring)."""
     return _norm(
-        x, weight, bias, is_rms_norm=False, residual=residual, eps=eps, dropout_p=dropout_p, rowscale=rowscale,
-        prenorm=prenorm, residual_in_fp32=residual_in_fp32, zero_centered_weight=zero_centered_weight,
-        out_dtype=out_dtype, backend=backend, op="layer_norm",
+        x, weight, bias, None, None, is_rms_norm=False, residual=residual, eps=eps, dropout_p=dropout_p,
+        rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+        zero_centered_weight=zero_centered_weight, out_dtype=out_dtype, return_dropout_mask=return_dropout_mask,
+        backend=backend, op="layer_norm",
     )
 
 
@@ -113,11 +632,71 @@ def rms_norm(
     residual_in_fp32: bool = False,
     zero_centered_weight: bool = False,
     out_dtype: torch.dtype | None = None,
+    return_dropout_mask: bool = False,
     backend: str | None = None,
 ):
-    """RMSNorm over the last dim, fused with dropout and residual add (see the module docstring)."""
     return _norm(
-        x, weight, bias, is_rms_norm=True, residual=residual, eps=eps, dropout_p=dropout_p, rowscale=rowscale,
-        prenorm=prenorm, residual_in_fp32=residual_in_fp32, zero_centered_weight=zero_centered_weight,
-        out_dtype=out_dtype, backend=backend, op="rms_norm",
+        x, weight, bias, None, None, is_rms_norm=True, residual=residual, eps=eps, dropout_p=dropout_p,
+        rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+        zero_centered_weight=zero_centered_weight, out_dtype=out_dtype, return_dropout_mask=return_dropout_mask,
+        backend=backend, op="rms_norm",
     )
+
+
+def layer_norm_dual(
+    x: torch.Tensor,
+    weight0: torch.Tensor,
+    bias0: torch.Tensor | None,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    dropout_p: float = 0.0,
+    rowscale: torch.Tensor | None = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    zero_centered_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
+    return_dropout_mask: bool = False,
+    is_rms_norm: bool = False,
+    backend: str | None = None,
+):
+    return _norm(
+        x, weight0, bias0, weight1, bias1, is_rms_norm=is_rms_norm, residual=residual, eps=eps,
+        dropout_p=dropout_p, rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+        zero_centered_weight=zero_centered_weight, out_dtype=out_dtype, return_dropout_mask=return_dropout_mask,
+        backend=backend, op="layer_norm_dual",
+    )
+
+
+def rms_norm_dual(
+    x: torch.Tensor,
+    weight0: torch.Tensor,
+    bias0: torch.Tensor | None,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    dropout_p: float = 0.0,
+    rowscale: torch.Tensor | None = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    zero_centered_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
+    return_dropout_mask: bool = False,
+    backend: str | None = None,
+):
+    return _norm(
+        x, weight0, bias0, weight1, bias1, is_rms_norm=True, residual=residual, eps=eps, dropout_p=dropout_p,
+        rowscale=rowscale, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+        zero_centered_weight=zero_centered_weight, out_dtype=out_dtype, return_dropout_mask=return_dropout_mask,
+        backend=backend, op="rms_norm_dual",
+    )
+
+
+layer_norm.__doc__ = _NORM_DOC.format(what="LayerNorm", dual="")
+rms_norm.__doc__ = _NORM_DOC.format(what="RMSNorm", dual="")
+layer_norm_dual.__doc__ = _NORM_DOC.format(what="LayerNorm (two weight/bias sets)", dual=", y1")
+rms_norm_dual.__doc__ = _NORM_DOC.format(what="RMSNorm (two weight/bias sets)", dual=", y1")

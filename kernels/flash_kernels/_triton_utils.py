@@ -1,0 +1,41 @@
+"""Small helpers shared by the Triton op files: launch geometry, row views and custom-op placeholders."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+
+def next_power_of_2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def warps_for_block(block: int, *, elems_per_thread: int = 8, max_warps: int = 16) -> int:
+    """Warps for a 1-D tile of ``block`` elements: enough threads that each holds a few elements."""
+    return max(1, min(max_warps, block // (32 * elems_per_thread)))
+
+
+def num_programs(device: torch.device, per_sm: int = 4) -> int:
+    """Programs for a persistent-style grid: a few per SM on CUDA, a handful under the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+    return 4
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x viewed as (rows, last dim) with a unit stride on the last dim (copying only when it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An empty tensor standing in for an absent custom-op output (custom ops cannot return None)."""
+    return torch.empty(0, device=device, dtype=dtype)
+
+
+def dropout_seed(device: torch.device) -> torch.Tensor:
+    """A fresh Philox seed drawn from torch's generator, kept on the device so that no host sync is needed.
+
+    Kernels load it from memory; the backward regenerates the same keep mask from it instead of storing it.
+    """
+    return torch.randint(0, 2**31 - 1, (1,), device=device, dtype=torch.int64)
