@@ -1,0 +1,327 @@
+"""Attention over a KV cache (decoding), as FlashAttention-2's ``flash_attn_with_kvcache``.
+
+The new keys/values (if given) are written into the cache in place at positions ``cache_seqlens[b] ...``;
+then the queries attend over the first ``cache_seqlens[b] + S_new`` cache entries, causal aligned
+bottom-right (the last query row sees the whole cache). ``cache_seqlens`` is the length *before* the append
+and is not modified; the caller advances it.
+
+The Triton path uses a split-KV ("flash-decoding") schedule: the cache is cut into chunks along its length,
+one program per (chunk, batch, kv head) computes a partial softmax over its chunk for all query rows of the
+kv head's GQA group at once (each K/V byte is read once), and a second kernel merges the partials by their
+log-sum-exp. With batch 1 and a long cache the chunks fill the GPU. A paged cache (``block_table``) is
+read through the table, row by row, so any page size works.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._backend import triton_interpreter_enabled, use_triton
+from .attention import LN2, _attention_ref, _check_common, _mm, _scores, _triton_unsupported, _window_bounds
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """Write k/v (B, S_new, Hkv, D) into the caches at positions cache_seqlens[b] + t, in place."""
+    if k is None:
+        return
+    bsz, s_new = k.shape[:2]
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)  # (B, S_new)
+    if block_table is None:
+        rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, s_new)
+        k_cache[rows, pos] = k.to(k_cache.dtype)
+        v_cache[rows, pos] = v.to(v_cache.dtype)
+    else:
+        page_size = k_cache.shape[1]
+        pages = block_table.long().gather(1, pos // page_size)  # (B, S_new)
+        k_cache[pages, pos % page_size] = k.to(k_cache.dtype)
+        v_cache[pages, pos % page_size] = v.to(v_cache.dtype)
+
+
+def _gather_cache(cache, b, length, block_table):
+    """(length, Hkv, D): the first ``length`` entries of batch row b's cache."""
+    if block_table is None:
+        return cache[b, :length]
+    page_size = cache.shape[1]
+    n_pages = -(-length // page_size)
+    pages = block_table[b, :n_pages].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+
+
+def flash_attn_with_kvcache_ref(
+    q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True, softmax_scale=None, window_size=(-1, -1),
+    softcap=0.0, block_table=None,
+):
+    """Plain PyTorch reference: appends k/v in place, then attends per batch row in float32."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    cache_seqlens = _seqlens_tensor(cache_seqlens, q)
+    _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    s_new = k.shape[1] if k is not None else 0
+    outs = []
+    for b, length in enumerate((cache_seqlens + s_new).tolist()):
+        kb = _gather_cache(k_cache, b, length, block_table)[None]  # (1, L, Hkv, D)
+        vb = _gather_cache(v_cache, b, length, block_table)[None]
+        o, _ = _attention_ref(q[b:b + 1], kb, vb, causal=causal, softmax_scale=scale, window_size=tuple(window_size),
+                              softcap=softcap, alibi_slopes=None, dropout_p=0.0, dropout_mask=None)
+        outs.append(o)
+    return torch.cat(outs, dim=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _decode_configs():
+    if triton_interpreter_enabled():
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 3))]
+
+
+@triton.autotune(configs=_decode_configs(), key=["n_kv_heads", "chunk", "BLOCK_M", "BLOCK_D", "PAGED"])
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Opart, Lpart, Seqlens, BlockTable, scale_log2, softcap,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
+    seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i."""
+    split = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    hk = pid_bh % n_kv_heads
+    b64 = b.to(tl.int64)
+    len_k = tl.load(Seqlens + b) + n_new
+    offs_r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_r < group * seqlen_q
+    g = offs_r // seqlen_q
+    i = offs_r % seqlen_q
+    h = hk * group + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (M, D)
+    # Keys any row may see, intersected with this split's chunk.
+    off = len_k - seqlen_q
+    lo = tl.maximum(split * chunk, tl.maximum(off - left, 0) // BLOCK_N * BLOCK_N)
+    hi = tl.minimum(tl.minimum((split + 1) * chunk, len_k), seqlen_q - 1 + off + right + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        if PAGED:
+            page = tl.load(BlockTable + b64 * stride_btb + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
+            k_rows = page * stride_kb + (offs_n % page_size) * stride_ks
+            v_rows = page * stride_vb + (offs_n % page_size) * stride_vs
+        else:
+            k_rows = b64 * stride_kb + offs_n.to(tl.int64) * stride_ks
+            v_rows = b64 * stride_vb + offs_n.to(tl.int64) * stride_vs
+        kv_mask = n_ok[:, None] & d_mask[None, :]
+        k = tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+        v = tl.load(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
+        s, _ = _scores(qk, i[:, None], offs_n[None, :], seqlen_q, len_k, left, right, scale_log2, softcap, 0.0,
+                       SOFTCAP, False, True)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], DOT_F32)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    part = split * stride_ps + b64 * stride_pb + h * stride_ph + i * stride_pq
+    tl.store(Opart + part[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_mask[None, :])
+    tl.store(Lpart + split * stride_lps + b64 * stride_lpb + h * stride_lph + i, lse2, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
+                           stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
+                           stride_ob, stride_os, stride_oh,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[b, i, h] = sum_s w_s * O_s with w_s = exp(lse_s) / sum exp(lse); all -inf (nothing seen) -> 0."""
+    pid = tl.program_id(0)
+    i = pid % seqlen_q
+    h = (pid // seqlen_q) % n_heads
+    b = (pid // seqlen_q // n_heads).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(Lpart + offs_s * stride_lps + b * stride_lpb + h * stride_lph + i, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # (S,)
+    denom = tl.sum(w, 0)
+    part = Opart + offs_s[:, None] * stride_ps + b * stride_pb + h * stride_ph + i * stride_pq + offs_d[None, :]
+    o = tl.load(part, mask=s_ok[:, None] & (w[:, None] > 0) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(O + b * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _split_plan(q, capacity, n_prog_other):
+    """(chunk, num_splits): enough chunks that (chunks x batch x kv heads) covers the GPU about twice, with
+    chunks of at least 256 keys so each program streams a useful amount of K/V."""
+    block_n = 16 if triton_interpreter_enabled() else 64
+    if q.device.type == "cuda":
+        target = 2 * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        splits = max(1, min(-(-target // n_prog_other), -(-capacity // 256)))
+    else:
+        splits = max(1, min(4, -(-capacity // 32)))  # the interpreter: a few splits so the merge is tested
+    chunk = -(-capacity // splits)
+    chunk = -(-chunk // block_n) * block_n
+    return chunk, -(-capacity // chunk), block_n
+
+
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr, softcap):
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    s_new = k.shape[1] if k is not None else 0
+    if k is not None:
+        if int((cache_seqlens.max() + s_new).item()) > capacity:
+            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + new tokens exceeds the cache capacity {capacity}")
+        _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    bsz, seqlen_q, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    if q.numel() == 0:
+        return out
+    chunk, num_splits, block_n = _split_plan(q, capacity, bsz * hkv)
+    rows = group * seqlen_q
+    block_m = 16 if triton_interpreter_enabled() else min(64, max(16, triton.next_power_of_2(rows)))
+    opart = torch.empty(num_splits, bsz, hq, seqlen_q, d, dtype=torch.float32, device=q.device)
+    lpart = torch.empty(num_splits, bsz, hq, seqlen_q, dtype=torch.float32, device=q.device)
+    left, right, _ = _window_bounds(causal, wl, wr, seqlen_q, capacity)
+    bd = triton.next_power_of_2(d)
+    table = block_table if paged else cache_seqlens
+    dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
+    _decode_split_kernel[(num_splits, bsz * hkv, triton.cdiv(rows, block_m))](
+        q, k_cache, v_cache, opart, lpart, cache_seqlens, table, scale * 1.4426950408889634, softcap,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
+        opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
+        seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
+    )
+    _decode_combine_kernel[(bsz * hq * seqlen_q,)](
+        opart, lpart, out, num_splits, hq, seqlen_q,
+        opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out
+
+
+@torch.library.custom_op("flash_kernels::attn_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+    k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool,
+    softmax_scale: float, window_left: int, window_right: int, softcap: float,
+) -> torch.Tensor:
+    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, softmax_scale,
+                         window_left, window_right, softcap)
+
+
+@_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, softmax_scale, window_left, window_right, softcap):
+    return torch.empty_like(q)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _seqlens_tensor(cache_seqlens, q):
+    if isinstance(cache_seqlens, int):
+        return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    return cache_seqlens
+
+
+def _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table):
+    if q.dim() != 4 or k_cache.dim() != 4:
+        raise ValueError(f"{op}: q (B, S, Hq, D) and k_cache must be 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache shape {tuple(k_cache.shape)} != v_cache shape {tuple(v_cache.shape)}")
+    bsz, _, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"{op}: head dim of q ({d}) != head dim of the cache ({k_cache.shape[3]})")
+    if hq % hkv:
+        raise ValueError(f"{op}: number of q heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"{op}: q and cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (bsz,):
+        raise ValueError(f"{op}: cache_seqlens must be int32 of shape ({bsz},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device or k_cache.device != q.device:
+        raise ValueError(f"{op}: q, caches and cache_seqlens must be on one device")
+    if (k is None) != (v is None):
+        raise ValueError(f"{op}: pass both k and v to append, or neither")
+    if k is not None:
+        if k.shape != v.shape or k.dim() != 4 or k.shape[0] != bsz or k.shape[2:] != (hkv, d):
+            raise ValueError(
+                f"{op}: k/v to append must both be ({bsz}, S_new, {hkv}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+    if block_table is None:
+        if k_cache.shape[0] != bsz:
+            raise ValueError(f"{op}: k_cache batch ({k_cache.shape[0]}) != q batch ({bsz})")
+    else:
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != bsz:
+            raise ValueError(
+                f"{op}: block_table must be int32 (B={bsz}, max_blocks), got {block_table.dtype} {tuple(block_table.shape)}"
+            )
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor | int,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    block_table: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Decode-time attention. q (B, S_q, Hq, D); k_cache/v_cache (B, S_cache, Hkv, D), or with
+    ``block_table`` (B, max_blocks) int32 a paged cache (num_blocks, block_size, Hkv, D). k/v (B, S_new, Hkv, D)
+    are appended at ``cache_seqlens`` (int32 (B,), the lengths before the append) in place. Returns
+    (B, S_q, Hq, D). No backward (as in FA2)."""
+    op = "flash_attn_with_kvcache"
+    cache_seqlens = _seqlens_tensor(cache_seqlens, q)
+    _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table)
+    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=0.0, alibi_slopes=None,
+                  batch=q.shape[0], hq=q.shape[2], device=q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
+        return flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v, causal=causal,
+                                           softmax_scale=scale, window_size=window_size, softcap=softcap,
+                                           block_table=block_table)
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{op}: the caches must be contiguous in the head dim (they are written in place)")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    return _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, float(scale),
+                       int(window_size[0]), int(window_size[1]), float(softcap))
