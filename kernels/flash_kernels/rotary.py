@@ -4,13 +4,21 @@
 scaling rules). Only the first ``rotary_dim`` channels of each head rotate; the rest pass through.
 Layouts: half-split (GPT-NeoX/LLaMA: channel i pairs with i + rotary_dim/2) or interleaved (GPT-J: channel
 2i pairs with 2i + 1).
+
+The Triton kernel runs one program per token (and block of heads): the token's cos/sin row is read once and
+reused by every head. Its backward is the same rotation by -sin.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import triton
+import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_utils import next_power_of_2
 
 
 def _positions_cos_sin(x, cos, sin, *, seqlen_offsets, position_ids, cu_seqlens):
@@ -59,6 +67,169 @@ def apply_rotary_ref(
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TILE = 4096  # heads x rotary-half elements per program
+
+
+@triton.jit
+def _rotary_kernel(
+    X, OUT, COS, SIN, POS, OFFSETS, offset, S, H, HALF, max_pos,
+    stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cos, stride_sin,
+    POS_MODE: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # POS_MODE 0: position = s + offset; 1: s + OFFSETS[b]; 2: POS[token] (position_ids or varlen positions).
+    token = tl.program_id(0).to(tl.int64)
+    b = token // S
+    s = token % S
+    if POS_MODE == 0:
+        pos = s + offset
+    elif POS_MODE == 1:
+        pos = s + tl.load(OFFSETS + b).to(tl.int64)
+    else:
+        pos = tl.load(POS + token).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    k = tl.arange(0, BLOCK_K)
+    k_mask = (k < HALF) & (pos < max_pos)
+    c = tl.load(COS + pos * stride_cos + k, mask=k_mask, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + pos * stride_sin + k, mask=k_mask, other=0.0).to(tl.float32)
+    if CONJ:
+        sn = -sn
+    if INTERLEAVED:
+        first, second = 2 * k, 2 * k + 1
+    else:
+        first, second = k, k + HALF
+    mask = (heads[:, None] < H) & (k[None, :] < HALF)
+    x_row = X + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh
+    o_row = OUT + b * stride_ob + s * stride_os + heads[:, None] * stride_oh
+    x1 = tl.load(x_row + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * c[None, :] - x2 * sn[None, :]
+    o2 = x1 * sn[None, :] + x2 * c[None, :]
+    tl.store(o_row + first[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(o_row + second[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj):
+    """Rotate x (B, S, H, D) into out (same shape; may be x). Only the rotary channels are written."""
+    B, S, H, _ = x.shape
+    half = cos.shape[-1]
+    block_k = next_power_of_2(half)
+    block_h = min(next_power_of_2(H), max(1, _TILE // block_k))
+    mode = 2 if positions is not None else (1 if offsets is not None else 0)
+    _rotary_kernel[(B * S, triton.cdiv(H, block_h))](
+        x, out, cos, sin, positions, offsets, offset, S, H, half, cos.shape[0],
+        *x.stride()[:3], *out.stride()[:3], cos.stride(0), sin.stride(0),
+        POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k,
+        num_warps=4 if block_h * block_k <= 2048 else 8,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library registration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_kernels::rotary", mutates_args=())
+def _rotary_op(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: Optional[torch.Tensor],
+    offsets: Optional[torch.Tensor], offset: int, interleaved: bool, conj: bool,
+) -> torch.Tensor:
+    out = torch.empty_like(x)
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+    _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj)
+    return out
+
+
+@_rotary_op.register_fake
+def _(x, cos, sin, positions, offsets, offset, interleaved, conj):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("flash_kernels::rotary_", mutates_args=("x",))
+def _rotary_inplace_op(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: Optional[torch.Tensor],
+    offsets: Optional[torch.Tensor], offset: int, interleaved: bool, conj: bool,
+) -> None:
+    _rotary_launch(x, x, cos, sin, positions, offsets, offset, interleaved, conj)
+
+
+def _rotary_setup_context(ctx, inputs, output):
+    x, cos, sin, positions, offsets, offset, interleaved, conj = inputs
+    ctx.save_for_backward(cos, sin, positions, offsets)
+    ctx.args = (offset, interleaved, not conj)
+
+
+def _rotary_backward(ctx, dy):
+    cos, sin, positions, offsets = ctx.saved_tensors
+    # The rotation is orthogonal: its transpose is the rotation by -sin.
+    dx = _rotary_op(dy.contiguous() if dy.stride(-1) != 1 else dy, cos, sin, positions, offsets, *ctx.args)
+    return dx, None, None, None, None, None, None, None
+
+
+_rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public function
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _unsupported(x: torch.Tensor, cos: torch.Tensor) -> str | None:
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (supported: float32, float16, bfloat16)"
+    if cos.dtype not in _DTYPES:
+        return f"cos/sin dtype {cos.dtype}"
+    if x.stride(-1) != 1:
+        return "a head dim that is not contiguous"
+    if x.numel() == 0:
+        return "an empty input"
+    return None
+
+
+def _token_positions(x, *, seqlen_offsets, position_ids, cu_seqlens):
+    """(positions per token or None, per-batch offsets or None, int offset) for the kernel's position modes."""
+    if position_ids is not None:
+        return position_ids.reshape(-1), None, 0
+    if cu_seqlens is not None:
+        total = x.shape[0]
+        lengths = cu_seqlens.diff()
+        pos = torch.arange(total, device=x.device) - torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
+        if isinstance(seqlen_offsets, torch.Tensor):
+            return pos + torch.repeat_interleave(seqlen_offsets, lengths, output_size=total), None, 0
+        return pos + seqlen_offsets, None, 0
+    if isinstance(seqlen_offsets, torch.Tensor):
+        return None, seqlen_offsets, 0
+    return None, None, int(seqlen_offsets)
+
+
+def _check_shapes(x, cos, sin, *, seqlen_offsets, position_ids, cu_seqlens):
+    rotary_dim = cos.shape[-1] * 2
+    if rotary_dim > x.shape[-1]:
+        raise ValueError(f"apply_rotary: rotary_dim {rotary_dim} exceeds head dim {x.shape[-1]}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"apply_rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
+    expected = 3 if cu_seqlens is not None else 4
+    if x.dim() != expected:
+        layout = "(total, H, D) with cu_seqlens" if cu_seqlens is not None else "(B, S, H, D)"
+        raise ValueError(f"apply_rotary: expected x of shape {layout}, got {tuple(x.shape)}")
+    if position_ids is not None and position_ids.shape != x.shape[:2]:
+        raise ValueError(f"apply_rotary: position_ids {tuple(position_ids.shape)} != (B, S) {tuple(x.shape[:2])}")
+    if position_ids is None and cu_seqlens is None and isinstance(seqlen_offsets, int):
+        if x.shape[1] + seqlen_offsets > cos.shape[0]:
+            raise ValueError(
+                f"apply_rotary: positions up to {x.shape[1] + seqlen_offsets} exceed the cos/sin table of "
+                f"{cos.shape[0]} positions; build a longer table"
+            )
+
+
 def apply_rotary(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -71,18 +242,25 @@ def apply_rotary(
     inplace: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Rotate the first ``2 * cos.shape[-1]`` channels of every head of x (see the module docstring)."""
-    rotary_dim = cos.shape[-1] * 2
-    if rotary_dim > x.shape[-1]:
-        raise ValueError(f"apply_rotary: rotary_dim {rotary_dim} exceeds head dim {x.shape[-1]}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"apply_rotary: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ in shape")
-    use_triton(backend, x, op="apply_rotary", unsupported="no Triton apply_rotary kernel is built yet")
-    out = apply_rotary_ref(
-        x, cos, sin, interleaved=interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-    )
-    if inplace:
-        x.copy_(out)
+    """Rotate the first ``2 * cos.shape[-1]`` channels of every head of x (see the module docstring).
+
+    x: (B, S, H, D), or (total, H, D) with ``cu_seqlens``. Positions: ``position_ids`` (B, S) if given, else
+    the index in the sequence plus ``seqlen_offsets`` (an int, or one per batch row). Gradients flow to x, not to
+    the cos/sin tables. ``inplace`` overwrites x; when x needs a gradient the rotation is computed out of place
+    and copied back, since autograd must keep its own copy anyway.
+    """
+    _check_shapes(x, cos, sin, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
+    if not use_triton(backend, x, op="apply_rotary", unsupported=_unsupported(x, cos)):
+        out = apply_rotary_ref(
+            x, cos, sin, interleaved=interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+        )
+        return x.copy_(out) if inplace else out
+    positions, offsets, offset = _token_positions(x, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
+    x4 = x.unsqueeze(0) if cu_seqlens is not None else x  # (B, S, H, D)
+    if inplace and not (torch.is_grad_enabled() and x.requires_grad):
+        _rotary_inplace_op(x4, cos, sin, positions, offsets, offset, interleaved, False)
         return x
-    return out
+    out = _rotary_op(x4, cos, sin, positions, offsets, offset, interleaved, False)
+    out = out.squeeze(0) if cu_seqlens is not None else out
+    return x.copy_(out) if inplace else out
