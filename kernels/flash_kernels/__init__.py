@@ -6,6 +6,8 @@ backend is chosen.
 
 from ._backend import BACKENDS, default_backend
 from .activations import gelu, geglu, swiglu
+from .attention import flash_attn_func, flash_attn_varlen_func
+from .attention_decode import flash_attn_with_kvcache
 from .cross_entropy import cross_entropy
 from .layer_norm import layer_norm, rms_norm
 from .rotary import apply_rotary
@@ -15,6 +17,9 @@ __all__ = [
     "apply_rotary",
     "cross_entropy",
     "default_backend",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "geglu",
     "gelu",
     "layer_norm",

@@ -1,11 +1,19 @@
-"""Gated and plain activations on the packed [gate; up] projection: SwiGLU, GeGLU, GELU (erf and tanh)."""
+"""Gated and plain activations on the packed [gate; up] projection: SwiGLU, GeGLU, GELU (erf and tanh).
+
+The Triton kernels are elementwise: the forward reads gate and up once and writes the product; the backward
+recomputes the activation from the saved input (no activation is stored) and writes d[gate; up] packed, so
+the gradient feeds the fused up-projection's backward as one tensor.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_utils import as_rows, next_power_of_2
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -35,21 +43,172 @@ def gelu_ref(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x.float(), approximate=approximate).to(x.dtype)
 
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BLOCK = 2048
+_KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+_SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+@triton.jit
+def _act_and_grad(g, KIND: tl.constexpr):
+    """(act(g), act'(g)) in float32. KIND 0: SiLU, 1: exact GELU (erf), 2: tanh-approximated GELU."""
+    if KIND == 0:
+        sig = 1.0 / (1.0 + tl.exp(-g))
+        a = g * sig
+        da = sig * (1.0 + g * (1.0 - sig))
+    elif KIND == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(g * 0.7071067811865476))
+        a = g * cdf
+        da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh, written with exp for portability
+        a = 0.5 * g * (1.0 + t)
+        da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+    return a, da
+
+
+@triton.jit
+def _blocks(F_OUT, BLOCK: tl.constexpr):
+    """(row, cols, mask) of this program in a 1-D grid over rows x column blocks (no grid-dim-1 limit)."""
+    n_col_blocks = tl.cdiv(F_OUT, BLOCK)
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, cols < F_OUT
+
+
+@triton.jit
+def _act_fwd_kernel(X, OUT, stride_x, stride_o, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+    row, cols, mask = _blocks(F_OUT, BLOCK)
+    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    out, _ = _act_and_grad(g, KIND)
+    if GATED:
+        out = out * tl.load(X + row * stride_x + F_OUT + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _act_bwd_kernel(
+    X, DY, DX, stride_x, stride_dy, stride_dx, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row, cols, mask = _blocks(F_OUT, BLOCK)
+    g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    a, da = _act_and_grad(g, KIND)
+    if GATED:
+        up = tl.load(X + row * stride_x + F_OUT + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + row * stride_dx + cols, (dy * up * da).to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + row * stride_dx + F_OUT + cols, (dy * a).to(DX.dtype.element_ty), mask=mask)
+    else:
+        tl.store(DX + row * stride_dx + cols, (dy * da).to(DX.dtype.element_ty), mask=mask)
+
+
+def _launch_grid(rows: int, f_out: int) -> tuple[tuple[int], int]:
+    block = min(_BLOCK, next_power_of_2(f_out))
+    return (rows * triton.cdiv(f_out, block),), block
+
+
+def _act_fwd(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
+    x2 = as_rows(x)
+    rows, width = x2.shape
+    f_out = width // 2 if gated else width
+    out = torch.empty((rows, f_out), device=x.device, dtype=x.dtype)
+    grid, block = _launch_grid(rows, f_out)
+    _act_fwd_kernel[grid](x2, out, x2.stride(0), out.stride(0), f_out, KIND=_KINDS[kind], GATED=gated, BLOCK=block,
+                          num_warps=4 if block <= 1024 else 8)
+    return out.view(*x.shape[:-1], f_out)
+
+
+def _act_bwd(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
+    x2, dy2 = as_rows(x), as_rows(dy)
+    rows, width = x2.shape
+    dx = torch.empty((rows, width), device=x.device, dtype=x.dtype)
+    grid, block = _launch_grid(rows, dy2.shape[1])
+    _act_bwd_kernel[grid](x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), dy2.shape[1], KIND=_KINDS[kind],
+                          GATED=gated, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return dx.view(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# torch.library registration
+# ----------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flash_kernels::activation_fwd", mutates_args=())
+def _act_fwd_op(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
+    return _act_fwd(x, kind, gated)
+
+
+@_act_fwd_op.register_fake
+def _(x, kind, gated):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2 if gated else x.shape[-1]))
+
+
+@torch.library.custom_op("flash_kernels::activation_bwd", mutates_args=())
+def _act_bwd_op(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
+    return _act_bwd(x, dy, kind, gated)
+
+
+@_act_bwd_op.register_fake
+def _(x, dy, kind, gated):
+    return torch.empty_like(x)
+
+
+def _act_setup_context(ctx, inputs, output):
+    x, kind, gated = inputs
+    ctx.save_for_backward(x)
+    ctx.kind, ctx.gated = kind, gated
+
+
+def _act_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _act_bwd_op(x, dy, ctx.kind, ctx.gated), None, None
+
+
+_act_fwd_op.register_autograd(_act_backward, setup_context=_act_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _unsupported(x: torch.Tensor) -> str | None:
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (supported: float32, float16, bfloat16)"
+    if x.numel() == 0:
+        return "an empty input"
+    return None
+
+
 def swiglu(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """silu(gate) * up, with gate_up = [gate; up] packed on the last dim. Returns half the last dim."""
-    use_triton(backend, gate_up, op="swiglu", unsupported="no Triton swiglu kernel is built yet")
-    return swiglu_ref(gate_up)
+    _split_gate_up(gate_up, "swiglu")
+    if not use_triton(backend, gate_up, op="swiglu", unsupported=_unsupported(gate_up)):
+        return swiglu_ref(gate_up)
+    return _act_fwd_op(gate_up, "silu", True)
 
 
 def geglu(gate_up: torch.Tensor, *, approximate: str = "tanh", backend: str | None = None) -> torch.Tensor:
     """gelu(gate) * up, with gate_up = [gate; up] packed on the last dim. Returns half the last dim."""
     _check_approximate(approximate)
-    use_triton(backend, gate_up, op="geglu", unsupported="no Triton geglu kernel is built yet")
-    return geglu_ref(gate_up, approximate=approximate)
+    _split_gate_up(gate_up, "geglu")
+    if not use_triton(backend, gate_up, op="geglu", unsupported=_unsupported(gate_up)):
+        return geglu_ref(gate_up, approximate=approximate)
+    return _act_fwd_op(gate_up, "gelu_tanh" if approximate == "tanh" else "gelu", True)
 
 
 def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = None) -> torch.Tensor:
     """GELU, exact (erf) or tanh-approximated ("gelu_new" in HF)."""
     _check_approximate(approximate)
-    use_triton(backend, x, op="gelu", unsupported="no Triton gelu kernel is built yet")
-    return gelu_ref(x, approximate=approximate)
+    if not use_triton(backend, x, op="gelu", unsupported=_unsupported(x)):
+        return gelu_ref(x, approximate=approximate)
+    return _act_fwd_op(x, "gelu_tanh" if approximate == "tanh" else "gelu", False)

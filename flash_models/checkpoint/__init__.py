@@ -1,0 +1,6 @@
+"""Loading and saving checkpoints: HF folders, the hub, GGUF; declarative key remapping."""
+
+from .loader import build_model, create_model, from_pretrained, save_pretrained
+from .remap import CheckpointKeyError
+
+__all__ = ["CheckpointKeyError", "build_model", "create_model", "from_pretrained", "save_pretrained"]

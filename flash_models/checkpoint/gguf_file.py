@@ -1,0 +1,133 @@
+"""GGUF files (llama.cpp): metadata -> an HF config, tensors dequantized -> an HF-named state dict.
+
+llama.cpp's converter permutes the rows of the Q and K projections (it pairs rotary channels as
+interleaved, where HF pairs them half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name -> HF (LLaMA layout) name.
+_LLAMA_NAMES = {
+    r"token_embd\.weight": "model.embed_tokens.weight",
+    r"output_norm\.weight": "model.norm.weight",
+    r"output\.weight": "lm_head.weight",
+    r"blk\.(\d+)\.attn_norm\.weight": "model.layers.{}.input_layernorm.weight",
+    r"blk\.(\d+)\.ffn_norm\.weight": "model.layers.{}.post_attention_layernorm.weight",
+    r"blk\.(\d+)\.attn_q\.weight": "model.layers.{}.self_attn.q_proj.weight",
+    r"blk\.(\d+)\.attn_k\.weight": "model.layers.{}.self_attn.k_proj.weight",
+    r"blk\.(\d+)\.attn_v\.weight": "model.layers.{}.self_attn.v_proj.weight",
+    r"blk\.(\d+)\.attn_output\.weight": "model.layers.{}.self_attn.o_proj.weight",
+    r"blk\.(\d+)\.ffn_gate\.weight": "model.layers.{}.mlp.gate_proj.weight",
+    r"blk\.(\d+)\.ffn_up\.weight": "model.layers.{}.mlp.up_proj.weight",
+    r"blk\.(\d+)\.ffn_down\.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+_IGNORED = (r"rope_freqs\.weight",)  # llama.cpp's precomputed Llama-3 frequencies; we compute our own
+
+
+def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF half-split row order -> llama.cpp's interleaved order (what its converter does)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's interleaved row order -> HF's half-split order; the inverse of ``permute_rotary``."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as err:
+        raise ValueError(f"cannot read {path}: not a valid GGUF file or truncated ({err})") from err
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def hf_config_dict(reader) -> dict:
+    """An HF config (as a dict for ``transformers.AutoConfig.for_model``) from GGUF metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+    a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    heads = int(a("attention.head_count"))
+    hidden = int(a("embedding_length"))
+    vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    rope = {"rope_type": "default", "rope_theta": float(a("rope.freq_base", 10000.0))}
+    scaling = a("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+        rope.update(rope_type=scaling, factor=float(a("rope.scaling.factor")))
+        if a("rope.scaling.original_context_length") is not None:
+            rope["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    return {
+        "model_type": "llama",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(a("feed_forward_length")),
+        "num_hidden_layers": int(a("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+        "head_dim": int(a("rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(a("context_length", 2048)),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_parameters": rope,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def _hf_name(name: str) -> str | None:
+    for pattern, template in _LLAMA_NAMES.items():
+        m = re.fullmatch(pattern, name)
+        if m:
+            return template.format(*m.groups())
+    if any(re.fullmatch(p, name) for p in _IGNORED):
+        return None
+    raise ValueError(f"GGUF tensor {name!r} has no HF counterpart known to flash-models")
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    import gguf
+
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
+
+
+def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a GGUF file: (HF config dict, HF-named float32 state dict with Q/K rows un-permuted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    reader = _reader(path)
+    config = hf_config_dict(reader)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    state = {}
+    for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", disable=len(reader.tensors) < 64, leave=False):
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            continue
+        weight = _dequantize(tensor)
+        if hf_name.endswith("q_proj.weight"):
+            weight = unpermute_rotary(weight, heads)
+        elif hf_name.endswith("k_proj.weight"):
+            weight = unpermute_rotary(weight, kv_heads)
+        state[hf_name] = weight
+    return config, state

@@ -1,0 +1,111 @@
+"""``from_pretrained``, ``save_pretrained`` and ``create_model``: HF layout in and out, through the registry."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+import transformers
+
+from .. import models as _families  # noqa: F401  (importing it registers every family)
+from ..registry import get_family, get_preset
+from .files import load_state_dict, write_model_dir
+from .gguf_file import load_gguf
+from .hub import is_gguf, resolve_gguf, resolve_model_dir
+from .remap import check_keys, hf_to_ours, ours_to_hf
+from .rules import rules_for
+
+log = logging.getLogger(__name__)
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype, None)
+        if not isinstance(value, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype (try 'float32', 'bfloat16', 'float16')")
+        return value
+    return dtype
+
+
+def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "auto", device="meta"):
+    """Our model for an HF config, on ``device`` (meta: no memory, for loading or inspecting)."""
+    family = get_family(hf_config.model_type)
+    config = family.config_cls.from_hf(hf_config)
+    with torch.device(device):
+        return family.model_cls(config, attn_impl=attn_impl, kernel_backend=kernel_backend)
+
+
+def _read_hf_config(directory: Path):
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json: not an HF model folder")
+    model_type = json.loads(config_path.read_text()).get("model_type")
+    get_family(model_type)  # our clear error for an unsupported type, before transformers' own
+    return transformers.AutoConfig.from_pretrained(directory)
+
+
+def from_pretrained(
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    attn_impl: str = "auto",
+    kernel_backend: str = "auto",
+    gguf_file: str | None = None,
+    revision: str | None = None,
+):
+    """Load a model from a hub repo id, a local HF folder, or a .gguf file, with HF's weights.
+
+    ``dtype`` defaults to float32 and ``device`` to the CPU. ``attn_impl`` picks the attention backend
+    ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops ("reference", "triton", "auto").
+    The model comes back in eval mode, as in transformers.
+    """
+    dtype, device = _dtype(dtype), torch.device(device or "cpu")
+    if is_gguf(name_or_path) or gguf_file is not None:
+        config_dict, hf_state = load_gguf(resolve_gguf(name_or_path, gguf_file=gguf_file, revision=revision))
+        model_type = config_dict.pop("model_type")
+        get_family(model_type)
+        hf_config = transformers.AutoConfig.for_model(model_type, **config_dict)
+    else:
+        directory = resolve_model_dir(name_or_path, revision=revision)
+        hf_config = _read_hf_config(directory)
+        hf_state = load_state_dict(directory)
+    model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
+    ruleset = rules_for(model.config)
+    check_keys(set(hf_state), set(ours_to_hf(model.state_dict(), ruleset)), ruleset)
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
+    _check_shapes(model, state)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.name_or_path = str(name_or_path)
+    return model.eval()
+
+
+def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [f"{k}: expected {expected[k]}, got {tuple(v.shape)}" for k, v in state.items() if expected.get(k) != tuple(v.shape)]
+    if wrong:
+        raise ValueError("checkpoint tensor shapes do not fit the config:\n  " + "\n  ".join(wrong[:20]))
+
+
+def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
+    """Write config.json and safetensors in HF's canonical layout (fused parameters split back), so that
+    ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per file."""
+    ruleset = rules_for(model.config)
+    hf_state = ours_to_hf(model.state_dict(), ruleset)
+    hf_config = model.config.to_hf()
+    hf_config.architectures = [type(model).__name__]
+    hf_config.dtype = model.dtype
+    write_model_dir(save_directory, hf_state, {"config.json": hf_config.to_json_string()}, max_shard_size=max_shard_size)
+
+
+def create_model(preset: str, *, dtype=None, device=None, attn_impl: str = "auto", kernel_backend: str = "auto", **overrides):
+    """A random-init model of a registered preset (``flash_models.list_models()``); keyword overrides change
+    HF config fields, e.g. ``create_model("gpt2", n_layer=2)``."""
+    spec = get_preset(preset)
+    hf_config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.hf_config, **overrides})
+    model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device or "cpu")
+    return model.to(dtype=_dtype(dtype))

@@ -1,0 +1,170 @@
+"""State-dict remapping as data: anchored templates plus small named transforms, each with an inverse.
+
+A ``Rule`` maps one of our keys to one or more HF keys, e.g. our fused ``blocks.{layer}.attn.qkv.weight``
+to HF's ``model.layers.{layer}.self_attn.{q,k,v}_proj.weight``. Templates are matched with ``re.fullmatch``
+after escaping, with ``{layer}`` (or any ``{name}``) standing for a number. Every checkpoint key must be
+claimed by a rule or an ignore pattern; anything else is an error that lists the keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+class CheckpointKeyError(ValueError):
+    """Checkpoint keys that do not fit the model: missing ones, unexpected ones, or both (listed)."""
+
+
+@dataclass(frozen=True)
+class Transform:
+    name: str
+    to_ours: Callable[[Tensors], torch.Tensor]
+    to_hf: Callable[[torch.Tensor], Tensors]
+
+
+IDENTITY = Transform("identity", lambda parts: parts[0], lambda t: [t])
+# HF's GPT-2 stores linear weights as Conv1D (in_features, out_features).
+TRANSPOSE = Transform("conv1d_transpose", lambda parts: parts[0].t().contiguous(), lambda t: [t.t().contiguous()])
+
+
+def concat(sizes: tuple[int, ...], *, dim: int = 0, name: str = "concat") -> Transform:
+    """Fuse parts along ``dim`` (q/k/v into qkv, gate/up into gate_up); the inverse splits by ``sizes``."""
+    return Transform(
+        f"{name}{sizes}",
+        lambda parts: torch.cat(parts, dim=dim),
+        lambda t: [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)],
+    )
+
+
+def then(first: Transform, second: Transform) -> Transform:
+    """Apply ``first`` to the parts, then ``second`` to the single result (and the reverse on the way back)."""
+    return Transform(
+        f"{first.name}+{second.name}",
+        lambda parts: second.to_ours([first.to_ours(parts)]),
+        lambda t: first.to_hf(second.to_hf(t)[0]),
+    )
+
+
+@dataclass(frozen=True)
+class Rule:
+    ours: str
+    hf: tuple[str, ...]
+    transform: Transform = IDENTITY
+
+    def __post_init__(self):
+        if isinstance(self.hf, str):
+            object.__setattr__(self, "hf", (self.hf,))
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """A family's rules for one config. ``base_prefix`` (e.g. "transformer.") is added to keys of checkpoints
+    saved from the bare base model (the original GPT-2 files have no prefix); keys under ``head_prefixes``
+    keep theirs."""
+
+    rules: tuple[Rule, ...]
+    ignore: tuple[str, ...] = ()  # regexes of HF keys that carry nothing we need (buffers, tied copies)
+    base_prefix: str = ""
+    head_prefixes: tuple[str, ...] = ()
+
+    def normalize_hf_key(self, key: str) -> str:
+        if self.base_prefix and not key.startswith(self.base_prefix) and not key.startswith(self.head_prefixes):
+            return self.base_prefix + key
+        return key
+
+    def is_ignored(self, key: str) -> bool:
+        return any(re.fullmatch(pattern, key) for pattern in self.ignore)
+
+
+_PLACEHOLDER = re.compile(r"\\\{(\w+)\\\}")
+
+
+@functools.lru_cache(maxsize=None)
+def template_regex(template: str) -> re.Pattern:
+    return re.compile(_PLACEHOLDER.sub(lambda m: f"(?P<{m.group(1)}>\\d+)", re.escape(template)))
+
+
+def _match(key: str, templates: tuple[str, ...]) -> tuple[int, dict] | None:
+    for index, template in enumerate(templates):
+        m = template_regex(template).fullmatch(key)
+        if m:
+            return index, m.groupdict()
+    return None
+
+
+def _listing(keys) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:20])
+    return shown + (f", ... ({len(keys) - 20} more)" if len(keys) > 20 else "")
+
+
+def hf_to_ours(state_dict: dict[str, torch.Tensor], ruleset: RuleSet) -> dict[str, torch.Tensor]:
+    """Convert an HF state dict to ours. Unexpected keys and incomplete fused groups raise, listed."""
+    groups: dict[tuple[int, tuple], list] = {}
+    unexpected = []
+    for raw_key, tensor in state_dict.items():
+        key = ruleset.normalize_hf_key(raw_key)
+        if ruleset.is_ignored(key):
+            continue
+        for rule_index, rule in enumerate(ruleset.rules):
+            found = _match(key, rule.hf)
+            if found is not None:
+                part, names = found
+                slot = groups.setdefault((rule_index, tuple(sorted(names.items()))), [None] * len(rule.hf))
+                slot[part] = tensor
+                break
+        else:
+            unexpected.append(raw_key)
+    missing = []
+    out = {}
+    for (rule_index, names), parts in groups.items():
+        rule = ruleset.rules[rule_index]
+        absent = [t.format(**dict(names)) for t, p in zip(rule.hf, parts) if p is None]
+        if absent:
+            missing.extend(absent)
+            continue
+        out[rule.ours.format(**dict(names))] = rule.transform.to_ours(parts)
+    if unexpected or missing:
+        raise CheckpointKeyError(_key_report(missing=missing, unexpected=unexpected))
+    return out
+
+
+def ours_to_hf(state_dict: dict[str, torch.Tensor], ruleset: RuleSet) -> dict[str, torch.Tensor]:
+    """Convert our state dict to HF's canonical layout (fused parameters split back)."""
+    out = {}
+    for key, tensor in state_dict.items():
+        for rule in ruleset.rules:
+            found = _match(key, (rule.ours,))
+            if found is not None:
+                names = found[1]
+                for template, part in zip(rule.hf, rule.transform.to_hf(tensor)):
+                    out[template.format(**names)] = part
+                break
+        else:
+            raise CheckpointKeyError(f"no rule maps our parameter {key!r} to HF (a bug in the family's rules)")
+    return out
+
+
+def check_keys(given: set[str], expected: set[str], ruleset: RuleSet) -> None:
+    """Compare a checkpoint's HF keys with what the model needs, before any tensor is converted."""
+    given = {ruleset.normalize_hf_key(k) for k in given if not ruleset.is_ignored(ruleset.normalize_hf_key(k))}
+    missing, unexpected = expected - given, given - expected
+    if missing or unexpected:
+        raise CheckpointKeyError(_key_report(missing=missing, unexpected=unexpected))
+
+
+def _key_report(*, missing, unexpected) -> str:
+    lines = ["the checkpoint does not fit the model:"]
+    if missing:
+        lines.append(f"  missing keys ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        lines.append(f"  unexpected keys ({len(unexpected)}): {_listing(unexpected)}")
+    lines.append("  check that config.json belongs to these weights (same family and sizes)")
+    return "\n".join(lines)

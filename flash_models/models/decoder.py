@@ -1,0 +1,180 @@
+"""The shared decoder-only causal LM. Family files (gpt2.py, llama.py, ...) supply a typed config and the
+checkpoint rules; the residual stream lives here, readable in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import flash_kernels
+
+from ..config import ATTN_IMPLS, DecoderConfig, check_choice
+from ..modules import Attention, Embeddings, KVCache, Norm, PreNormBlock, RotaryEmbedding, build_attention_mask, build_mlp
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # (B, S, vocab)
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    kv_cache: KVCache | None = None
+
+
+def positions_from_mask(attention_mask: torch.Tensor, past_len: int, q_len: int) -> torch.Tensor:
+    """Position of each new token = number of real tokens before it, so padding never shifts positions."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    positions = positions.clamp(min=0)
+    return positions[:, past_len:past_len + q_len]
+
+
+class DecoderLM(nn.Module):
+    """Embeddings -> N pre-norm blocks -> final norm -> LM head, over a family's ``DecoderConfig``."""
+
+    def __init__(self, config, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
+        super().__init__()
+        check_choice("attn_impl", attn_impl, ATTN_IMPLS)
+        flash_kernels._backend.check_backend_name(kernel_backend)
+        self.config = config  # the family's own frozen config (GPT2Config, LlamaConfig, ...)
+        self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
+        dc: DecoderConfig = config.decoder()
+        self.decoder_config = dc
+        self.embed = Embeddings(dc.vocab_size, dc.hidden_size, max_positions=dc.max_position_embeddings if dc.learned_positions else None)
+        self.rotary = RotaryEmbedding(dc.rope) if dc.rope is not None else None
+
+        def norm() -> Norm:
+            return Norm(dc.hidden_size, kind=dc.norm, eps=dc.norm_eps, bias=dc.norm_bias, kernel_backend=kernel_backend)
+
+        self.blocks = nn.ModuleList(
+            PreNormBlock(
+                norm1=norm(),
+                attn=Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=attn_impl),
+                norm2=norm(),
+                mlp=build_mlp(dc.mlp, kernel_backend=kernel_backend),
+                input_dropout_p=dc.embed_dropout_p if i == 0 else dc.residual_dropout_p,
+                residual_dropout_p=dc.residual_dropout_p,
+                residual_in_fp32=dc.residual_in_fp32,
+            )
+            for i in range(dc.num_layers)
+        )
+        self.norm_f = norm()
+        self.lm_head = None if dc.tie_word_embeddings else nn.Linear(dc.hidden_size, dc.vocab_size, bias=dc.lm_head_bias)
+        self.init_weights()
+
+    # ----------------------------------------------------------------------------------------------------
+    def init_weights(self) -> None:
+        """GPT-2/LLaMA practice: N(0, initializer_range) for linears and embeddings, zero biases, unit norms;
+        with ``scale_residual_init`` (GPT-2) the projections that write into the residual stream get
+        std / sqrt(2 * layers)."""
+        dc = self.decoder_config
+        std = dc.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, Norm):
+                module.reset_parameters()
+        if dc.scale_residual_init:
+            for block in self.blocks:
+                for proj in (block.attn.out_proj, getattr(block.mlp, "fc2", None) or block.mlp.down):
+                    nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * dc.num_layers))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.tokens.weight.dtype
+
+    def output_embeddings(self) -> torch.Tensor:
+        return self.embed.tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
+        att = self.decoder_config.attention
+        return KVCache(
+            num_layers=len(self.blocks), batch_size=batch_size, max_len=max_len, num_kv_heads=att.num_kv_heads,
+            head_dim=att.head_dim, dtype=dtype or self.dtype, device=self.device,
+        )
+
+    # ----------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
+    ) -> CausalLMOutput:
+        """input_ids (B, S). attention_mask (B, past + S), 1 = real token, 0 = padding, covering cached tokens
+        too. Without position_ids, positions count real tokens (so left padding shifts nothing). labels (B, S)
+        are shifted inside, as in HF: the loss at position t predicts labels[t + 1]; -100 is ignored."""
+        dc = self.decoder_config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        B, S = input_ids.shape
+        if S == 0:
+            raise ValueError("input_ids is empty: give at least one token")
+        past = kv_cache.seqlen if kv_cache is not None else 0
+        if kv_cache is not None:
+            kv_cache.check_room(S)
+        if past + S > dc.max_position_embeddings and dc.learned_positions:
+            raise ValueError(
+                f"sequence of {past + S} tokens exceeds the model's {dc.max_position_embeddings} positions; "
+                "truncate the input"
+            )
+        positions_needed = past + S  # derived positions never exceed this
+        if position_ids is None:
+            if attention_mask is not None:
+                position_ids = positions_from_mask(attention_mask, past, S)
+            else:
+                position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
+        else:
+            positions_needed = max(positions_needed, int(position_ids.max()) + 1)
+            if dc.learned_positions and positions_needed > dc.max_position_embeddings:
+                raise ValueError(f"position_ids reach {positions_needed - 1}, past the model's {dc.max_position_embeddings} positions")
+        hidden = self.embed(input_ids, position_ids)  # (B, S, hidden)
+        rope_tables = None
+        if self.rotary is not None:
+            rope_tables = self.rotary.tables(positions_needed, hidden.device)
+        mask = build_attention_mask(
+            attention_mask, q_len=S, past_len=past, causal=True, sliding_window=dc.attention.sliding_window,
+            device=hidden.device,
+        )
+        residual = None
+        for block in self.blocks:
+            hidden, residual = block(
+                hidden, residual, mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache
+            )
+        hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
+        if kv_cache is not None:
+            kv_cache.advance(S)
+        logits = nn.functional.linear(
+            hidden, self.output_embeddings(), self.lm_head.bias if self.lm_head is not None else None
+        )
+        loss = self.loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.shape != logits.shape[:2]:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids {tuple(logits.shape[:2])}")
+        shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+        shifted_labels = labels[:, 1:].reshape(-1)
+        return flash_kernels.cross_entropy(shifted_logits, shifted_labels, backend=self.kernel_backend)
+
+    # ----------------------------------------------------------------------------------------------------
+    # Generation and saving live in higher layers (generation/, checkpoint/); these methods are the HF-style
+    # entry points and import them on use so that this module never imports upward at load time.
+    def generate(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+        from ..generation import generate
+
+        return generate(self, input_ids, **kwargs)
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        from ..checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory, **kwargs)

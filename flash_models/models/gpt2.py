@@ -1,0 +1,85 @@
+"""GPT-2 (HF ``model_type`` "gpt2"): learned positions, LayerNorm, GELU-tanh MLP, tied embeddings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import transformers
+
+from ..config import AttentionConfig, DecoderConfig, MLPConfig
+from ..registry import Family, Preset, register_family, register_preset
+from .decoder import DecoderLM
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    resid_pdrop: float = 0.1
+    embd_pdrop: float = 0.1
+    attn_pdrop: float = 0.1
+    layer_norm_epsilon: float = 1e-5
+    initializer_range: float = 0.02
+    scale_attn_weights: bool = True
+    reorder_and_upcast_attn: bool = False
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 50256
+    eos_token_id: int | None = 50256
+    pad_token_id: int | None = None
+
+    model_type = "gpt2"
+
+    @classmethod
+    def from_hf(cls, hf: transformers.GPT2Config) -> GPT2Config:
+        if hf.add_cross_attention:
+            raise ValueError("GPT-2 with add_cross_attention=True (encoder-decoder use) is not supported")
+        if hf.scale_attn_by_inverse_layer_idx:
+            raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx=True is not supported")
+        return cls(**{name: getattr(hf, name) for name in cls.__dataclass_fields__})
+
+    def to_hf(self) -> transformers.GPT2Config:
+        return transformers.GPT2Config(**{name: getattr(self, name) for name in self.__dataclass_fields__})
+
+    def decoder(self) -> DecoderConfig:
+        head_dim = self.n_embd // self.n_head
+        return DecoderConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.n_embd,
+            num_layers=self.n_layer,
+            attention=AttentionConfig(
+                hidden_size=self.n_embd, num_heads=self.n_head, num_kv_heads=self.n_head, head_dim=head_dim,
+                softmax_scale=None if self.scale_attn_weights else 1.0, dropout_p=self.attn_pdrop,
+            ),
+            mlp=MLPConfig(
+                hidden_size=self.n_embd, intermediate_size=self.n_inner or 4 * self.n_embd,
+                activation=self.activation_function,
+            ),
+            norm="layer_norm",
+            norm_eps=self.layer_norm_epsilon,
+            max_position_embeddings=self.n_positions,
+            learned_positions=True,
+            tie_word_embeddings=self.tie_word_embeddings,
+            embed_dropout_p=self.embd_pdrop,
+            residual_dropout_p=self.resid_pdrop,
+            initializer_range=self.initializer_range,
+            scale_residual_init=True,
+        )
+
+
+class GPT2LMHeadModel(DecoderLM):
+    config_class = GPT2Config
+
+
+register_family(Family("gpt2", GPT2Config, GPT2LMHeadModel))
+for _name, _sizes in {
+    "gpt2": dict(n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-large": dict(n_embd=1280, n_layer=36, n_head=20),
+    "gpt2-xl": dict(n_embd=1600, n_layer=48, n_head=25),
+}.items():
+    register_preset(Preset(_name, "gpt2", _sizes, description=f"GPT-2 {_name.removeprefix('gpt2').strip('-') or 'small'}"))

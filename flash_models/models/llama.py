@@ -1,0 +1,136 @@
+"""LLaMA (HF ``model_type`` "llama"): RMSNorm, rotary (with HF's scaling rules), GQA, SwiGLU MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import transformers
+
+from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig
+from ..registry import Family, Preset, register_family, register_preset
+from .decoder import DecoderLM
+
+
+def token_ids(value) -> int | tuple[int, ...] | None:
+    """HF allows one id or a list (e.g. several EOS ids); keep lists as tuples so the config stays frozen."""
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def hf_token_ids(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    rope: RopeConfig | None = None  # HF: rope_parameters
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False
+    bos_token_id: int | tuple[int, ...] | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
+
+    model_type = "llama"
+    hf_config_class = transformers.LlamaConfig
+    # Fields copied as they are between HF's config and ours.
+    _PLAIN = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+        "rms_norm_eps", "tie_word_embeddings", "attention_bias", "attention_dropout", "mlp_bias", "pad_token_id",
+    )
+
+    @classmethod
+    def from_hf(cls, hf) -> LlamaConfig:
+        params = dict(hf.rope_parameters or {})
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{cls.model_type}: partial_rotary_factor != 1 is not supported")
+        head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
+        rope = RopeConfig.from_hf_parameters(
+            params, rotary_dim=head_dim, max_position_embeddings=hf.max_position_embeddings
+        )
+        return cls(
+            **{name: getattr(hf, name) for name in cls._PLAIN if name != "head_dim"},
+            head_dim=head_dim,
+            rope=rope,
+            bos_token_id=token_ids(hf.bos_token_id),
+            eos_token_id=token_ids(hf.eos_token_id),
+        )
+
+    def to_hf(self):
+        return self.hf_config_class(
+            **{name: getattr(self, name) for name in self._PLAIN},
+            rope_parameters=self.rope_or_default().to_hf_parameters(),
+            bos_token_id=hf_token_ids(self.bos_token_id),
+            eos_token_id=hf_token_ids(self.eos_token_id),
+        )
+
+    def rope_or_default(self) -> RopeConfig:
+        return self.rope or RopeConfig(rotary_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings)
+
+    def sliding_window_size(self) -> int | None:
+        return None
+
+    def decoder(self) -> DecoderConfig:
+        return DecoderConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_hidden_layers,
+            attention=AttentionConfig(
+                hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
+                num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, qkv_bias=self.attention_bias,
+                out_bias=self.attention_bias, dropout_p=self.attention_dropout,
+                sliding_window=self.sliding_window_size(),
+            ),
+            mlp=MLPConfig(
+                hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, activation=self.hidden_act,
+                gated=True, bias=self.mlp_bias,
+            ),
+            norm="rms_norm",
+            norm_eps=self.rms_norm_eps,
+            norm_bias=False,
+            max_position_embeddings=self.max_position_embeddings,
+            rope=self.rope_or_default(),
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+        )
+
+
+assert set(LlamaConfig._PLAIN) <= {f.name for f in fields(LlamaConfig)}
+
+
+class LlamaForCausalLM(DecoderLM):
+    config_class = LlamaConfig
+
+
+register_family(Family("llama", LlamaConfig, LlamaForCausalLM))
+register_preset(Preset(
+    "llama-1b", "llama",
+    dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+         num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    description="TinyLlama-1.1B shape: 22 layers, hidden 2048, GQA 32/4",
+))
+register_preset(Preset(
+    "smollm2-135m", "llama",
+    dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+         num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1, eos_token_id=2),
+    description="SmolLM2-135M shape: 30 layers, hidden 576, GQA 9/3, tied embeddings",
+))
+register_preset(Preset(
+    "llama-7b", "llama",
+    dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+         num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    description="LLaMA-2-7B shape",
+))

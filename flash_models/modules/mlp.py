@@ -1,0 +1,57 @@
+"""Feed-forward blocks: plain (fc1 -> activation -> fc2) and gated (packed [gate; up] -> SwiGLU/GeGLU -> down)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flash_kernels
+
+from ..config import MLPConfig
+
+# HF activation name -> GELU approximation used by flash_kernels.
+_GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def activation(x: torch.Tensor, name: str, *, backend: str) -> torch.Tensor:
+    if name in _GELU_APPROX:
+        return flash_kernels.gelu(x, approximate=_GELU_APPROX[name], backend=backend)
+    if name == "relu":
+        return F.relu(x)
+    return F.silu(x)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
+        super().__init__()
+        self.cfg, self.kernel_backend = cfg, kernel_backend
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(activation(self.fc1(x), self.cfg.activation, backend=self.kernel_backend))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one [gate; up] projection."""
+
+    def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
+        super().__init__()
+        if cfg.activation == "relu":
+            raise ValueError("a gated MLP supports silu (SwiGLU) and gelu variants (GeGLU), not relu")
+        self.cfg, self.kernel_backend = cfg, kernel_backend
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.bias)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)  # (..., 2 * intermediate)
+        if self.cfg.activation == "silu":
+            h = flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
+        else:
+            h = flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)
+        return self.down(h)
+
+
+def build_mlp(cfg: MLPConfig, *, kernel_backend: str = "auto") -> nn.Module:
+    return (GatedMLP if cfg.gated else MLP)(cfg, kernel_backend=kernel_backend)

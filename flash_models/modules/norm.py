@@ -1,0 +1,36 @@
+"""LayerNorm / RMSNorm modules over the fused flash_kernels norm (dropout + residual add + norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import flash_kernels
+
+
+class Norm(nn.Module):
+    """``forward(x, residual=None, prenorm=False)``: y = norm(dropout(x) + residual), and with ``prenorm`` the
+    new residual stream as well, which is the ``(hidden, residual)`` block contract."""
+
+    def __init__(self, dim: int, *, kind: str, eps: float, bias: bool = True, kernel_backend: str = "auto"):
+        super().__init__()
+        if kind not in ("layer_norm", "rms_norm"):
+            raise ValueError(f"norm kind {kind!r}; use 'layer_norm' or 'rms_norm'")
+        self.kind, self.eps, self.kernel_backend = kind, eps, kernel_backend
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x, residual=None, *, prenorm: bool = False, dropout_p: float = 0.0, residual_in_fp32: bool = False):
+        fn = flash_kernels.rms_norm if self.kind == "rms_norm" else flash_kernels.layer_norm
+        return fn(
+            x, self.weight, self.bias, residual=residual, eps=self.eps, dropout_p=dropout_p if self.training else 0.0,
+            prenorm=prenorm, residual_in_fp32=residual_in_fp32, backend=self.kernel_backend,
+        )
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, kind={self.kind}, eps={self.eps}"
