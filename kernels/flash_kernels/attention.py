@@ -80,7 +80,10 @@ def _attention_ref(q, k, v, *, causal, softmax_scale, window_size, softcap, alib
     visible = _visible_ref(sq, sk, causal, window_size, q.device)
     s = s.masked_fill(~visible, float("-inf"))
     # Softmax by hand so that fully masked rows give p = 0 with finite gradients (logsumexp would give NaN).
-    m = s.amax(dim=-1, keepdim=True).detach()
+    if sk == 0:  # empty sequence: amax has nothing to reduce; p @ v below is then zeros of the right shape
+        m = s.new_zeros(*s.shape[:-1], 1)
+    else:
+        m = s.amax(dim=-1, keepdim=True).detach()
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
