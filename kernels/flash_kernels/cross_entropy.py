@@ -124,7 +124,7 @@ def _ce_bwd_kernel(
     tl.store(DLOGITS + row * stride_drow + cols, (g * logit_scale).to(DLOGITS.dtype.element_ty), mask=mask)
 
 
-def _ce_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, logit_scale):
+def ce_rows_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, logit_scale):
     N, V = logits.shape
     losses = torch.empty((N,), device=logits.device, dtype=torch.float32)
     lse = torch.empty((N,), device=logits.device, dtype=torch.float32)
@@ -136,7 +136,7 @@ def _ce_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, log
     return losses, lse
 
 
-def _ce_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale):
+def ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale):
     """Writes the logits gradient into ``dlogits``, which may be ``logits`` itself."""
     N, V = logits.shape
     block = min(_BWD_BLOCK, next_power_of_2(V))
@@ -157,7 +157,7 @@ def _ce_fwd_op(
     logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, label_smoothing: float, lse_square_scale: float,
     logit_scale: float, inplace_backward: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ce_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, logit_scale)
+    return ce_rows_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, logit_scale)
 
 
 @_ce_fwd_op.register_fake
@@ -172,7 +172,7 @@ def _ce_bwd_op(
     ignore_index: int, label_smoothing: float, lse_square_scale: float, logit_scale: float,
 ) -> torch.Tensor:
     dlogits = torch.empty_like(logits)
-    _ce_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale)
+    ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale)
     return dlogits
 
 
@@ -186,7 +186,7 @@ def _ce_bwd_inplace_op(
     logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dlosses: torch.Tensor, dlse: Optional[torch.Tensor],
     ignore_index: int, label_smoothing: float, lse_square_scale: float, logit_scale: float,
 ) -> None:
-    _ce_bwd(logits, logits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale)
+    ce_rows_bwd(logits, logits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale)
 
 
 def _ce_setup_context(ctx, inputs, output):
