@@ -1,0 +1,146 @@
+"""flash_attn_with_kvcache: split-KV Triton decode (the CPU interpreter in CI) against the reference."""
+
+import pytest
+import torch
+
+from flash_kernels import flash_attn_func, flash_attn_with_kvcache
+from flash_kernels._testing import assert_close
+from flash_kernels.attention_decode import flash_attn_with_kvcache_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _cache(bsz, capacity, hkv, d, dtype, page_size=None, device=DEVICE):
+    """Random caches, contiguous (B, capacity, Hkv, D) or paged with a shuffled block table."""
+    if page_size is None:
+        kc = torch.randn(bsz, capacity, hkv, d, dtype=dtype, device=device)
+        return kc, torch.randn_like(kc), None
+    n_pages = capacity // page_size
+    total = bsz * n_pages + 3  # a few spare pages nobody owns
+    kc = torch.randn(total, page_size, hkv, d, dtype=dtype, device=device)
+    table = torch.randperm(total, device=device)[: bsz * n_pages].reshape(bsz, n_pages).int()
+    return kc, torch.randn_like(kc), table
+
+
+# (B, Sq, Hq, Hkv, D, capacity, S_new, page_size, causal, window, softcap)
+CASES = [
+    (2, 1, 4, 2, 64, 80, 1, None, True, (-1, -1), 0.0),
+    (3, 1, 8, 1, 32, 113, 0, None, True, (-1, -1), 0.0),  # no append, MQA
+    (2, 3, 4, 4, 64, 96, 3, None, True, (-1, -1), 0.0),  # several new tokens
+    (3, 2, 4, 1, 32, 96, 2, 16, True, (-1, -1), 0.0),  # paged
+    (2, 1, 2, 2, 128, 64, 1, 32, True, (17, -1), 5.0),  # paged + window + softcap
+    (2, 4, 2, 2, 80, 64, 0, None, False, (7, 3), 0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kvcache_matches_reference(case, dtype):
+    torch.manual_seed(0)
+    bsz, sq, hq, hkv, d, capacity, s_new, page, causal, window, softcap = case
+    q = torch.randn(bsz, sq, hq, d, dtype=dtype, device=DEVICE)
+    kc, vc, table = _cache(bsz, capacity, hkv, d, dtype, page)
+    seqlens = torch.randint(0, capacity - s_new + 1, (bsz,), dtype=torch.int32, device=DEVICE)
+    seqlens[0] = capacity - s_new  # one row uses the whole cache
+    k = torch.randn(bsz, s_new, hkv, d, dtype=dtype, device=DEVICE) if s_new else None
+    v = torch.randn(bsz, s_new, hkv, d, dtype=dtype, device=DEVICE) if s_new else None
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    kw = dict(cache_seqlens=seqlens, k=k, v=v, causal=causal, window_size=window, softcap=softcap, block_table=table)
+    out = flash_attn_with_kvcache(q, kc, vc, **kw, backend="triton")
+    ref = flash_attn_with_kvcache_ref(q, kc_ref, vc_ref, **kw)
+    assert_close(out, ref, dtype, name="out")
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "append wrote different cache entries"
+    if k is not None:  # the appended tokens really are in the cache
+        b = 1
+        pos = seqlens[b].item()
+        if table is None:
+            torch.testing.assert_close(kc[b, pos:pos + s_new], k[b], rtol=0, atol=0)
+        else:
+            rows = torch.arange(pos, pos + s_new, device=DEVICE)
+            got = kc[table[b].long()[rows // page], rows % page]
+            torch.testing.assert_close(got, k[b], rtol=0, atol=0)
+
+
+def test_decode_steps_equal_full_attention():
+    """Prefill a cache, then decode token by token: each step equals the full causal attention's last row."""
+    torch.manual_seed(1)
+    bsz, total, hq, hkv, d = 2, 20, 4, 2, 32
+    q = torch.randn(bsz, total, hq, d, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(bsz, total, hkv, d, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(bsz, total, hkv, d, dtype=torch.float16, device=DEVICE)
+    full = flash_attn_func(q, k, v, causal=True, backend="triton")
+    kc, vc, table = _cache(bsz, 32, hkv, d, torch.float16, page_size=16)
+    seqlens = torch.zeros(bsz, dtype=torch.int32, device=DEVICE)
+    prefill = 15
+    out = flash_attn_with_kvcache(q[:, :prefill], kc, vc, cache_seqlens=seqlens, k=k[:, :prefill], v=v[:, :prefill],
+                                  block_table=table, backend="triton")
+    assert_close(out, full[:, :prefill], torch.float16, name="prefill")
+    seqlens += prefill
+    for t in range(prefill, total):
+        step = flash_attn_with_kvcache(q[:, t:t + 1], kc, vc, cache_seqlens=seqlens, k=k[:, t:t + 1], v=v[:, t:t + 1],
+                                       block_table=table, backend="triton")
+        assert_close(step, full[:, t:t + 1], torch.float16, name=f"step {t}")
+        seqlens += 1
+
+
+def test_empty_cache_row_gives_zeros():
+    torch.manual_seed(2)
+    q = torch.randn(2, 1, 2, 32, dtype=torch.float16, device=DEVICE)
+    kc, vc, _ = _cache(2, 48, 2, 32, torch.float16)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([0, 30], dtype=torch.int32, device=DEVICE),
+                                  backend="triton")
+    assert (out[0] == 0).all() and torch.isfinite(out).all() and (out[1].abs() > 0).any()
+
+
+def test_kvcache_validation_errors():
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc, vc, _ = _cache(2, 16, 2, 32, torch.float16)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="int32"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens.long(), backend="triton")
+    with pytest.raises(ValueError, match="both k and v"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k=kc[:, :1], backend="triton")
+    with pytest.raises(ValueError, match="multiple of the number of kv heads"):
+        flash_attn_with_kvcache(q[:, :, :3], kc, vc, cache_seqlens=lens, backend="triton")
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=torch.zeros(2, 1), backend="triton")
+    with pytest.raises(ValueError, match="capacity"):
+        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([16, 0], dtype=torch.int32, device=DEVICE),
+                                k=kc[:, :1].clone(), v=vc[:, :1].clone(), backend="triton")
+    with pytest.raises(ValueError, match="head dim"):
+        flash_attn_with_kvcache(q[..., :16], kc[..., :16], vc[..., :16], cache_seqlens=lens, backend="triton")
+
+
+def test_kvcache_torch_compile_fullgraph():
+    torch.manual_seed(3)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc, vc, _ = _cache(2, 40, 2, 32, torch.float16)
+    k = torch.randn(2, 1, 2, 32, dtype=torch.float16, device=DEVICE)
+    lens = torch.tensor([5, 39], dtype=torch.int32, device=DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+
+    def step(q, kc, vc, k, lens):
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k=k, v=k, backend="triton") * 2
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    out = compiled(q, kc, vc, k, lens)
+    ref = step(q, kc_ref, vc_ref, k, lens)
+    torch.testing.assert_close(out, ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), "compiled call lost the in-place cache append"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [None, 256])
+@pytest.mark.parametrize("bsz,capacity", [(1, 32768), (8, 4096)])
+def test_gpu_decode_real_sizes(bsz, capacity, page_size):
+    torch.manual_seed(4)
+    q = torch.randn(bsz, 1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
+    kc, vc, table = _cache(bsz, capacity, 8, 128, torch.bfloat16, page_size)
+    seqlens = torch.randint(capacity // 2, capacity, (bsz,), dtype=torch.int32, device=DEVICE)
+    k = torch.randn(bsz, 1, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k=k, v=k, block_table=table, backend="triton")
+    ref = flash_attn_with_kvcache_ref(q, kc_ref, vc_ref, cache_seqlens=seqlens, k=k, v=k, block_table=table)
+    assert_close(out, ref, torch.bfloat16, name="out")
+    assert torch.equal(kc, kc_ref)
