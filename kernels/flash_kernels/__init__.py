@@ -9,7 +9,9 @@ from .activations import gelu, geglu, swiglu
 from .attention import flash_attn_func, flash_attn_varlen_func
 from .attention_decode import flash_attn_with_kvcache
 from .cross_entropy import cross_entropy
-from .layer_norm import layer_norm, rms_norm
+from .fused_dense import fused_dense, fused_dense_gelu_dense
+from .layer_norm import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
+from .linear_cross_entropy import linear_cross_entropy
 from .rotary import apply_rotary
 
 __all__ = [
@@ -20,9 +22,14 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "fused_dense",
+    "fused_dense_gelu_dense",
     "geglu",
     "gelu",
     "layer_norm",
+    "layer_norm_dual",
+    "linear_cross_entropy",
     "rms_norm",
+    "rms_norm_dual",
     "swiglu",
 ]

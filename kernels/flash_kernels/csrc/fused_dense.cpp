@@ -1,0 +1,120 @@
+// PyTorch bindings of the cuBLASLt fused-dense GEMMs (see fused_dense_cuda.cu). Every function takes
+// row-major tensors and returns new ones; shapes are checked here, the GEMM layout is derived in comments.
+
+#include <torch/extension.h>
+
+#include "fused_dense.h"
+
+namespace flash_kernels {
+namespace {
+
+void check_matrix(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "fused_dense: ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.dim() == 2, "fused_dense: ", name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.is_contiguous(), "fused_dense: ", name, " must be contiguous");
+}
+
+void check_same_dtype(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), "fused_dense: dtype mismatch ", a.scalar_type(), " vs ",
+              b.scalar_type());
+}
+
+// y = x @ w.T + bias, and with gelu also the pre-activation.
+// Column-major: y^T (N x M, ld N) = w^T-as-stored... i.e. op(A)=T on w (stored K x N, ld K), B = x (K x M, ld K).
+std::vector<at::Tensor> linear_fwd(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu) {
+  check_matrix(x, "x");
+  check_matrix(w, "weight");
+  check_same_dtype(x, w);
+  check_same_dtype(x, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "fused_dense: weight ", w.sizes(), " does not match x ", x.sizes());
+  TORCH_CHECK(bias.numel() == N && bias.is_contiguous(), "fused_dense: bias must be contiguous with ", N, " elements");
+  auto y = at::empty({M, N}, x.options());
+  LtGemm g;
+  g.trans_a = true;
+  g.m = N; g.n = M; g.k = K;
+  g.a = w.data_ptr(); g.lda = K;
+  g.b = x.data_ptr(); g.ldb = K;
+  g.d = y.data_ptr(); g.ldd = N;
+  g.dtype = x.scalar_type();
+  g.bias = bias.data_ptr();
+  if (!gelu) {
+    g.epilogue = Epilogue::kBias;
+    lt_gemm(g);
+    return {y};
+  }
+  auto pre = at::empty({M, N}, x.options());
+  g.epilogue = Epilogue::kGeluAuxBias;
+  g.aux = pre.data_ptr();
+  g.ld_aux = N;
+  lt_gemm(g);
+  return {y, pre};
+}
+
+// dW = dy.T @ x (N x K) and, if with_bias, db = dy.sum(0) from the BGRADB epilogue.
+// Column-major: dW^T (K x N, ld K) = x^T (K x M, ld K) @ op_T(dy^T stored N x M, ld N); bias along n = N.
+std::vector<at::Tensor> linear_wgrad(const at::Tensor& x, const at::Tensor& dy, bool with_bias) {
+  check_matrix(x, "x");
+  check_matrix(dy, "grad_output");
+  check_same_dtype(x, dy);
+  const int64_t M = x.size(0), K = x.size(1), N = dy.size(1);
+  TORCH_CHECK(dy.size(0) == M, "fused_dense: grad_output ", dy.sizes(), " does not match x ", x.sizes());
+  auto dw = at::empty({N, K}, x.options());
+  LtGemm g;
+  g.trans_b = true;
+  g.m = K; g.n = N; g.k = M;
+  g.a = x.data_ptr(); g.lda = K;
+  g.b = dy.data_ptr(); g.ldb = N;
+  g.d = dw.data_ptr(); g.ldd = K;
+  g.dtype = x.scalar_type();
+  if (!with_bias) {
+    lt_gemm(g);
+    return {dw};
+  }
+  auto db = at::empty({N}, x.options());
+  g.epilogue = Epilogue::kBgradB;
+  g.bias = db.data_ptr();
+  lt_gemm(g);
+  return {dw, db};
+}
+
+// dx = dy @ w (M x K). Column-major: dx^T (K x M, ld K) = w^T stored (K x N, ld K) @ dy^T stored (N x M, ld N).
+// With pre (M x K) it is the GELU backward of the layer below: dpre = (dy @ w) * gelu'(pre) and its bias
+// gradient dpre.sum(0), both from the DGELU_BGRAD epilogue.
+std::vector<at::Tensor> linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const c10::optional<at::Tensor>& pre) {
+  check_matrix(dy, "grad_output");
+  check_matrix(w, "weight");
+  check_same_dtype(dy, w);
+  const int64_t M = dy.size(0), N = dy.size(1), K = w.size(1);
+  TORCH_CHECK(w.size(0) == N, "fused_dense: weight ", w.sizes(), " does not match grad_output ", dy.sizes());
+  auto dx = at::empty({M, K}, dy.options());
+  LtGemm g;
+  g.m = K; g.n = M; g.k = N;
+  g.a = w.data_ptr(); g.lda = K;
+  g.b = dy.data_ptr(); g.ldb = N;
+  g.d = dx.data_ptr(); g.ldd = K;
+  g.dtype = dy.scalar_type();
+  if (!pre.has_value()) {
+    lt_gemm(g);
+    return {dx};
+  }
+  check_matrix(*pre, "pre_activation");
+  TORCH_CHECK(pre->size(0) == M && pre->size(1) == K, "fused_dense: pre_activation ", pre->sizes(), " != (", M,
+              ", ", K, ")");
+  auto db = at::empty({K}, dy.options());
+  g.epilogue = Epilogue::kDgeluBgrad;
+  g.aux = pre->data_ptr();
+  g.ld_aux = K;
+  g.bias = db.data_ptr();
+  lt_gemm(g);
+  return {dx, db};
+}
+
+}  // namespace
+}  // namespace flash_kernels
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_fwd", &flash_kernels::linear_fwd, "x @ w.T + bias (gelu: also returns the pre-activation)");
+  m.def("linear_wgrad", &flash_kernels::linear_wgrad, "dy.T @ x and optionally dy.sum(0)");
+  m.def("linear_dgrad", &flash_kernels::linear_dgrad, "dy @ w, optionally times gelu'(pre) with its bias grad");
+}

@@ -1,0 +1,150 @@
+"""layer_norm / rms_norm / their dual variants: Triton kernels (the interpreter on CPU) against the reference,
+including exact dropout replay through the returned keep mask, every gradient, the wide-row loop path and
+torch.compile."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_kernels import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
+from flash_kernels._testing import assert_close
+
+ln = importlib.import_module("flash_kernels.layer_norm")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# dtype and its tolerance scale for gradients (they go through one more reduction than the output).
+DTYPES = [(torch.float32, 2.0), (torch.float16, 2.0), (torch.bfloat16, 2.0)]
+
+
+def _inputs(shape, dtype, *, residual, rowscale, dual, bias=True, residual_dtype=None):
+    n = shape[-1]
+    x = torch.randn(shape, dtype=dtype, device=DEVICE, requires_grad=True)
+    r = torch.randn(shape, dtype=residual_dtype or dtype, device=DEVICE, requires_grad=True) if residual else None
+    params = [torch.randn(n, device=DEVICE, requires_grad=True) for _ in range(4 if dual else 2)]
+    if not bias:
+        params[1::2] = [None] * len(params[1::2])
+    rs = torch.rand(shape[:-1], device=DEVICE) + 0.5 if rowscale else None
+    return x, r, params, rs
+
+
+def _check(is_rms, dtype, grad_scale, shape=(3, 5, 77), *, dual=False, dropout_p=0.0, residual=False,
+           rowscale=False, prenorm=False, residual_in_fp32=False, zero_centered_weight=False, bias=True, out_dtype=None):
+    x, r, params, rs = _inputs(shape, dtype, residual=residual, rowscale=rowscale, dual=dual, bias=bias)
+    kw = dict(residual=r, dropout_p=dropout_p, rowscale=rs, prenorm=prenorm, residual_in_fp32=residual_in_fp32,
+              zero_centered_weight=zero_centered_weight, out_dtype=out_dtype)
+    if dual:
+        fn = rms_norm_dual if is_rms else layer_norm_dual
+        ref_fn = ln.layer_norm_dual_ref
+    else:
+        fn = rms_norm if is_rms else layer_norm
+        ref_fn = ln.layer_norm_ref
+    *out, mask = fn(x, *params, **kw, return_dropout_mask=True, backend="triton")
+    ref = ref_fn(x, *params, **kw, dropout_mask=mask, is_rms_norm=is_rms)
+    ref = list(ref) if isinstance(ref, tuple) else [ref]
+    assert len(out) == len(ref)
+    if dropout_p:
+        keep = mask.float().mean().item()
+        assert abs(keep - (1 - dropout_p)) < 0.1, f"keep fraction {keep} far from {1 - dropout_p}"
+    for o, rf in zip(out, ref):
+        assert o.dtype == rf.dtype
+        assert_close(o, rf, o.dtype if o.dtype != torch.float32 else dtype, name="output")
+    grads_out = [torch.randn_like(o) for o in out]
+    inputs = [t for t in [x, r, *params] if t is not None]
+    got = torch.autograd.grad(out, inputs, grads_out)
+    want = torch.autograd.grad(ref, inputs, grads_out)
+    for name, g, w in zip(["x", "residual", "w", "b", "w1", "b1"], got, want):
+        assert_close(g, w, dtype, scale=grad_scale, name=f"grad {name}")
+
+
+@pytest.mark.parametrize("dtype,grad_scale", DTYPES)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_plain(is_rms, dtype, grad_scale):
+    _check(is_rms, dtype, grad_scale, shape=(3, 123, 77))
+
+
+@pytest.mark.parametrize("dtype,grad_scale", DTYPES)
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_dropout_residual_rowscale_prenorm(is_rms, dtype, grad_scale):
+    _check(is_rms, dtype, grad_scale, dropout_p=0.2, residual=True, rowscale=True, prenorm=True)
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_residual_in_fp32_zero_centered_out_dtype(is_rms):
+    _check(is_rms, torch.bfloat16, 2.0, residual=True, prenorm=True, residual_in_fp32=True,
+           zero_centered_weight=True, out_dtype=torch.float32, bias=False)
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_dual(is_rms):
+    _check(is_rms, torch.float32, 2.0, dual=True, dropout_p=0.1, residual=True, prenorm=True)
+
+
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_wide_rows_loop_path(is_rms, monkeypatch):
+    """Rows wider than the single-block limit loop over column blocks (the path of rows up to 64k)."""
+    monkeypatch.setattr(ln, "_MAX_FUSED_FWD", 32)
+    monkeypatch.setattr(ln, "_MAX_FUSED_BWD", 32)
+    monkeypatch.setattr(ln, "_LOOP_BLOCK", 32)
+    _check(is_rms, torch.float32, 2.0, shape=(4, 77), dual=True, dropout_p=0.1, residual=True, rowscale=True,
+           prenorm=True)
+
+
+def test_dropout_is_random_and_replayable():
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.ones(64, device=DEVICE)
+    _, m1 = layer_norm(x, w, dropout_p=0.5, return_dropout_mask=True, backend="triton")
+    _, m2 = layer_norm(x, w, dropout_p=0.5, return_dropout_mask=True, backend="triton")
+    assert not torch.equal(m1, m2), "two calls drew the same dropout mask"
+
+
+def test_matches_torch_modules():
+    """The functional form equals torch.nn.LayerNorm / RMSNorm modules with the same parameters."""
+    x = torch.randn(3, 11, 77, device=DEVICE)
+    ln_mod = torch.nn.LayerNorm(77, eps=1e-5, device=DEVICE)
+    rms_mod = torch.nn.RMSNorm(77, eps=1e-6, device=DEVICE)
+    with torch.no_grad():
+        ln_mod.weight.normal_(), ln_mod.bias.normal_(), rms_mod.weight.normal_()
+    assert_close(layer_norm(x, ln_mod.weight, ln_mod.bias, backend="triton"), ln_mod(x), torch.float32, name="ln")
+    assert_close(rms_norm(x, rms_mod.weight, backend="triton"), rms_mod(x), torch.float32, name="rms")
+
+
+def test_compile_fullgraph():
+    """A pre-norm residual block traces through torch.compile without graph breaks."""
+
+    def block(hidden, residual, w, lin):
+        normed, residual = rms_norm(hidden, w, residual=residual, prenorm=True, backend="triton")
+        return F.linear(normed, lin), residual
+
+    x, r = torch.randn(2, 9, 64, device=DEVICE), torch.randn(2, 9, 64, device=DEVICE)
+    w = torch.randn(64, device=DEVICE, requires_grad=True)
+    lin = torch.randn(64, 64, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    got, want = compiled(x, r, w, lin), block(x, r, w, lin)
+    for g, wv in zip(got, want):
+        assert_close(g, wv, torch.float32)
+    (got[0].sum() + got[1].sum()).backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_bad_inputs():
+    x, w = torch.randn(4, 16), torch.randn(16)
+    with pytest.raises(ValueError, match="weight shape"):
+        layer_norm(x, torch.randn(15), backend="triton")
+    with pytest.raises(ValueError, match="residual shape"):
+        rms_norm(x, w, residual=torch.randn(4, 15), backend="triton")
+    with pytest.raises(ValueError, match="dropout_p"):
+        layer_norm(x, w, dropout_p=1.0, backend="triton")
+    with pytest.raises(ValueError, match="rowscale"):
+        layer_norm(x, w, rowscale=torch.rand(3), backend="triton")
+    with pytest.raises(ValueError, match="dtype"):
+        layer_norm(x.double(), w, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 65536])
+def test_gpu_real_size(n):
+    rows = 16384 if n == 4096 else 256
+    _check(True, torch.bfloat16, 2.0, shape=(rows, n), dropout_p=0.1, residual=True, prenorm=True,
+           residual_in_fp32=True)
+    _check(False, torch.bfloat16, 2.0, shape=(rows, n), dual=True, residual=True, prenorm=True)
