@@ -108,7 +108,7 @@ def _dequantize(tensor) -> torch.Tensor:
 
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a copy: GGUF data is memory-mapped
 
 
 def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:

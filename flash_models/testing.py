@@ -1,0 +1,53 @@
+"""Helpers for parity tests against HF transformers, shared by the model tests (and usable by users who
+port a family): random HF models with non-trivial weights, our twin of an HF model, error bounds."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from .checkpoint.loader import build_model
+from .checkpoint.remap import hf_to_ours
+from .checkpoint.rules import rules_for
+
+
+def randomize_(model: torch.nn.Module, *, seed: int = 0, std: float = 0.05) -> torch.nn.Module:
+    """Fill every parameter with fresh random values: matrices N(0, std); vectors (norm weights, biases)
+    around their init with spread 0.2, so a norm weight of exactly 1 or a zero bias cannot hide a bug."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if param.dim() == 1:
+                param.add_((0.2 * noise).to(param.dtype))
+            else:
+                param.copy_((std * noise).to(param.dtype))
+    return model
+
+
+def random_hf_model(hf_config, *, seed: int = 0, auto_class: str = "AutoModelForCausalLM"):
+    """An HF model of ``hf_config`` in eval mode with randomized weights, using SDPA attention."""
+    torch.manual_seed(seed)
+    hf_config._attn_implementation = "sdpa"
+    model = getattr(transformers, auto_class).from_config(hf_config, attn_implementation="sdpa")
+    return randomize_(model, seed=seed).eval()
+
+
+def ours_from_hf(hf_model, *, attn_impl: str = "auto", kernel_backend: str = "auto", dtype=torch.float32):
+    """Our model with the HF model's weights, converted in memory through the family's rules."""
+    model = build_model(hf_model.config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="cpu")
+    model.load_state_dict(hf_to_ours(hf_model.state_dict(), rules_for(model.config)), strict=True)
+    return model.to(dtype).eval()
+
+
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / max |ref|, in float64."""
+    out, ref = out.detach().double(), ref.detach().double()
+    return ((out - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+
+def low_precision_bound_ok(ours_lp: torch.Tensor, hf_lp: torch.Tensor, hf_fp32: torch.Tensor, *, k: float = 2.0, atol: float = 1e-3) -> tuple[bool, float, float]:
+    """DESIGN.md's rule: err(ours_lp, hf_fp32) <= k * err(hf_lp, hf_fp32) + atol (mean abs error)."""
+    ours_err = (ours_lp.double() - hf_fp32.double()).abs().mean().item()
+    hf_err = (hf_lp.double() - hf_fp32.double()).abs().mean().item()
+    return ours_err <= k * hf_err + atol, ours_err, hf_err

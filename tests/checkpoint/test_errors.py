@@ -1,0 +1,112 @@
+"""Bad input gets a clear error that names the problem."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+import flash_models as fm
+from flash_models.checkpoint import CheckpointKeyError
+from flash_models.testing import random_hf_model
+
+
+def tiny_llama_dir(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    hf = random_hf_model(cfg)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def test_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ValueError, match=r"model_type 't5' is not supported.*gpt2.*llama"):
+        fm.from_pretrained(tmp_path)
+
+
+def test_missing_and_unexpected_keys_are_listed(tmp_path):
+    hf = tiny_llama_dir(tmp_path)
+    state = dict(hf.state_dict())
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointKeyError) as err:
+        fm.from_pretrained(tmp_path)
+    message = str(err.value)
+    assert "missing keys (1): model.layers.1.mlp.up_proj.weight" in message
+    assert "unexpected keys (1): model.layers.0.self_attn.q_norm.weight" in message
+
+
+def test_shape_mismatch_names_expected_and_got(tmp_path):
+    tiny_llama_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.gate_up\.weight: expected \(128, 32\), got \(96, 32\)"):
+        fm.from_pretrained(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path):
+    tiny_llama_dir(tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        fm.from_pretrained(tmp_path)
+
+
+def test_truncated_gguf(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(fm.smollm2_gguf().read_bytes()[:100_000])
+    with pytest.raises(ValueError, match="GGUF"):
+        fm.from_pretrained(broken)
+
+
+def test_folder_without_weights(tmp_path):
+    transformers.GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        fm.from_pretrained(tmp_path)
+
+
+def test_input_longer_than_position_limit():
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97, n_positions=16)
+    with pytest.raises(ValueError, match="exceeds the model's 16 positions"):
+        model(torch.randint(0, 97, (1, 17)))
+    with pytest.raises(ValueError, match="exceeds the model's 16 positions"):
+        model.generate(torch.randint(0, 97, (1, 10)), max_new_tokens=7)
+
+
+def test_token_ids_outside_vocab():
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97, n_positions=16)
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 97\)"):
+        model(torch.tensor([[1, 97]]))
+    with pytest.raises(ValueError, match="label 500 is outside the vocabulary"):
+        model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 500]]))
+
+
+@pytest.mark.parametrize("attn_impl", ["flash", "bogus"])
+def test_explicit_attention_backend_that_cannot_run(attn_impl):
+    with pytest.raises(ValueError, match="attn_impl"):
+        fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97, attn_impl=attn_impl)
+
+
+def test_explicit_triton_kernels_on_cpu_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = fm.create_model("llama-1b", num_hidden_layers=1, hidden_size=32, intermediate_size=48,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=97, kernel_backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' cannot run on device 'cpu'"):
+        model(torch.randint(0, 97, (1, 5)))
+
+
+def test_bad_generation_arguments():
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97, n_positions=64)
+    ids = torch.randint(0, 97, (1, 4))
+    with pytest.raises(ValueError, match="empty"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="top_p"):
+        model.generate(ids, do_sample=True, top_p=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(ids, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        model.generate(ids, eos_token_id=1000)
