@@ -25,7 +25,7 @@ deterministic; ``deterministic=`` is accepted for FA2 compatibility.
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 import triton
@@ -37,6 +37,9 @@ SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# Globals a @triton.jit function reads must be constexpr.
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
 
 # ----------------------------------------------------------------------------------------------------------
 # Reference
@@ -248,8 +251,8 @@ def _scores(qk, rows, cols, len_q, len_k, left, right, scale_log2, softcap, slop
     backward's chain rule needs (qk itself when there is no softcap)."""
     if SOFTCAP:
         # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for any x, and tl has no tanh that the interpreter runs.
-        t = 1.0 - 2.0 / (tl.exp(2.0 * qk * (scale_log2 * LN2 / softcap)) + 1.0)
-        s = t * (softcap * LOG2E)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * qk * (scale_log2 * _LN2 / softcap)) + 1.0)
+        s = t * (softcap * _LOG2E)
     else:
         t = qk
         s = qk * scale_log2
@@ -315,24 +318,34 @@ def _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     return q_start, len_q, k_start, len_k
 
 
-def _fwd_configs():
+def _configs(shapes):
+    """Autotune candidates (BLOCK_M, BLOCK_N, warps, stages). The interpreter gets one small tile, so short
+    test sequences still cross several blocks; FLASH_KERNELS_AUTOTUNE=0 keeps only the first (default)
+    candidate, which saves compile time where speed does not matter (GPU correctness tests)."""
     if triton_interpreter_enabled():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    shapes = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+    shapes = shapes + [(64, 32, 4, 2), (32, 32, 4, 2)]  # small tiles for head dims > 128 (see the prune)
+    if os.environ.get("FLASH_KERNELS_AUTOTUNE", "1") == "0":
+        shapes = shapes[:1]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-def _prune_fwd(configs, named_args, **kwargs):
-    # Shared memory: large head dims need small tiles; tiny sequences don't need 128-row tiles.
+def _fwd_configs():
+    return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
+
+
+def _prune_big_head(configs, named_args, **kwargs):
+    """Head dims above 128 (padded to 256) need small tiles to fit registers and shared memory."""
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    keep = [c for c in configs if bd <= 128 or c.kwargs["BLOCK_N"] <= 64]
-    if bd > 128:
-        keep = [c for c in keep if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 64 and c.num_stages <= 2] or keep[-1:]
-    return keep or configs[-1:]
+    small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 and c.num_stages <= 2]
+    if bd <= 128:
+        return [c for c in configs if c not in small] or configs
+    keep = small
+    return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
 
 
 @triton.autotune(configs=_fwd_configs(), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune_fwd})
+                 prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CuQ, CuK, Alibi,
@@ -363,7 +376,7 @@ def _attn_fwd_kernel(
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=(offs_m[:, None] < len_q) & d_mask[None, :], other=0.0)
     slope_log2 = 0.0
     if ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * LOG2E
+        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
     seed_bh = seed + b * n_heads + h
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -389,7 +402,7 @@ def _attn_fwd_kernel(
     out = acc / l_safe[:, None]
     if DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
     row_ok = offs_m < len_q
     o_base = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
@@ -457,7 +470,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
         q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # empty rows: p = 0
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E  # empty rows: p = 0
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         # Work on the transposed tile (keys x rows) so dK, dV accumulate without a transpose.
         qkT = _mm(k, tl.trans(q), None, DOT_F32)  # (N, M)
@@ -497,25 +510,13 @@ def _q_range(n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, lef
 
 
 def _bwd_configs(kind):
-    if triton_interpreter_enabled():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
     if kind == "dkdv":
-        shapes = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2)]
-    else:
-        shapes = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
-
-
-def _prune_bwd(configs, named_args, **kwargs):
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    if bd <= 128:
-        return configs
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64 and c.num_stages <= 2]
-    return keep or configs[-1:]
+        return _configs([(32, 128, 4, 3), (64, 128, 8, 2)])
+    return _configs([(128, 32, 4, 3), (128, 64, 8, 2)])
 
 
 @triton.autotune(configs=_bwd_configs("dkdv"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
-                 prune_configs_by={"early_config_prune": _prune_bwd})
+                 prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, Delta, CuQ, CuK, Alibi,
@@ -555,9 +556,7 @@ def _attn_bwd_dkdv_kernel(
         lo = 0
         hi = len_q
         full_lo = 0
-        full_hi = len_q // BLOCK_M * BLOCK_M
-        if keys_partial:
-            full_hi = 0
+        full_hi = tl.where(keys_partial, 0, len_q // BLOCK_M * BLOCK_M)
     for g in range(0, group):
         h = hk * group + g
         q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
@@ -566,7 +565,7 @@ def _attn_bwd_dkdv_kernel(
         delta_base = Delta + b64 * stride_lb + h * stride_lh + q_start
         slope_log2 = 0.0
         if ALIBI:
-            slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * LOG2E
+            slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
         seed_bh = seed + b * n_heads + h
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
                                  lo, full_lo, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
@@ -578,7 +577,7 @@ def _attn_bwd_dkdv_kernel(
                                  full_hi, hi, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
                                  seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
     # scores were scaled by softmax_scale before the softmax; dK picks that factor up here.
-    dk = dk * (scale_log2 * LN2)
+    dk = dk * (scale_log2 * _LN2)
     out_mask = (offs_n[:, None] < len_k) & d_mask[None, :]
     tl.store(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=out_mask)
     tl.store(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=out_mask)
@@ -614,7 +613,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, o
 
 
 @triton.autotune(configs=_bwd_configs("dq"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune_bwd})
+                 prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, CuQ, CuK, Alibi,
@@ -643,13 +642,13 @@ def _attn_bwd_dq_kernel(
     q = tl.load(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
     lse = tl.load(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
     delta = tl.load(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
     slope_log2 = 0.0
     if ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * LOG2E
+        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
     seed_bh = seed + b * n_heads + h
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL_OR_LOCAL:
@@ -668,7 +667,7 @@ def _attn_bwd_dq_kernel(
     dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi, len_q, len_k,
                        left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
                        HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
-    dq = dq * (scale_log2 * LN2)
+    dq = dq * (scale_log2 * _LN2)
     tl.store(DQ + b64 * stride_dqb + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqs + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
 
 

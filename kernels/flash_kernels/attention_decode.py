@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._backend import triton_interpreter_enabled, use_triton
-from .attention import LN2, _attention_ref, _check_common, _mm, _scores, _triton_unsupported, _window_bounds
+from .attention import LOG2E, _attention_ref, _check_common, _mm, _scores, _triton_unsupported, _window_bounds
 
 # ----------------------------------------------------------------------------------------------------------
 # Reference
@@ -215,7 +215,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     _decode_split_kernel[(num_splits, bsz * hkv, triton.cdiv(rows, block_m))](
-        q, k_cache, v_cache, opart, lpart, cache_seqlens, table, scale * 1.4426950408889634, softcap,
+        q, k_cache, v_cache, opart, lpart, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),

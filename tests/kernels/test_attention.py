@@ -263,10 +263,13 @@ def test_validation_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_real_sizes(causal, d, dtype):
+@pytest.mark.parametrize(
+    "dtype,d,causal",
+    [(torch.bfloat16, 128, True), (torch.bfloat16, 128, False), (torch.float16, 64, True), (torch.bfloat16, 64, False),
+     (torch.bfloat16, 256, True)],
+    ids=str,
+)
+def test_gpu_real_sizes(dtype, d, causal):
     torch.manual_seed(10)
     q, k, v = _qkv(2, 1000, 1000, 16, 4, d, dtype)
     _check_fwd_bwd(q, k, v, dtype, causal=causal)

@@ -1,0 +1,249 @@
+"""`flash-models bench attention`: our Triton attention vs torch SDPA's backends, in one process.
+
+Training grid: bf16, B*S fixed (16k tokens), H*D fixed (2048), head dim 64 and 128, S from 512 to 16k, causal
+and not. Forward and forward+backward TFLOP/s (DESIGN.md: fwd = 4*B*S^2*H*D, half when causal; fwd+bwd =
+3.5x fwd). Peers: SDPA FLASH_ATTENTION (FA2), CUDNN_ATTENTION, EFFICIENT_ATTENTION, each pinned with
+``sdpa_kernel``, and the best of them.
+
+Decode grid: one query token, KV length 2k..32k, batch 1..64; GB/s of K+V bytes read, ours vs SDPA, and as a
+fraction of the measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .harness import BenchResult, measure_copy_bandwidth, time_cuda
+
+log = logging.getLogger(__name__)
+
+PEERS = ("flash", "cudnn", "efficient")
+
+
+def _sdpa_backends():
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _sdpa_fn(backend_name, q, k, v, causal):
+    """SDPA pinned to one backend, on the same (B, S, H, D) tensors as ours (viewed as (B, H, S, D))."""
+    from torch.nn.attention import sdpa_kernel
+
+    backend = _sdpa_backends()[backend_name]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def run():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+    return run
+
+
+def _ours_fn(q, k, v, causal):
+    from flash_kernels import flash_attn_func
+
+    return lambda: flash_attn_func(q, k, v, causal=causal, backend="triton")
+
+
+def _time_fwd_bwd(fn, q, k, v, repeats):
+    """(fwd ms, fwd+bwd ms) or (None, None) when the backend rejects this input."""
+    try:
+        out = fn()
+        dout = torch.randn_like(out)
+        fwd = time_cuda(fn, repeats=repeats).median_ms
+
+        def fwd_bwd():
+            torch.autograd.grad(fn(), (q, k, v), dout)
+
+        both = time_cuda(fwd_bwd, repeats=repeats).median_ms
+        return fwd, both, out
+    except RuntimeError as err:  # e.g. a SDPA backend that does not support this shape on this GPU
+        log.warning("backend failed: %s", str(err).splitlines()[0])
+        return None, None, None
+
+
+def _tflops(flops, ms):
+    return None if ms is None else flops / (ms * 1e-3) / 1e12
+
+
+def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats):
+    for d in hdims:
+        h = hidden // d
+        for s in seqlens:
+            b = max(1, tokens // s)
+            for causal in causals:
+                q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+                flops = 4 * b * s * s * h * d / (2 if causal else 1)
+                row = {"hdim": d, "S": s, "B": b, "causal": causal}
+                fwd, both, out = _time_fwd_bwd(_ours_fn(q, k, v, causal), q, k, v, repeats)
+                row["ours_fwd"], row["ours_fwdbwd"] = _tflops(flops, fwd), _tflops(3.5 * flops, both)
+                best_f, best_b = 0.0, 0.0
+                for peer in PEERS:
+                    pf, pb, pout = _time_fwd_bwd(_sdpa_fn(peer, q, k, v, causal), q, k, v, repeats)
+                    row[f"{peer}_fwd"], row[f"{peer}_fwdbwd"] = _tflops(flops, pf), _tflops(3.5 * flops, pb)
+                    best_f, best_b = max(best_f, row[f"{peer}_fwd"] or 0.0), max(best_b, row[f"{peer}_fwdbwd"] or 0.0)
+                    if peer == "flash" and pout is not None:
+                        row["err_vs_fa2"] = ((out.float() - pout.float()).norm() / pout.float().norm()).item()
+                row["best_fwd"], row["best_fwdbwd"] = best_f, best_b
+                row["x_fa2_fwd"] = _ratio(row["ours_fwd"], row["flash_fwd"])
+                row["x_fa2_fwdbwd"] = _ratio(row["ours_fwdbwd"], row["flash_fwdbwd"])
+                row["x_cudnn_fwd"] = _ratio(row["ours_fwd"], row["cudnn_fwd"])
+                row["x_cudnn_fwdbwd"] = _ratio(row["ours_fwdbwd"], row["cudnn_fwdbwd"])
+                res.add(**row)
+                print(_short_row(row), flush=True)
+                del q, k, v, out
+                torch.cuda.empty_cache()
+
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def _short_row(row):
+    return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw):
+    from flash_kernels import flash_attn_with_kvcache
+
+    for b in batches:
+        for kv in kv_lens:
+            nbytes = 2 * b * kv * kv_heads * d * 2  # K and V, bf16
+            if 2 * nbytes > torch.cuda.mem_get_info()[0] * 0.8:
+                continue
+            q = torch.randn(b, 1, heads, d, dtype=torch.bfloat16, device="cuda")
+            kc = torch.randn(b, kv, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+            vc = torch.randn_like(kc)
+            seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
+            row = {"batch": b, "kv_len": kv, "kv_MB": nbytes / 1e6}
+            t = time_cuda(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"), repeats=repeats)
+            row["ours_GBs"] = nbytes / (t.median_ms * 1e-3) / 1e9
+            row["ours_us"] = t.median_ms * 1e3
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            best = 0.0
+            for peer in PEERS:
+                from torch.nn.attention import sdpa_kernel
+
+                backend = _sdpa_backends()[peer]
+
+                def run(backend=backend):
+                    with sdpa_kernel([backend]):
+                        return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=heads != kv_heads)
+
+                try:
+                    run()
+                    tp = time_cuda(run, repeats=repeats)
+                    row[f"{peer}_GBs"] = nbytes / (tp.median_ms * 1e-3) / 1e9
+                    best = max(best, row[f"{peer}_GBs"])
+                except RuntimeError as err:
+                    log.warning("decode %s failed: %s", peer, str(err).splitlines()[0])
+                    row[f"{peer}_GBs"] = None
+            row["best_sdpa_GBs"] = best
+            row["x_best_sdpa"] = _ratio(row["ours_GBs"], best)
+            row["frac_copy_bw"] = row["ours_GBs"] * 1e9 / copy_bw
+            res.add(**row)
+            print(_short_row(row), flush=True)
+            del q, kc, vc
+            torch.cuda.empty_cache()
+
+
+def _plot(train, decode, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib not installed: no plot")
+        return
+    hdims = sorted({r["hdim"] for r in train.rows})
+    fig, axes = plt.subplots(2, len(hdims) + 1, figsize=(6 * (len(hdims) + 1), 9), squeeze=False)
+    for col, d in enumerate(hdims):
+        for row_i, mode in enumerate(("fwd", "fwdbwd")):
+            ax = axes[row_i][col]
+            for name, style in (("ours", "k"), ("flash", "C0"), ("cudnn", "C1"), ("efficient", "C2")):
+                for causal, ls in ((False, "-"), (True, "--")):
+                    rows = [r for r in train.rows if r["hdim"] == d and r["causal"] == causal and r.get(f"{name}_{mode}")]
+                    if rows:
+                        ax.plot([r["S"] for r in rows], [r[f"{name}_{mode}"] for r in rows], style, ls=ls, marker="o",
+                                label=f"{name}{' causal' if causal else ''}")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"hdim {d}, {'forward' if mode == 'fwd' else 'forward+backward'}")
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=7)
+    ax = axes[0][-1]
+    for i, b in enumerate(sorted({r["batch"] for r in decode.rows})):
+        rows = [r for r in decode.rows if r["batch"] == b]
+        ax.plot([r["kv_len"] for r in rows], [r["ours_GBs"] for r in rows], f"C{i}", marker="o", label=f"ours B={b}")
+        ax.plot([r["kv_len"] for r in rows], [r["best_sdpa_GBs"] for r in rows], f"C{i}", ls=":", label=f"SDPA best B={b}")
+    ax.set_xscale("log", base=2)
+    ax.set_title("decode: KV bytes read, GB/s")
+    ax.set_xlabel("KV length")
+    ax.legend(fontsize=7)
+    axes[1][-1].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="flash-models bench attention", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-results", help="directory for attention.json and attention.png")
+    p.add_argument("--hdims", default="64,128")
+    p.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--tokens", type=int, default=16384, help="B * S of the training grid")
+    p.add_argument("--hidden", type=int, default=2048, help="H * D of the training grid")
+    p.add_argument("--decode-kv", default="2048,8192,32768")
+    p.add_argument("--decode-batch", default="1,8,64")
+    p.add_argument("--decode-heads", type=int, default=16)
+    p.add_argument("--decode-kv-heads", type=int, default=16)
+    p.add_argument("--decode-hdim", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--skip-decode", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench attention needs a CUDA GPU")
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    train = BenchResult(area="attention")
+    if not args.skip_train:
+        bench_training(train, hdims=_ints(args.hdims), seqlens=_ints(args.seqlens), causals=causals,
+                       tokens=args.tokens, hidden=args.hidden, repeats=args.repeats)
+    decode = BenchResult(area="attention-decode")
+    if not args.skip_decode:
+        copy_bw = measure_copy_bandwidth()
+        decode.env["copy_bandwidth_GBs"] = copy_bw / 1e9
+        bench_decode(decode, kv_lens=_ints(args.decode_kv), batches=_ints(args.decode_batch), heads=args.decode_heads,
+                     kv_heads=args.decode_kv_heads, d=args.decode_hdim, repeats=args.repeats, copy_bw=copy_bw)
+    train.write_json(out_dir / "attention.json")
+    decode.write_json(out_dir / "attention_decode.json")
+    _plot(train, decode, out_dir / "attention.png")
+    print(f"\n{train.env}\n")
+    cols = ["hdim", "S", "causal", "ours_fwd", "flash_fwd", "cudnn_fwd", "efficient_fwd", "x_fa2_fwd", "x_cudnn_fwd",
+            "ours_fwdbwd", "flash_fwdbwd", "cudnn_fwdbwd", "efficient_fwdbwd", "x_fa2_fwdbwd", "x_cudnn_fwdbwd"]
+    if train.rows:
+        print("### Training shapes, TFLOP/s (bf16)\n")
+        print(train.markdown(cols))
+    if decode.rows:
+        print(f"\n### Decode, GB/s of KV read (copy bandwidth {decode.env['copy_bandwidth_GBs']:.0f} GB/s)\n")
+        print(decode.markdown(["batch", "kv_len", "ours_us", "ours_GBs", "flash_GBs", "cudnn_GBs", "efficient_GBs",
+                               "x_best_sdpa", "frac_copy_bw"]))
+
+
+if __name__ == "__main__":
+    main()
