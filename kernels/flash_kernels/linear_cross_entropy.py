@@ -201,9 +201,9 @@ _lce_fwd_op.register_autograd(_lce_backward, setup_context=_lce_setup_context)
 
 
 def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
-    """Tokens per chunk: a chunk of logits about twice the size of the hidden states (at least 256 rows, so
-    the GEMMs stay efficient), a power of two."""
-    target = next_power_of_2(math.ceil(2 * n_tokens * hidden_size / max(vocab_size, 1)))
+    """Tokens per chunk: a chunk of logits one to two times the size of the hidden states (at least 256 rows,
+    so the GEMMs stay efficient), a power of two."""
+    target = next_power_of_2(math.ceil(n_tokens * hidden_size / max(vocab_size, 1)))
     return max(1, min(n_tokens, max(256, target)))
 
 

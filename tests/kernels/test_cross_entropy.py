@@ -1,0 +1,112 @@
+"""cross_entropy: Triton kernels (the interpreter on CPU) against the reference and torch's
+F.cross_entropy: smoothing, z-loss, logit scale, ignore_index, reductions, in-place backward, lse output."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_kernels import cross_entropy
+from flash_kernels._testing import assert_close
+
+ce = importlib.import_module("flash_kernels.cross_entropy")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Logits dtype and the tolerance dtype of the (float32) loss computed from them.
+DTYPES = [(torch.float32, torch.float32), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)]
+CASES = {
+    "plain": dict(),
+    "smooth_zloss_scale_sum": dict(label_smoothing=0.1, lse_square_scale=1e-3, logit_scale=0.7, reduction="sum"),
+    "none_lse": dict(reduction="none", return_lse=True),
+}
+
+
+def _labels(n, vocab):
+    labels = torch.randint(0, vocab, (n,), device=DEVICE)
+    labels[::5] = -100
+    return labels
+
+
+@pytest.mark.parametrize("dtype,tol_dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_fwd_bwd(case, dtype, tol_dtype, inplace_backward):
+    kw = CASES[case]
+    n, vocab = 37, 3001
+    logits = (2 * torch.randn(n, vocab, device=DEVICE, dtype=dtype)).requires_grad_()
+    labels = _labels(n, vocab)
+    ref = ce.cross_entropy_ref(logits, labels, **kw)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    grads = [torch.randn_like(r) for r in ref]
+    want = torch.autograd.grad(ref, logits, grads)[0]
+    # In-place backward overwrites its input: give it a non-leaf copy.
+    inp = logits.detach().clone().requires_grad_()
+    x = inp * 1.0 if inplace_backward else inp
+    out = cross_entropy(x, labels, inplace_backward=inplace_backward, backend="triton", **kw)
+    out = out if isinstance(out, tuple) else (out,)
+    for o, r in zip(out, ref):
+        assert_close(o, r, tol_dtype, name="loss/lse")
+    got = torch.autograd.grad(out, inp, grads)[0]
+    assert_close(got, want, tol_dtype, name="grad")
+
+
+def test_inplace_backward_reuses_logits_buffer():
+    logits = torch.randn(8, 300, device=DEVICE, requires_grad=True)
+    x = logits * 1.0
+    captured = {}
+    x.register_hook(lambda g: captured.update(ptr=g.data_ptr()))
+    cross_entropy(x, torch.randint(0, 300, (8,), device=DEVICE), inplace_backward=True, backend="triton").backward()
+    assert captured["ptr"] == x.data_ptr(), "the gradient was not written over the logits buffer"
+
+
+def test_matches_torch_functional():
+    logits = torch.randn(21, 1000, device=DEVICE)
+    labels = _labels(21, 1000)
+    for kw in (dict(), dict(label_smoothing=0.2), dict(reduction="sum"), dict(reduction="none")):
+        want = F.cross_entropy(logits, labels, ignore_index=-100, **kw)
+        assert_close(cross_entropy(logits, labels, backend="triton", **kw), want, torch.float32)
+
+
+def test_all_rows_ignored_gives_zero():
+    loss = cross_entropy(torch.randn(4, 50, device=DEVICE), torch.full((4,), -100, device=DEVICE), backend="triton")
+    assert loss.item() == 0.0
+
+
+def test_compile_fullgraph():
+    def lm_loss(h, w, labels):
+        return cross_entropy(F.linear(h, w), labels, label_smoothing=0.1, backend="triton")
+
+    h = torch.randn(16, 32, device=DEVICE)
+    w = torch.randn(301, 32, device=DEVICE, requires_grad=True)
+    labels = _labels(16, 301)
+    compiled = torch.compile(lm_loss, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    assert_close(compiled(h, w, labels), lm_loss(h, w, labels), torch.float32)
+    compiled(h, w, labels).backward()
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def test_bad_inputs():
+    logits = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        cross_entropy(logits, torch.tensor([0, 1, 10, 2]), backend="triton")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        cross_entropy(logits, torch.tensor([0, -1, 3, 2]), backend="triton")
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(logits, torch.zeros(4, dtype=torch.long), reduction="avg", backend="triton")
+    with pytest.raises(ValueError, match="expected logits"):
+        cross_entropy(logits, torch.zeros(3, dtype=torch.long), backend="triton")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy(logits, torch.zeros(4, dtype=torch.long), label_smoothing=1.5, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [50304, 128256, 262144])
+def test_gpu_large_vocab(vocab):
+    n = 8192 if vocab < 200000 else 1024
+    logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = _labels(n, vocab)
+    loss, lse = cross_entropy(logits, labels, lse_square_scale=1e-4, return_lse=True)
+    ref, ref_lse = ce.cross_entropy_ref(logits, labels, lse_square_scale=1e-4, return_lse=True)
+    assert_close(loss, ref, torch.float32, scale=10)
+    assert_close(lse, ref_lse, torch.float32, scale=10)
+    assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(ref, logits)[0], torch.bfloat16)

@@ -1,0 +1,68 @@
+"""fused_dense / fused_dense_gelu_dense. The cuBLASLt extension runs only on a GPU (tests marked gpu build it
+there, JIT); on the CPU the backend choice and the torch path are checked. No CPU test compiles CUDA code."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_kernels import fused_dense, fused_dense_gelu_dense
+from flash_kernels._testing import assert_close
+from flash_kernels.fused_dense import fused_dense_gelu_dense_ref
+
+
+def _mlp_params(d, hidden, dtype, device):
+    make = lambda *s: (torch.randn(*s, dtype=dtype, device=device) / s[-1] ** 0.5).requires_grad_()  # noqa: E731
+    return make(hidden, d), make(hidden), make(d, hidden), make(d)
+
+
+def test_cpu_auto_uses_torch():
+    x = torch.randn(3, 7, 16)
+    w1, b1, w2, b2 = _mlp_params(16, 64, torch.float32, "cpu")
+    assert_close(fused_dense(x, w1, b1), F.linear(x, w1, b1), torch.float32)
+    assert_close(fused_dense_gelu_dense(x, w1, b1, w2, b2, approximate="none"),
+                 F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2), torch.float32)
+
+
+def test_explicit_cuda_backend_that_cannot_run_raises():
+    x = torch.randn(4, 16)
+    w1, b1, w2, b2 = _mlp_params(16, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="cannot run"):
+        fused_dense(x, w1, b1, backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        fused_dense(x, w1, b1, backend="cublas")
+    with pytest.raises(ValueError, match="do not chain"):
+        fused_dense_gelu_dense(x, w1, b1, w1, b2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_extension_matches_torch(dtype):
+    """GPT-2 MLP sizes: built here (JIT), forward and every gradient against torch in float32."""
+    x = torch.randn(4, 512, 768, dtype=dtype, device="cuda", requires_grad=True)
+    params = _mlp_params(768, 3072, dtype, "cuda")
+    out = fused_dense_gelu_dense(x, *params, backend="cuda")
+    ref = fused_dense_gelu_dense_ref(x.float(), *(p.float() for p in params), approximate="tanh")
+    assert_close(out, ref, dtype, name="mlp out")
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, *params], g)
+    want = torch.autograd.grad(ref, [x, *params], g.float())
+    for name, a, b in zip(["x", "w1", "b1", "w2", "b2"], got, want):
+        assert_close(a, b.to(dtype), dtype, scale=2, name=f"grad {name}")
+
+    w, b = params[2], params[3]
+    h = torch.randn(4, 512, 3072, dtype=dtype, device="cuda", requires_grad=True)
+    out = fused_dense(h, w, b, backend="cuda")
+    ref = F.linear(h.float(), w.float(), b.float())
+    assert_close(out, ref, dtype, name="dense out")
+    g = torch.randn_like(out)
+    for name, a, bb in zip(["x", "w", "b"], torch.autograd.grad(out, [h, w, b], g),
+                           torch.autograd.grad(ref, [h, w, b], g.float())):
+        assert_close(a, bb.to(dtype), dtype, scale=2, name=f"dense grad {name}")
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph():
+    x = torch.randn(256, 768, dtype=torch.bfloat16, device="cuda")
+    params = _mlp_params(768, 3072, torch.bfloat16, "cuda")
+    fn = torch.compile(lambda x, *p: fused_dense_gelu_dense(x, *p, backend="cuda"), fullgraph=True)
+    assert_close(fn(x, *params), fused_dense_gelu_dense(x, *params, backend="cuda"), torch.bfloat16)

@@ -1,0 +1,119 @@
+"""apply_rotary: Triton kernel (the interpreter on CPU) against the reference: layouts, partial rotary dim,
+int / per-batch offsets, position_ids, varlen, in place, the backward and torch.compile."""
+
+import importlib
+
+import pytest
+import torch
+
+from flash_kernels import apply_rotary
+from flash_kernels._testing import assert_close
+
+rot = importlib.import_module("flash_kernels.rotary")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [(torch.float32, 1.0), (torch.float16, 1.0), (torch.bfloat16, 1.0)]
+
+
+def _tables(rotary_dim, positions=64):
+    angles = torch.rand(positions, rotary_dim // 2, device=DEVICE) * 6.28
+    return angles.cos(), angles.sin()
+
+
+def _check(x, cos, sin, dtype, scale, **kw):
+    out = apply_rotary(x, cos, sin, backend="triton", **kw)
+    ref = rot.apply_rotary_ref(x, cos, sin, **kw)
+    assert_close(out, ref, dtype, scale=scale, name="out")
+    g = torch.randn_like(ref)
+    got, want = torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0]
+    assert_close(got, want, dtype, scale=scale, name="grad")
+    return ref
+
+
+@pytest.mark.parametrize("dtype,scale", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [24, 16])
+def test_layouts_and_partial_dim(dtype, scale, interleaved, rotary_dim):
+    x = torch.randn(2, 13, 3, 24, dtype=dtype, device=DEVICE, requires_grad=True)
+    cos, sin = _tables(rotary_dim)
+    _check(x, cos, sin, dtype, scale, interleaved=interleaved, seqlen_offsets=5)
+
+
+@pytest.mark.parametrize("positions", ["tensor_offsets", "position_ids"])
+def test_positions(positions):
+    x = torch.randn(3, 11, 2, 16, device=DEVICE, requires_grad=True)
+    cos, sin = _tables(16)
+    if positions == "tensor_offsets":
+        kw = dict(seqlen_offsets=torch.tensor([0, 7, 30], device=DEVICE))
+    else:
+        kw = dict(position_ids=torch.randint(0, 64, (3, 11), device=DEVICE))
+    _check(x, cos, sin, torch.float32, 1.0, **kw)
+
+
+@pytest.mark.parametrize("offsets", [3, "tensor"])
+def test_varlen(offsets):
+    cu = torch.tensor([0, 5, 12, 20], device=DEVICE)
+    x = torch.randn(20, 3, 16, device=DEVICE, requires_grad=True)
+    cos, sin = _tables(16)
+    off = torch.tensor([1, 2, 3], device=DEVICE) if offsets == "tensor" else offsets
+    _check(x, cos, sin, torch.float32, 1.0, cu_seqlens=cu, seqlen_offsets=off, interleaved=True)
+
+
+def test_inplace_and_non_contiguous_heads():
+    qkv = torch.randn(2, 9, 3, 4, 32, device=DEVICE)  # a packed qkv: q and k are strided views
+    cos, sin = _tables(32)
+    q = qkv[:, :, 0]
+    ref = rot.apply_rotary_ref(q, cos, sin)
+    out = apply_rotary(q, cos, sin, inplace=True, backend="triton")
+    assert out.data_ptr() == q.data_ptr()
+    assert_close(qkv[:, :, 0], ref, torch.float32, name="inplace")
+    # In place with autograd: computed out of place and copied back, gradient still correct.
+    base = torch.randn(2, 9, 4, 32, device=DEVICE, requires_grad=True)
+    y = base * 1.0
+    apply_rotary(y, cos, sin, inplace=True, backend="triton")
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, base, g)[0]
+    want = torch.autograd.grad(rot.apply_rotary_ref(base, cos, sin), base, g)[0]
+    assert_close(got, want, torch.float32, name="inplace grad")
+
+
+def test_backward_is_inverse_rotation():
+    """With no cos/sin gradients, the backward is the rotation by -sin: it undoes the forward."""
+    x = torch.randn(2, 7, 2, 16, device=DEVICE)
+    cos, sin = _tables(16)
+    y = apply_rotary(x, cos, sin, backend="triton")
+    back = rot._rotary_op(y, cos, sin, None, None, 0, False, True)
+    assert_close(back, x, torch.float32, name="inverse")
+
+
+def test_compile_fullgraph():
+    def attn_in(q, k, cos, sin):
+        return apply_rotary(q, cos, sin, backend="triton"), apply_rotary(k, cos, sin, interleaved=True, backend="triton")
+
+    q = torch.randn(2, 9, 4, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 9, 2, 16, device=DEVICE, requires_grad=True)
+    cos, sin = _tables(16)
+    compiled = torch.compile(attn_in, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    got, want = compiled(q, k, cos, sin), attn_in(q, k, cos, sin)
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float32)
+    sum(t.sum() for t in got).backward()
+    assert q.grad is not None and k.grad is not None
+
+
+def test_bad_inputs():
+    cos, sin = _tables(16, positions=8)
+    with pytest.raises(ValueError, match="exceeds head dim"):
+        apply_rotary(torch.randn(1, 4, 2, 8), cos, sin, backend="triton")
+    with pytest.raises(ValueError, match="cos/sin table"):
+        apply_rotary(torch.randn(1, 6, 2, 16), cos, sin, seqlen_offsets=4, backend="triton")
+    with pytest.raises(ValueError, match="differ in shape"):
+        apply_rotary(torch.randn(1, 4, 2, 16), cos, sin[:, :4], backend="triton")
+    with pytest.raises(ValueError, match="expected x"):
+        apply_rotary(torch.randn(4, 2, 16), cos, sin, backend="triton")
+
+
+@pytest.mark.gpu
+def test_gpu_llama7b_size():
+    x = torch.randn(4, 4096, 32, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    cos, sin = _tables(128, positions=8192)
+    _check(x, cos, sin, torch.bfloat16, 1.0, seqlen_offsets=torch.tensor([0, 10, 100, 1000], device="cuda"))
