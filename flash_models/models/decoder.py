@@ -142,8 +142,7 @@ class DecoderLM(nn.Module):
         if self.rotary is not None:
             rope_tables = self.rotary.tables(positions_needed, hidden.device)
         mask = build_attention_mask(
-            attention_mask, q_len=S, past_len=past, causal=True, sliding_window=dc.attention.sliding_window,
-            device=hidden.device,
+            attention_mask, q_len=S, past_len=past, causal=True, sliding_window=dc.attention.sliding_window
         )
         residual = None
         for block in self.blocks:

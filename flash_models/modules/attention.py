@@ -1,9 +1,18 @@
 """Multi-head attention with a fused qkv projection: MHA, GQA and MQA, rotary, causal and padding masks,
-sliding windows, a KV cache, and explicit backends ("eager", "sdpa", "flash", "auto")."""
+sliding windows, a KV cache, and explicit backends:
+
+- "eager": scores in float32, softmax, weighted sum: the readable reference.
+- "sdpa": torch's scaled_dot_product_attention.
+- "flash": our Triton kernels (flash_kernels.flash_attn_func / flash_attn_varlen_func); padded batches are
+  unpadded into packed sequences so no work is spent on padding.
+- "auto": "flash" for CUDA tensors in fp16/bf16 with a head dim the kernels support, else "sdpa". The check
+  is a cheap look at device/dtype at call time, so a model moved with ``.to("cuda")`` picks it up.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,50 +27,84 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 
 
+@dataclass
+class AttentionMask:
+    """Everything a layer needs to mask attention, built once per model forward and shared by all layers.
+
+    ``key_padding`` is HF's attention_mask as bool (B, past + Sq), True for real tokens, or None. Query i
+    sits at key index past_len + i: causal masking is aligned bottom-right.
+    """
+
+    q_len: int
+    past_len: int
+    causal: bool
+    sliding_window: int | None
+    key_padding: torch.Tensor | None
+    _dense: torch.Tensor | None = field(default=None, repr=False)
+    _unpad: tuple | None = field(default=None, repr=False)
+
+    @property
+    def k_len(self) -> int:
+        return self.past_len + self.q_len
+
+    @property
+    def implicit(self) -> bool:
+        """True when plain causal attention (or none) says it all: no padding, no window, and Sq == Sk or
+        a single query (which may see every key)."""
+        return self.key_padding is None and self.sliding_window is None and (
+            not self.causal or self.q_len == self.k_len or self.q_len == 1
+        )
+
+    def dense(self, device: torch.device) -> torch.Tensor:
+        """Boolean (B or 1, 1, Sq, Sk), True where a query may attend to a key."""
+        if self._dense is None:
+            q_idx = torch.arange(self.past_len, self.k_len, device=device).unsqueeze(1)  # (Sq, 1)
+            k_idx = torch.arange(self.k_len, device=device).unsqueeze(0)  # (1, Sk)
+            allowed = torch.ones(self.q_len, self.k_len, dtype=torch.bool, device=device)
+            if self.causal:
+                allowed &= k_idx <= q_idx
+            if self.sliding_window is not None:
+                allowed &= q_idx - k_idx < self.sliding_window
+            allowed = allowed[None, None]
+            if self.key_padding is not None:
+                allowed = allowed & self.key_padding[:, None, None, :]
+            self._dense = allowed
+        return self._dense
+
+    def unpad_indices(self):
+        """(q_index, k_index, cu_seqlens_q, cu_seqlens_k, max_q, max_k) for packing real tokens, cached."""
+        if self._unpad is None:
+            keys = self.key_padding  # (B, Sk)
+            queries = keys[:, self.past_len:]  # (B, Sq): the new tokens' own mask
+            q_counts, k_counts = queries.sum(1, dtype=torch.int32), keys.sum(1, dtype=torch.int32)
+            zero = torch.zeros(1, dtype=torch.int32, device=keys.device)
+            self._unpad = (
+                queries.flatten().nonzero().squeeze(1), keys.flatten().nonzero().squeeze(1),
+                torch.cat([zero, q_counts.cumsum(0, dtype=torch.int32)]),
+                torch.cat([zero, k_counts.cumsum(0, dtype=torch.int32)]),
+                int(q_counts.max()), int(k_counts.max()),
+            )
+        return self._unpad
+
+
 def build_attention_mask(
     attention_mask: torch.Tensor | None, *, q_len: int, past_len: int, causal: bool, sliding_window: int | None,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """Boolean mask (B or 1, 1, Sq, Sk), True where a query may attend to a key, or None when plain causal
-    attention (or none at all) says it all: no padding, no window, and Sq == Sk or a single query.
-
-    ``attention_mask`` is HF's (B, past_len + Sq) tensor, 1 for real tokens and 0 for padding. Query i sits
-    at key index past_len + i: causal masking is aligned bottom-right.
-    """
+) -> AttentionMask:
+    """Check HF's (B, past + Sq) attention_mask and wrap it (see ``AttentionMask``)."""
     k_len = past_len + q_len
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[-1]} positions but the keys span {k_len} "
             f"({past_len} cached + {q_len} new); pass a mask over all cached and new tokens"
         )
-    if attention_mask is None and sliding_window is None and (not causal or q_len == k_len or q_len == 1):
-        return None
-    return dense_attention_mask(
-        attention_mask, q_len=q_len, past_len=past_len, causal=causal, sliding_window=sliding_window, device=device
-    )
-
-
-def dense_attention_mask(attention_mask, *, q_len, past_len, causal, sliding_window, device) -> torch.Tensor:
-    """The (B or 1, 1, Sq, Sk) boolean mask, always materialized (see ``build_attention_mask``)."""
-    k_len = past_len + q_len
-    q_idx = torch.arange(past_len, k_len, device=device).unsqueeze(1)  # (Sq, 1)
-    k_idx = torch.arange(k_len, device=device).unsqueeze(0)  # (1, Sk)
-    allowed = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if causal:
-        allowed &= k_idx <= q_idx
-    if sliding_window is not None:
-        allowed &= q_idx - k_idx < sliding_window
-    allowed = allowed[None, None]  # (1, 1, Sq, Sk)
-    if attention_mask is not None:
-        allowed = allowed & attention_mask.bool()[:, None, None, :]
-    return allowed
+    key_padding = attention_mask.bool() if attention_mask is not None else None
+    return AttentionMask(q_len=q_len, past_len=past_len, causal=causal, sliding_window=sliding_window, key_padding=key_padding)
 
 
 def _eager_attention(q, k, v, mask, *, scale, dropout_p):
     """Readable reference: scores in float32, softmax, weighted sum. q (B, H, Sq, D), k/v (B, H, Sk, D)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return torch.matmul(probs.to(v.dtype), v)
@@ -73,27 +116,26 @@ class Attention(nn.Module):
     ):
         super().__init__()
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
+        if attn_impl == "flash" and cfg.head_dim not in FLASH_HEAD_DIMS:
+            raise ValueError(
+                f"attn_impl='flash' supports head dims {FLASH_HEAD_DIMS}, this model has {cfg.head_dim}; "
+                "use attn_impl='sdpa' or 'auto'"
+            )
         self.cfg, self.layer_idx, self.rope, self.attn_impl = cfg, layer_idx, rope, attn_impl
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.out_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
         self.softmax_scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
-        if attn_impl == "flash":
-            raise ValueError(
-                "attn_impl='flash' needs flash_kernels.flash_attn_func, which this build does not have yet; "
-                "use attn_impl='sdpa' or 'auto'"
-            )
 
     def forward(
-        self, x: torch.Tensor, *, mask: torch.Tensor | None, position_ids: torch.Tensor,
+        self, x: torch.Tensor, *, mask: AttentionMask, position_ids: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """x (B, S, hidden); mask from ``build_attention_mask``; position_ids (B, S); rope_tables the model's
-        (cos, sin) covering every position in position_ids."""
+        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position."""
         cfg = self.cfg
         B, S, _ = x.shape
-        qkv = self.qkv(x)
-        q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim], dim=-1)
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(B, S, cfg.num_heads, cfg.head_dim)  # (B, S, Hq, D)
         k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim)  # (B, S, Hkv, D)
         v = v.view(B, S, cfg.num_kv_heads, cfg.head_dim)
@@ -103,33 +145,56 @@ class Attention(nn.Module):
             k = flash_kernels.apply_rotary(k, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
-        out = self._attend(q, k, v, mask)  # (B, S, Hq, D)
-        return self.out_proj(out.reshape(B, S, cfg.num_heads * cfg.head_dim))
+        out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
+        return self.out_proj(out.reshape(B, S, q_dim))
 
-    def _attend(self, q, k, v, mask):
+    def backend_for(self, q: torch.Tensor) -> str:
+        if self.attn_impl != "auto":
+            return self.attn_impl
+        flash_ok = q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] in FLASH_HEAD_DIMS
+        return "flash" if flash_ok else "sdpa"
+
+    def attend(self, q, k, v, mask: AttentionMask) -> torch.Tensor:
         """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> (B, Sq, Hq, D). Fully masked query rows give zeros."""
         dropout_p = self.cfg.dropout_p if self.training else 0.0
+        backend = self.backend_for(q)
+        if backend == "flash":
+            return self._flash(q, k, v, mask, dropout_p)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
-        row_has_keys = None
-        if mask is not None:
-            row_has_keys = mask.any(dim=-1, keepdim=True)  # (B, 1, Sq, 1)
-            # A row with no key would be NaN after softmax: let it see everything, then zero it below.
-            mask = mask | ~row_has_keys
-        is_causal = mask is None and self.cfg.causal and q.shape[2] > 1
-        if self.attn_impl == "eager":
-            if is_causal:
-                q_len, k_len = q.shape[2], k.shape[2]
-                mask = dense_attention_mask(
-                    None, q_len=q_len, past_len=k_len - q_len, causal=True, sliding_window=None, device=q.device
-                )
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = _eager_attention(q, k, v, mask, scale=self.softmax_scale, dropout_p=dropout_p)
-        else:
+        if mask.implicit and backend == "sdpa":
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+                q, k, v, dropout_p=dropout_p, is_causal=mask.causal and mask.q_len > 1, scale=self.softmax_scale,
                 enable_gqa=q.shape[1] != k.shape[1],
             )
-        if row_has_keys is not None:
-            out = out * row_has_keys
-        return out.transpose(1, 2)
+            return out.transpose(1, 2)
+        dense = mask.dense(q.device)
+        row_has_keys = dense.any(dim=-1, keepdim=True)  # (B, 1, Sq, 1)
+        dense = dense | ~row_has_keys  # a row with no key would be NaN: let it see all, then zero it below
+        if backend == "eager":
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            out = _eager_attention(q, k, v, dense, scale=self.softmax_scale, dropout_p=dropout_p)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, dropout_p=dropout_p, scale=self.softmax_scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+        return (out * row_has_keys).transpose(1, 2)
+
+    def _flash(self, q, k, v, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
+        # Our kernels' window is (left, right) in keys; a sliding window of W keeps the last W keys.
+        window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
+        kwargs = dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, dropout_p=dropout_p,
+                      backend="triton" if self.attn_impl == "flash" else "auto")
+        if mask.key_padding is None:
+            return flash_kernels.flash_attn_func(q, k, v, **kwargs)
+        # Pack the real tokens of every row, attend per sequence, scatter back; padded queries stay zero.
+        B, Sq, Hq, D = q.shape
+        q_index, k_index, cu_q, cu_k, max_q, max_k = mask.unpad_indices()
+        packed = flash_kernels.flash_attn_varlen_func(
+            q.reshape(B * Sq, Hq, D)[q_index], k.reshape(-1, *k.shape[2:])[k_index], v.reshape(-1, *v.shape[2:])[k_index],
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k, **kwargs,
+        )
+        out = q.new_zeros(B * Sq, Hq, D)
+        out[q_index] = packed
+        return out.view(B, Sq, Hq, D)
