@@ -385,7 +385,7 @@ def _norm_fwd(
         HAS_DROPOUT=dropout_p > 0.0, HAS_B=bias is not None, HAS_W1=weight1 is not None,
         HAS_B1=bias1 is not None, STORE_RES=store_residual, STORE_MASK=store_mask,
         ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
-        num_warps=warps_for_block(block),
+        num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16),
     )
     return y, y1, res_out, mean, rstd, seed, mask.view(torch.bool)
 
@@ -419,7 +419,7 @@ def _norm_bwd(
         IS_RMS=is_rms_norm, HAS_B=has_bias, HAS_W1=weight1 is not None, HAS_B1=has_bias1,
         HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_ROWSCALE=rowscale is not None,
         HAS_DROPOUT=dropout_p > 0.0, ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
-        num_warps=warps_for_block(block),
+        num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16),
     )
     if has_residual and not store_dres:
         dres = dx
