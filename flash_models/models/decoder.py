@@ -30,6 +30,12 @@ def positions_from_mask(attention_mask: torch.Tensor, past_len: int, q_len: int)
     return positions[:, past_len:past_len + q_len]
 
 
+def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of each packed token within its own document: (total,)."""
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long(), output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts
+
+
 class DecoderLM(nn.Module):
     """Embeddings -> N pre-norm blocks -> final norm -> LM head, over a family's ``DecoderConfig``."""
 
@@ -109,10 +115,15 @@ class DecoderLM(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """input_ids (B, S). attention_mask (B, past + S), 1 = real token, 0 = padding, covering cached tokens
         too. Without position_ids, positions count real tokens (so left padding shifts nothing). labels (B, S)
-        are shifted inside, as in HF: the loss at position t predicts labels[t + 1]; -100 is ignored."""
+        are shifted inside, as in HF: the loss at position t predicts labels[t + 1]; -100 is ignored.
+
+        Packed training: input_ids (1, total) holding documents back to back, with ``cu_seqlens`` (int32
+        offsets, num_docs + 1). Documents never attend across each other and positions restart at each one.
+        Give labels = -100 at each document's first token if the previous document must not predict it."""
         dc = self.decoder_config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -128,8 +139,12 @@ class DecoderLM(nn.Module):
                 "truncate the input"
             )
         positions_needed = past + S  # derived positions never exceed this
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
         if position_ids is None:
-            if attention_mask is not None:
+            if cu_seqlens is not None:
+                position_ids = positions_in_documents(cu_seqlens, S).unsqueeze(0)
+            elif attention_mask is not None:
                 position_ids = positions_from_mask(attention_mask, past, S)
             else:
                 position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
@@ -142,7 +157,8 @@ class DecoderLM(nn.Module):
         if self.rotary is not None:
             rope_tables = self.rotary.tables(positions_needed, hidden.device)
         mask = build_attention_mask(
-            attention_mask, q_len=S, past_len=past, causal=True, sliding_window=dc.attention.sliding_window
+            attention_mask, q_len=S, past_len=past, causal=True, sliding_window=dc.attention.sliding_window,
+            cu_seqlens=cu_seqlens,
         )
         residual = None
         for block in self.blocks:

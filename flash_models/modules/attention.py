@@ -40,6 +40,8 @@ class AttentionMask:
     causal: bool
     sliding_window: int | None
     key_padding: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None = None  # packed documents in one row: (num_docs + 1,) int32 offsets
+    max_seqlen: int = 0
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _unpad: tuple | None = field(default=None, repr=False)
 
@@ -51,7 +53,7 @@ class AttentionMask:
     def implicit(self) -> bool:
         """True when plain causal attention (or none) says it all: no padding, no window, and Sq == Sk or
         a single query (which may see every key)."""
-        return self.key_padding is None and self.sliding_window is None and (
+        return self.key_padding is None and self.cu_seqlens is None and self.sliding_window is None and (
             not self.causal or self.q_len == self.k_len or self.q_len == 1
         )
 
@@ -65,6 +67,9 @@ class AttentionMask:
                 allowed &= k_idx <= q_idx
             if self.sliding_window is not None:
                 allowed &= q_idx - k_idx < self.sliding_window
+            if self.cu_seqlens is not None:  # packed documents never attend across each other
+                doc = torch.searchsorted(self.cu_seqlens[1:], torch.arange(self.k_len, device=device), right=True)
+                allowed &= doc.unsqueeze(1) == doc.unsqueeze(0)
             allowed = allowed[None, None]
             if self.key_padding is not None:
                 allowed = allowed & self.key_padding[:, None, None, :]
@@ -89,9 +94,22 @@ class AttentionMask:
 
 def build_attention_mask(
     attention_mask: torch.Tensor | None, *, q_len: int, past_len: int, causal: bool, sliding_window: int | None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> AttentionMask:
-    """Check HF's (B, past + Sq) attention_mask and wrap it (see ``AttentionMask``)."""
+    """Check HF's (B, past + Sq) attention_mask, or packed-document offsets, and wrap them (see
+    ``AttentionMask``)."""
     k_len = past_len + q_len
+    if cu_seqlens is not None:
+        if attention_mask is not None or past_len:
+            raise ValueError("cu_seqlens (packed documents) cannot be combined with attention_mask or a KV cache")
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q_len:
+            raise ValueError(
+                f"cu_seqlens must be int32 offsets starting at 0 and ending at the packed length {q_len}, "
+                f"got {cu_seqlens.tolist() if cu_seqlens.numel() < 20 else tuple(cu_seqlens.shape)}"
+            )
+        max_seqlen = int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+        return AttentionMask(q_len=q_len, past_len=0, causal=causal, sliding_window=sliding_window, key_padding=None,
+                             cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         raise ValueError(
             f"attention_mask covers {attention_mask.shape[-1]} positions but the keys span {k_len} "
@@ -186,6 +204,14 @@ class Attention(nn.Module):
         window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
         kwargs = dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, dropout_p=dropout_p,
                       backend="triton" if self.attn_impl == "flash" else "auto")
+        if mask.cu_seqlens is not None:  # packed documents: one row holding every document back to back
+            B, S, Hq, D = q.shape
+            assert B == 1, "packed documents come as a single row"
+            out = flash_kernels.flash_attn_varlen_func(
+                q[0], k[0], v[0], cu_seqlens_q=mask.cu_seqlens, cu_seqlens_k=mask.cu_seqlens,
+                max_seqlen_q=mask.max_seqlen, max_seqlen_k=mask.max_seqlen, **kwargs,
+            )
+            return out.unsqueeze(0)
         if mask.key_padding is None:
             return flash_kernels.flash_attn_func(q, k, v, **kwargs)
         # Pack the real tokens of every row, attend per sequence, scatter back; padded queries stay zero.

@@ -61,3 +61,16 @@ def test_flash_backward_matches_sdpa():
 def test_auto_picks_sdpa_on_cpu():
     layer = Attention(CFG, layer_idx=0, attn_impl="auto").to(torch.bfloat16)
     assert layer.backend_for(torch.randn(1, 2, 4, 32, dtype=torch.bfloat16)) == "sdpa"
+
+
+def test_packed_documents_flash_matches_eager():
+    layers = make_layers(dtype=torch.bfloat16)
+    x = torch.randn(1, 20, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    positions = torch.cat([torch.arange(7), torch.arange(1), torch.arange(12)]).unsqueeze(0)
+    with torch.no_grad():
+        outs = {}
+        for impl in ("eager", "flash"):
+            mask = build_attention_mask(None, q_len=20, past_len=0, causal=True, sliding_window=None, cu_seqlens=cu)
+            outs[impl] = layers[impl](x, mask=mask, position_ids=positions).float()
+    assert_close(outs["flash"], outs["eager"], torch.bfloat16)

@@ -129,3 +129,29 @@ def test_generation_stops_rows_at_eos_and_pads_them():
     first = (out[0, 6:] == eos).nonzero()[0, 0].item()
     assert (out[0, 6 + first + 1:] == 0).all()
     assert torch.equal(out[0, :6 + first + 1], plain[0, :6 + first + 1])
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_packed_documents_equal_separate_sequences_and_never_mix(attn_impl):
+    ours = ours_from_hf(random_hf_model(llama_config(), seed=10), attn_impl=attn_impl)
+    docs = [torch.randint(0, 257, (n,)) for n in (7, 1, 12)]
+    packed = torch.cat(docs).unsqueeze(0)
+    cu = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
+    captured = {}
+
+    def keep_embeddings(module, args, output):
+        output.retain_grad()
+        captured["hidden"] = output
+
+    handle = ours.embed.register_forward_hook(keep_embeddings)
+    logits = ours(packed, cu_seqlens=cu).logits[0]
+    handle.remove()
+    with torch.no_grad():
+        for doc, start in zip(docs, (0, 7, 8)):
+            alone = ours(doc.unsqueeze(0)).logits[0]
+            assert max_rel_err(logits[start:start + len(doc)], alone) < 1e-5
+    # Token 10 sits in the third document (tokens 8..19): only tokens 8..10 may influence it.
+    logits[10].sum().backward()
+    grad = captured["hidden"].grad[0].abs().sum(-1)  # (total,)
+    assert (grad[:8] == 0).all() and (grad[11:] == 0).all()
+    assert (grad[8:11] > 0).all()
