@@ -324,14 +324,15 @@ def _configs(shapes):
     candidate, which saves compile time where speed does not matter (GPU correctness tests)."""
     if triton_interpreter_enabled():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    shapes = shapes + [(64, 32, 4, 2), (32, 32, 4, 2)]  # small tiles for head dims > 128 (see the prune)
     if os.environ.get("FLASH_KERNELS_AUTOTUNE", "1") == "0":
         shapes = shapes[:1]
+    # Small tiles for head dims > 128, chosen by the prune (Triton skips the prune when there is one config).
+    shapes = shapes + [(64, 32, 4, 2), (32, 32, 4, 2)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
 def _fwd_configs():
-    return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)])
+    return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)])
 
 
 def _prune_big_head(configs, named_args, **kwargs):
@@ -358,6 +359,8 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if CAUSAL_OR_LOCAL:  # causal: the last row blocks have the most keys; start them first (less tail)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
     h = pid_bh % n_heads
@@ -424,10 +427,12 @@ def _dropout_mask_kernel(M, seed, dropout_p, n_heads, max_q, max_k, BLOCK: tl.co
         tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < max_q) & (offs_n[None, :] < max_k))
 
 
-def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: int, max_k: int, dropout_p: float):
-    """(B, H, max_q, max_k) bool: the keep mask the Triton kernels used for ``rng_state`` (as returned by the
-    ``attn_fwd`` op). Runs a Triton kernel, so it needs CUDA or the interpreter. For the reference's replay."""
-    mask = torch.empty(batch, n_heads, max_q, max_k, dtype=torch.int8, device=rng_state.device)
+def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: int, max_k: int, dropout_p: float,
+                      *, device: torch.device | str):
+    """(B, H, max_q, max_k) bool on ``device``: the keep mask the Triton kernels used for ``rng_state`` (as
+    returned by the ``attn_fwd`` op). Runs a Triton kernel, so it needs CUDA or the interpreter. For the
+    reference's replay."""
+    mask = torch.empty(batch, n_heads, max_q, max_k, dtype=torch.int8, device=device)
     block = 16 if triton_interpreter_enabled() else 64
     seed = int(rng_state[0].item())
     _dropout_mask_kernel[(triton.cdiv(max_q, block), batch * n_heads)](mask, seed, dropout_p, n_heads, max_q, max_k, BLOCK=block)
@@ -511,8 +516,8 @@ def _q_range(n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, lef
 
 def _bwd_configs(kind):
     if kind == "dkdv":
-        return _configs([(32, 128, 4, 3), (64, 128, 8, 2)])
-    return _configs([(128, 32, 4, 3), (128, 64, 8, 2)])
+        return _configs([(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)])
+    return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)])
 
 
 @triton.autotune(configs=_bwd_configs("dkdv"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
@@ -626,6 +631,8 @@ def _attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if CAUSAL_OR_LOCAL:  # causal: the last row blocks have the most keys; start them first (less tail)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
     h = pid_bh % n_heads

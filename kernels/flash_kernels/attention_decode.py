@@ -79,13 +79,22 @@ def flash_attn_with_kvcache_ref(
 # ----------------------------------------------------------------------------------------------------------
 
 
+# Split-KV schedule knobs: aim for DECODE_PROGRAMS_PER_SM programs per SM (several waves, so the last one's
+# tail is short), with chunks of at least DECODE_MIN_CHUNK keys. Chunks are multiples of CHUNK_ALIGN so no
+# key tile (BLOCK_N <= CHUNK_ALIGN) straddles two splits.
+DECODE_PROGRAMS_PER_SM = 8
+DECODE_MIN_CHUNK = 256
+CHUNK_ALIGN = 128
+
+
 def _decode_configs():
     if triton_interpreter_enabled():
-        return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (4, 4), (8, 3))]
+        return [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    shapes = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3))
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
 
 
-@triton.autotune(configs=_decode_configs(), key=["n_kv_heads", "chunk", "BLOCK_M", "BLOCK_D", "PAGED"])
+@triton.autotune(configs=_decode_configs(), key=["n_kv_heads", "chunk", "group", "BLOCK_M", "BLOCK_D", "PAGED"])
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, Opart, Lpart, Seqlens, BlockTable, scale_log2, softcap,
@@ -178,17 +187,17 @@ def _num_sms(device_index: int) -> int:
 
 
 def _split_plan(q, capacity, n_prog_other):
-    """(chunk, num_splits): enough chunks that (chunks x batch x kv heads) covers the GPU about twice, with
-    chunks of at least 256 keys so each program streams a useful amount of K/V."""
-    block_n = 16 if triton_interpreter_enabled() else 64
+    """(chunk, num_splits) for a cache of ``capacity`` keys and ``n_prog_other`` (batch x kv heads) programs
+    per split."""
     if q.device.type == "cuda":
-        target = 2 * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        splits = max(1, min(-(-target // n_prog_other), -(-capacity // 256)))
+        target = DECODE_PROGRAMS_PER_SM * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        splits = max(1, min(-(-target // n_prog_other), -(-capacity // DECODE_MIN_CHUNK)))
+        align = CHUNK_ALIGN
     else:
-        splits = max(1, min(4, -(-capacity // 32)))  # the interpreter: a few splits so the merge is tested
+        splits, align = max(1, min(4, -(-capacity // 32))), 16  # the interpreter: a few splits so the merge is tested
     chunk = -(-capacity // splits)
-    chunk = -(-chunk // block_n) * block_n
-    return chunk, -(-capacity // chunk), block_n
+    chunk = -(-chunk // align) * align
+    return chunk, -(-capacity // chunk)
 
 
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr, softcap):
@@ -205,7 +214,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     out = torch.empty_like(q)
     if q.numel() == 0:
         return out
-    chunk, num_splits, block_n = _split_plan(q, capacity, bsz * hkv)
+    chunk, num_splits = _split_plan(q, capacity, bsz * hkv)
     rows = group * seqlen_q
     block_m = 16 if triton_interpreter_enabled() else min(64, max(16, triton.next_power_of_2(rows)))
     opart = torch.empty(num_splits, bsz, hq, seqlen_q, d, dtype=torch.float32, device=q.device)
@@ -220,7 +229,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
     )
     _decode_combine_kernel[(bsz * hq * seqlen_q,)](
         opart, lpart, out, num_splits, hq, seqlen_q,
