@@ -13,6 +13,7 @@ import flash_kernels
 
 from ..config import ATTN_IMPLS, DecoderConfig, check_choice
 from ..modules import Attention, Embeddings, KVCache, Norm, PreNormBlock, RotaryEmbedding, build_attention_mask, build_mlp
+from ..modules.attention import build_cached_attention_mask
 
 
 @dataclass
@@ -130,36 +131,13 @@ class DecoderLM(nn.Module):
         B, S = input_ids.shape
         if S == 0:
             raise ValueError("input_ids is empty: give at least one token")
-        past = kv_cache.seqlen if kv_cache is not None else 0
-        if kv_cache is not None:
-            kv_cache.check_room(S)
-        if past + S > dc.max_position_embeddings and dc.learned_positions:
-            raise ValueError(
-                f"sequence of {past + S} tokens exceeds the model's {dc.max_position_embeddings} positions; "
-                "truncate the input"
-            )
-        positions_needed = past + S  # derived positions never exceed this
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
-        if position_ids is None:
-            if cu_seqlens is not None:
-                position_ids = positions_in_documents(cu_seqlens, S).unsqueeze(0)
-            elif attention_mask is not None:
-                position_ids = positions_from_mask(attention_mask, past, S)
-            else:
-                position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
-        else:
-            positions_needed = max(positions_needed, int(position_ids.max()) + 1)
-            if dc.learned_positions and positions_needed > dc.max_position_embeddings:
-                raise ValueError(f"position_ids reach {positions_needed - 1}, past the model's {dc.max_position_embeddings} positions")
-        hidden = self.embed(input_ids, position_ids)  # (B, S, hidden)
-        rope_tables = None
-        if self.rotary is not None:
-            rope_tables = self.rotary.tables(positions_needed, hidden.device)
-        mask = build_attention_mask(
-            attention_mask, q_len=S, past_len=past, causal=True, sliding_window=dc.attention.sliding_window,
-            cu_seqlens=cu_seqlens,
+        position_ids, mask, positions_needed = self._positions_and_mask(
+            input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens
         )
+        hidden = self.embed(input_ids, position_ids)  # (B, S, hidden)
+        rope_tables = self.rotary.tables(positions_needed, hidden.device) if self.rotary is not None else None
         residual = None
         for block in self.blocks:
             hidden, residual = block(
@@ -167,12 +145,51 @@ class DecoderLM(nn.Module):
             )
         hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
         if kv_cache is not None:
-            kv_cache.advance(S)
+            kv_cache.advance(mask.cache_lengths - kv_cache.seqlens)
         logits = nn.functional.linear(
             hidden, self.output_embeddings(), self.lm_head.bias if self.lm_head is not None else None
         )
         loss = self.loss(logits, labels) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
+
+    def _positions_and_mask(self, input_ids, attention_mask, position_ids, *, kv_cache, cu_seqlens):
+        """Position ids (B, S), the shared AttentionMask, and how many rotary positions the tables must cover.
+
+        Without a cache, attention_mask (B, S) covers the input; with one, only its last S columns (the new
+        tokens) matter, since the cache holds each row's earlier real tokens compacted."""
+        dc = self.decoder_config
+        B, S = input_ids.shape
+        window = dc.attention.sliding_window
+        if kv_cache is not None:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens (packed documents) cannot be combined with a KV cache")
+            if kv_cache.batch_size != B:
+                raise ValueError(f"KV cache batch {kv_cache.batch_size} != input batch {B}")
+            new_mask = attention_mask[:, -S:] if attention_mask is not None else None
+            mask = build_cached_attention_mask(new_mask, kv_cache, q_len=S, sliding_window=window)
+            derived, needed = mask.cache_slots, kv_cache.upper_bound + S
+        else:
+            mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=True, sliding_window=window,
+                                        cu_seqlens=cu_seqlens)
+            if cu_seqlens is not None:
+                derived = positions_in_documents(cu_seqlens, S).unsqueeze(0)
+            elif attention_mask is not None:
+                derived = positions_from_mask(attention_mask, 0, S)
+            else:
+                derived = torch.arange(S, device=input_ids.device).expand(B, S)
+            needed = S
+        if position_ids is None:
+            position_ids = derived
+        else:
+            needed = max(needed, int(position_ids.max()) + 1)
+        if dc.learned_positions and needed > dc.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {needed} positions exceeds the model's {dc.max_position_embeddings} positions; "
+                "truncate the input"
+            )
+        if kv_cache is not None:
+            kv_cache.reserve(S)  # last: nothing is accounted for when a check above fails
+        return position_ids, mask, needed
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if labels.shape != logits.shape[:2]:

@@ -42,6 +42,12 @@ class AttentionMask:
     key_padding: torch.Tensor | None
     cu_seqlens: torch.Tensor | None = None  # packed documents in one row: (num_docs + 1,) int32 offsets
     max_seqlen: int = 0
+    # With a KV cache: each new token's cache slot (B, S), which new tokens are real (None: all), the real
+    # keys per row once they are written (B,), and whether the cache held nothing before this forward.
+    cache_slots: torch.Tensor | None = None
+    query_real: torch.Tensor | None = None
+    cache_lengths: torch.Tensor | None = None
+    cache_was_empty: bool = True
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _unpad: tuple | None = field(default=None, repr=False)
 
@@ -74,6 +80,20 @@ class AttentionMask:
             if self.key_padding is not None:
                 allowed = allowed & self.key_padding[:, None, None, :]
             self._dense = allowed
+        return self._dense
+
+    def cache_dense(self, max_len: int, device: torch.device) -> torch.Tensor:
+        """Boolean (B, 1, Sq, max_len) over the whole cache: a new token sees the cached and new keys at or
+        before its own slot, within the window; padded new tokens see nothing (their output is zeroed)."""
+        if self._dense is None:
+            k_idx = torch.arange(max_len, device=device)[None, None, :]  # (1, 1, max_len)
+            slots = self.cache_slots.unsqueeze(-1)  # (B, Sq, 1)
+            allowed = (k_idx <= slots) & (k_idx < self.cache_lengths[:, None, None])
+            if self.sliding_window is not None:
+                allowed &= slots - k_idx < self.sliding_window
+            if self.query_real is not None:
+                allowed &= self.query_real.unsqueeze(-1)
+            self._dense = allowed.unsqueeze(1)
         return self._dense
 
     def unpad_indices(self):
@@ -119,6 +139,26 @@ def build_attention_mask(
     return AttentionMask(q_len=q_len, past_len=past_len, causal=causal, sliding_window=sliding_window, key_padding=key_padding)
 
 
+def build_cached_attention_mask(
+    new_mask: torch.Tensor | None, cache: KVCache, *, q_len: int, sliding_window: int | None,
+) -> AttentionMask:
+    """The mask for ``q_len`` new tokens going into ``cache``. ``new_mask`` (B, q_len) marks the real new
+    tokens (None: all real). Real tokens take the next free slots of their row; padding takes none."""
+    if new_mask is None:
+        slots = cache.seqlens.long().unsqueeze(1) + torch.arange(q_len, device=cache.seqlens.device)  # (B, S)
+        new_counts = torch.full_like(cache.seqlens, q_len)
+        query_real = None
+    else:
+        query_real = new_mask.bool()
+        slots = cache.seqlens.long().unsqueeze(1) + (query_real.long().cumsum(1) - 1).clamp(min=0)
+        new_counts = query_real.sum(1, dtype=torch.int32)
+    return AttentionMask(
+        q_len=q_len, past_len=0, causal=True, sliding_window=sliding_window, key_padding=query_real,
+        cache_slots=slots, query_real=query_real, cache_lengths=cache.seqlens + new_counts,
+        cache_was_empty=cache.empty,
+    )
+
+
 def _eager_attention(q, k, v, mask, *, scale, dropout_p):
     """Readable reference: scores in float32, softmax, weighted sum. q (B, H, Sq, D), k/v (B, H, Sk, D)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
@@ -161,10 +201,29 @@ class Attention(nn.Module):
             cos, sin = rope_tables
             q = flash_kernels.apply_rotary(q, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
             k = flash_kernels.apply_rotary(k, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
+        if kv_cache is None:
+            out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
+        else:
+            out = self.attend_with_cache(q, k, v, mask, kv_cache)
         return self.out_proj(out.reshape(B, S, q_dim))
+
+    def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
+        """Store the new keys/values in the cache and attend over everything cached so far."""
+        layer = self.layer_idx
+        backend = self.backend_for(q)
+        if backend == "flash" and not mask.cache_was_empty and mask.query_real is None:
+            # Decoding (or an unpadded chunk): append and attend in one split-KV kernel, no mask needed.
+            window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
+            return flash_kernels.flash_attn_with_kvcache(
+                q, cache.k[layer], cache.v[layer], cache_seqlens=cache.seqlens, k=k, v=v, causal=True,
+                softmax_scale=self.softmax_scale, window_size=window,
+                backend="triton" if self.attn_impl == "flash" else "auto",
+            )
+        cache.write(layer, k, v, mask.cache_slots, mask.query_real)
+        if mask.cache_was_empty:  # prefill: the new tokens are all there is, attend among them directly
+            return self.attend(q, k, v, mask)
+        dense = mask.cache_dense(cache.max_len, q.device)  # (B, 1, Sq, max_len)
+        return self._masked_attention(q, cache.k[layer], cache.v[layer], dense, "eager" if backend == "eager" else "sdpa", 0.0)
 
     def backend_for(self, q: torch.Tensor) -> str:
         if self.attn_impl != "auto":
@@ -178,14 +237,17 @@ class Attention(nn.Module):
         backend = self.backend_for(q)
         if backend == "flash":
             return self._flash(q, k, v, mask, dropout_p)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         if mask.implicit and backend == "sdpa":
             out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=mask.causal and mask.q_len > 1, scale=self.softmax_scale,
-                enable_gqa=q.shape[1] != k.shape[1],
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                is_causal=mask.causal and mask.q_len > 1, scale=self.softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
             )
             return out.transpose(1, 2)
-        dense = mask.dense(q.device)
+        return self._masked_attention(q, k, v, mask.dense(q.device), backend, dropout_p)
+
+    def _masked_attention(self, q, k, v, dense, backend: str, dropout_p: float) -> torch.Tensor:
+        """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), dense (B or 1, 1, Sq, Sk) -> (B, Sq, Hq, D)."""
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, S, D)
         row_has_keys = dense.any(dim=-1, keepdim=True)  # (B, 1, Sq, 1)
         dense = dense | ~row_has_keys  # a row with no key would be NaN: let it see all, then zero it below
         if backend == "eager":

@@ -1,8 +1,9 @@
-"""A preallocated key/value cache: one (B, max_len, Hkv, D) pair of tensors per layer.
+"""A preallocated key/value cache: one (B, max_len, Hkv, D) pair of tensors per layer, compacted per row.
 
-Only the KV heads are stored (GQA/MQA caches are Hq/Hkv times smaller). ``seqlen`` counts the positions
-already written; a forward writes its new keys at [seqlen, seqlen + S) in every layer, then ``advance``
-moves the cursor once for the whole model.
+Only the KV heads are stored (GQA/MQA caches are Hq/Hkv times smaller), and only real tokens: padding in a
+prompt is never written, so row b holds its tokens at [0, seqlens[b]) and decoding needs no padding mask.
+``seqlens`` is an int32 tensor on the cache's device, advanced in place by the model, so a decode step reads
+no Python-side length and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,26 +19,39 @@ class KVCache:
         shape = (batch_size, max_len, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)  # real tokens per row
         self.max_len = max_len
-        self.seqlen = 0
+        self.upper_bound = 0  # host-side bound on seqlens.max() (no device sync needed to check room)
 
     @property
     def batch_size(self) -> int:
-        return self.k[0].shape[0]
+        return self.seqlens.shape[0]
 
-    def check_room(self, new_tokens: int) -> None:
-        if self.seqlen + new_tokens > self.max_len:
+    @property
+    def empty(self) -> bool:
+        return self.upper_bound == 0
+
+    def reset(self) -> None:
+        self.seqlens.zero_()
+        self.upper_bound = 0
+
+    def reserve(self, new_tokens: int) -> None:
+        """Account for ``new_tokens`` more per row; raise before anything is written if they cannot fit."""
+        if self.upper_bound + new_tokens > self.max_len:
             raise ValueError(
-                f"KV cache overflow: {self.seqlen} cached + {new_tokens} new tokens > max_len {self.max_len}; "
-                "allocate a larger cache (max_len) or generate fewer tokens"
+                f"KV cache overflow: up to {self.upper_bound} cached + {new_tokens} new tokens > max_len "
+                f"{self.max_len}; allocate a larger cache (max_len) or generate fewer tokens"
             )
+        self.upper_bound += new_tokens
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, S, Hkv, D) after the cached positions; return all keys/values so far."""
-        end = self.seqlen + k.shape[1]
-        self.k[layer_idx][:, self.seqlen:end] = k
-        self.v[layer_idx][:, self.seqlen:end] = v
-        return self.k[layer_idx][:, :end], self.v[layer_idx][:, :end]
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> None:
+        """Store k, v (B, S, Hkv, D) of the new tokens at their cache positions (B, S); skip padding (``real``
+        False). Positions are per row: seqlens[b] + index among the row's real new tokens."""
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(positions)
+        if real is not None:
+            rows, positions, k, v = rows[real], positions[real], k[real], v[real]
+        self.k[layer_idx][rows, positions] = k.to(self.k[layer_idx].dtype)
+        self.v[layer_idx][rows, positions] = v.to(self.v[layer_idx].dtype)
 
-    def advance(self, new_tokens: int) -> None:
-        self.seqlen += new_tokens
+    def advance(self, new_counts: torch.Tensor | int) -> None:
+        self.seqlens += new_counts
