@@ -1,4 +1,5 @@
-"""Token embeddings, with an optional learned absolute position table (GPT-2, OPT, BERT)."""
+"""Token embeddings, with an optional learned absolute position table (GPT-2, OPT, BERT), token types (BERT)
+and a projection from a narrower token embedding up to the hidden size (OPT's project_in)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,41 @@ from torch import nn
 
 
 class Embeddings(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, *, max_positions: int | None = None, padding_idx: int | None = None):
-        super().__init__()
-        self.tokens = nn.Embedding(vocab_size, hidden_size, padding_idx=padding_idx)
-        self.positions = nn.Embedding(max_positions, hidden_size) if max_positions is not None else None
+    """hidden = project_in(tokens(ids)) + positions(position_ids + position_offset) + token_types(type_ids)."""
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, *, max_positions: int | None = None, padding_idx: int | None = None,
+        token_dim: int | None = None, position_offset: int = 0, type_vocab_size: int | None = None,
+    ):
+        super().__init__()
+        token_dim = token_dim or hidden_size
+        self.tokens = nn.Embedding(vocab_size, token_dim, padding_idx=padding_idx)
+        self.project_in = nn.Linear(token_dim, hidden_size, bias=False) if token_dim != hidden_size else None
+        self.position_offset = position_offset
+        self.positions = nn.Embedding(max_positions + position_offset, hidden_size) if max_positions is not None else None
+        self.token_types = nn.Embedding(type_vocab_size, hidden_size) if type_vocab_size else None
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         vocab = self.tokens.num_embeddings
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+        # The range check syncs with the device; a CUDA-graph capture (decode steps) cannot, and its tokens
+        # come from the model's own vocabulary.
+        checkable = input_ids.numel() and not torch.cuda.is_current_stream_capturing()
+        if checkable and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
-        hidden = self.tokens(input_ids)  # (B, S, hidden)
+        hidden = self.tokens(input_ids)  # (B, S, token_dim)
+        if self.project_in is not None:
+            hidden = self.project_in(hidden)  # (B, S, hidden)
         if self.positions is not None:
-            hidden = hidden + self.positions(position_ids)
+            hidden = hidden + self.positions(position_ids + self.position_offset if self.position_offset else position_ids)
+        if self.token_types is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            elif token_type_ids.shape != input_ids.shape or int(token_type_ids.max()) >= self.token_types.num_embeddings:
+                raise ValueError(
+                    f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)} and values below "
+                    f"{self.token_types.num_embeddings}; got shape {tuple(token_type_ids.shape)}"
+                )
+            hidden = hidden + self.token_types(token_type_ids)
         return hidden

@@ -205,7 +205,9 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     s_new = k.shape[1] if k is not None else 0
     if k is not None:
-        if int((cache_seqlens.max() + s_new).item()) > capacity:
+        # The capacity check reads the lengths on the host; skip it while a CUDA graph is being captured
+        # (a sync is illegal there), where the caller has checked the room up front.
+        if not torch.cuda.is_current_stream_capturing() and int((cache_seqlens.max() + s_new).item()) > capacity:
             raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + new tokens exceeds the cache capacity {capacity}")
         _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     bsz, seqlen_q, hq, d = q.shape
