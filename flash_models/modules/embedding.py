@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flash_kernels._backend import capturing_cuda_graph
+
 
 class Embeddings(nn.Module):
     """hidden = project_in(tokens(ids)) + positions(position_ids + position_offset) + token_types(type_ids)."""
@@ -28,7 +30,7 @@ class Embeddings(nn.Module):
         vocab = self.tokens.num_embeddings
         # The range check syncs with the device; a CUDA-graph capture (decode steps) cannot, and its tokens
         # come from the model's own vocabulary.
-        checkable = input_ids.numel() and not torch.cuda.is_current_stream_capturing()
+        checkable = input_ids.numel() and not capturing_cuda_graph()
         if checkable and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
             raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
         hidden = self.tokens(input_ids)  # (B, S, token_dim)

@@ -63,3 +63,9 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
     if unsupported is not None:
         raise ValueError(f"{op}: backend='triton' cannot run this input: {unsupported}. Use backend='auto'.")
     return True
+
+
+def capturing_cuda_graph() -> bool:
+    """True while the current CUDA stream is being captured into a graph (host syncs are illegal then).
+    Never initializes CUDA: without it initialized, nothing can be capturing."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()

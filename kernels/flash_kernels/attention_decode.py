@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import triton_interpreter_enabled, use_triton
+from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from .attention import LOG2E, _attention_ref, _check_common, _mm, _scores, _triton_unsupported, _window_bounds
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     if k is not None:
         # The capacity check reads the lengths on the host; skip it while a CUDA graph is being captured
         # (a sync is illegal there), where the caller has checked the room up front.
-        if not torch.cuda.is_current_stream_capturing() and int((cache_seqlens.max() + s_new).item()) > capacity:
+        if not capturing_cuda_graph() and int((cache_seqlens.max() + s_new).item()) > capacity:
             raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + new tokens exceeds the cache capacity {capacity}")
         _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     bsz, seqlen_q, hq, d = q.shape
