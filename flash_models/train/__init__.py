@@ -1,0 +1,10 @@
+"""Training and fine-tuning: ``flash-models train CONFIG [key=value ...]`` or, from Python,
+
+    from flash_models.train import Trainer, load_config, train
+    summary = train("configs/gpt2-small.yaml", ["train.max_steps=100"])
+"""
+
+from .config import ConfigError, ExperimentConfig, load_config
+from .trainer import Trainer, train
+
+__all__ = ["ConfigError", "ExperimentConfig", "Trainer", "load_config", "train"]

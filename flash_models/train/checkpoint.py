@@ -1,0 +1,139 @@
+"""Training checkpoints: model, optimizer, scheduler, data position, EMA and every RNG state, written to a
+temporary folder and renamed into place, so a crash never leaves a half-written checkpoint. Loading them
+back reproduces an uninterrupted run exactly (bit for bit on the CPU).
+
+Layout: ``OUTPUT/checkpoints/step_00000100/{train_state.pt, rng_rank0.pt, ...}`` and ``OUTPUT/checkpoints/latest``
+(the name of the newest complete one). Model and optimizer state are full (unsharded) tensors gathered
+through torch.distributed.checkpoint's state-dict API, so any strategy saves and loads the same files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .distributed import DistState, barrier
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "train_state.pt"
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _model_and_optim_state(model, optimizer, dist_state: DistState, *, plain_optimizer: bool) -> tuple[dict, dict]:
+    if dist_state.strategy == "none":
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    optim_sd = optimizer.state_dict() if plain_optimizer else get_optimizer_state_dict(model, optimizer, options=options)
+    return model_sd, optim_sd
+
+
+def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, sampler, dist_state: DistState,
+                    ema=None, master=None, extra: dict | None = None, keep: int | None = None) -> Path:
+    """Write checkpoint ``step`` under ``directory`` (collective under torchrun: every rank calls)."""
+    directory = Path(directory)
+    final = directory / f"step_{step:08d}"
+    model_sd, optim_sd = _model_and_optim_state(model, optimizer, dist_state, plain_optimizer=master is not None)
+    ema_sd = ema.state_dict() if ema is not None else None
+    tmp_name = None
+    if dist_state.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:08d}-", dir=directory))
+        tmp_name = tmp.name
+        torch.save({
+            "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+            "sampler": sampler.state_dict(), "ema": ema_sd, "master": master.state_dict() if master is not None else None,
+            "extra": extra or {},
+        }, tmp / STATE_FILE)
+    if dist_state.initialized:
+        names = [tmp_name]
+        dist.broadcast_object_list(names, src=0)
+        tmp_name = names[0]
+    tmp = directory / tmp_name
+    torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
+    barrier(dist_state)
+    if dist_state.is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(directory / "latest", final.name)
+        if keep:
+            for old in sorted(directory.glob("step_*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier(dist_state)
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
+    """``resume="auto"``: the newest complete checkpoint of this run, or None; else the given folder."""
+    if resume == "auto":
+        latest = output_dir / "checkpoints" / "latest"
+        return output_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"train.resume={resume!r}: no {STATE_FILE} there (give a checkpoints/step_* folder or 'auto')")
+    return path
+
+
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_state: DistState, ema=None, master=None) -> int:
+    """Restore everything ``save_checkpoint`` wrote; returns the step to continue after."""
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    if dist_state.strategy == "none":
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=options)
+        if master is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        else:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    if ema is not None:
+        if state["ema"] is None:
+            raise ValueError(f"{path} has no EMA weights but train.ema_decay is set")
+        ema.load_state_dict(state["ema"])
+    if master is not None:
+        master.load_state_dict(state["master"])
+    rng_file = path / f"rng_rank{dist_state.rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+    else:
+        log.warning("%s has no RNG state for rank %d (different world size?): continuing with fresh generators", path, dist_state.rank)
+    return int(state["step"])

@@ -1,0 +1,301 @@
+"""Typed experiment configs: one dataclass per section, read from YAML plus ``section.key=value`` overrides.
+
+Every key is declared with its type; an unknown key (with the closest known name), a mistyped value or a
+value outside its choices raises ``ConfigError`` naming the full dotted key. Nothing is read with a default
+that the YAML could not also have set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist, or a value of the wrong type or outside its choices."""
+
+
+TASKS = ("causal_lm", "sequence_classification", "image_classification")
+DATA_FORMATS = ("text", "jsonl", "hf_disk", "sft", "classification", "image_folder", "synthetic")
+PACKING = ("documents", "stream")
+PRECISIONS = ("fp32", "bf16_autocast", "bf16")
+SCHEDULES = ("cosine", "linear", "constant")
+STRATEGIES = ("none", "ddp", "fsdp", "tp")
+
+
+@dataclass
+class ModelSection:
+    # A registered preset (flash_models.list_models()), an HF folder, a .gguf file, or an alias
+    # ("smollm2", "minilm"). ``pretrained`` loads its weights; otherwise a preset is built with random init.
+    name: str = "gpt2"
+    pretrained: bool = False
+    overrides: dict = field(default_factory=dict)  # HF config fields for a preset, e.g. {n_layer: 2}
+    task: str = "causal_lm"
+    num_labels: int = 2  # classification heads
+    attn_impl: str = "auto"
+    kernel_backend: str = "auto"
+
+    def validate(self, prefix: str) -> None:
+        _choice(prefix + "task", self.task, TASKS)
+        _choice(prefix + "attn_impl", self.attn_impl, ("eager", "sdpa", "flash", "auto"))
+        _choice(prefix + "kernel_backend", self.kernel_backend, ("reference", "triton", "auto"))
+
+
+@dataclass
+class DataSection:
+    format: str = "text"
+    train: str | None = None  # file, folder or glob (text/jsonl/sft/classification), a saved HF dataset, an image folder
+    eval: str | None = None
+    tokenizer: str | None = None  # HF folder, .gguf, alias, or "bytes" (built-in byte-level); default: the model's
+    text_field: str = "text"
+    messages_field: str = "messages"  # sft: a list of {role, content}; or prompt_field + response_field
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    label_field: str = "label"
+    text_pair_field: str | None = None
+    seq_len: int = 1024
+    packing: str = "documents"  # documents: no attention across documents (cu_seqlens); stream: plain windows
+    append_eos: bool = True
+    cache_dir: str = ".cache/flash-models/tokens"
+    image_size: int = 224
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    label_smoothing: float = 0.0
+    synthetic_tokens: int = 1_000_000  # synthetic: random tokens (benchmarks and smoke tests)
+    shuffle: bool = True
+
+    def validate(self, prefix: str) -> None:
+        _choice(prefix + "format", self.format, DATA_FORMATS)
+        _choice(prefix + "packing", self.packing, PACKING)
+        _positive(prefix + "seq_len", self.seq_len)
+        if self.format != "synthetic" and self.train is None:
+            raise ConfigError(f"{prefix}train is required for data format {self.format!r}")
+
+
+@dataclass
+class OptimSection:
+    lr: float = 6e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    fused: bool | None = None  # None: fused AdamW on CUDA, the plain (for-each) one elsewhere
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine/linear decay to lr * min_lr_ratio at max_steps
+    grad_clip: float | None = 1.0
+
+    def validate(self, prefix: str) -> None:
+        _choice(prefix + "schedule", self.schedule, SCHEDULES)
+        if self.lr <= 0:
+            raise ConfigError(f"{prefix}lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class TrainSection:
+    max_steps: int = 1000
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    precision: str = "bf16_autocast"  # fp32 | bf16_autocast | bf16 (bf16 weights, fp32 master copy)
+    activation_checkpointing: int = 0  # 0: off; k: checkpoint every k-th block (1 = all)
+    compile: bool = False
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available
+    eval_every: int = 0  # steps; 0: only at the end (when there is eval data)
+    eval_batches: int = 20
+    log_every: int = 10
+    save_every: int = 0  # steps; 0: no intermediate checkpoints
+    output_dir: str = "runs/default"
+    resume: str | None = None  # "auto": latest checkpoint in output_dir; or a checkpoint folder
+    export: bool = True  # save_pretrained the final model into output_dir/final
+    ema_decay: float | None = None
+    profile_steps: int = 0  # > 0: torch.profiler trace of that many steps (after 2 warm-up steps)
+    tensorboard: bool = False
+    progress: bool = True
+    peak_tflops: float | None = None  # for MFU; None: measured with a matmul at start
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+
+    def validate(self, prefix: str) -> None:
+        _choice(prefix + "precision", self.precision, PRECISIONS)
+        _positive(prefix + "max_steps", self.max_steps)
+        _positive(prefix + "micro_batch_size", self.micro_batch_size)
+        _positive(prefix + "global_batch_size", self.global_batch_size)
+        if self.activation_checkpointing < 0:
+            raise ConfigError(f"{prefix}activation_checkpointing must be >= 0, got {self.activation_checkpointing}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"{prefix}ema_decay must lie in (0, 1), got {self.ema_decay}")
+
+
+@dataclass
+class DistributedSection:
+    strategy: str = "none"  # under torchrun: ddp, fsdp (FSDP2 fully_shard) or tp (DTensor tensor parallel)
+    ddp_bf16_compress: bool = False  # torch.distributed's bf16 gradient-compression comm hook
+    fsdp_reshard_after_forward: bool = True
+
+    def validate(self, prefix: str) -> None:
+        _choice(prefix + "strategy", self.strategy, STRATEGIES)
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+    def validate(self, prefix: str = "") -> None:
+        if self.model.task == "causal_lm" and self.data.format in ("classification", "image_folder"):
+            raise ConfigError(f"data.format={self.data.format!r} needs a classification task, not model.task='causal_lm'")
+        if self.model.task != "causal_lm" and self.data.format not in ("classification", "image_folder", "synthetic"):
+            raise ConfigError(f"model.task={self.model.task!r} needs data.format 'classification' or 'image_folder'")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {choices}")
+
+
+def _positive(key: str, value) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value, tp):
+    """Check ``value`` against the annotation ``tp`` (and convert YAML lists to tuples, ints to floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{key} may not be null (expected {_type_name(tp)})")
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(key, value, option)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected {_type_name(tp)}")
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{key}={value!r}: expected a list of {len(args)} values ({_type_name(tp)})")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected a mapping")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected bool (true/false)")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected int")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected float")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected str")
+        return value
+    raise AssertionError(f"unhandled config annotation {tp} for {key}")
+
+
+def from_dict(cls, data: dict | None, prefix: str = ""):
+    """Build dataclass ``cls`` from a nested dict, naming any unknown or mistyped key by its dotted path."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), names, n=1)
+        hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; known keys: {names}"
+        raise ConfigError(f"unknown config key {prefix}{key!r}{hint}")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, data[name], prefix=f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(f"{prefix}{name}", data[name], tp)
+    obj = cls(**kwargs)
+    obj.validate(prefix)
+    return obj
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    """``section.key=value`` -> (["section", "key"], value); the value is parsed as YAML (1e-4, true, [1, 2])."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    path = key.strip().split(".")
+    if not all(path):
+        raise ConfigError(f"override {text!r} has an empty key")
+    return path, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _deepcopy(data):
+    return {k: _deepcopy(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+def load_config(source: str | Path | dict | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """An ``ExperimentConfig`` from a YAML file (or a dict), with ``section.key=value`` overrides applied.
+
+    A YAML file may name a ``base:`` file (relative to itself) whose keys it extends."""
+    data = _read_yaml(Path(source)) if isinstance(source, (str, Path)) else _deepcopy(source or {})
+    return from_dict(ExperimentConfig, apply_overrides(data, list(overrides)))
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is not None:
+        merged = _read_yaml(path.parent / base)
+        for section, values in data.items():
+            if isinstance(values, dict) and isinstance(merged.get(section), dict):
+                merged[section] = {**merged[section], **values}
+            else:
+                merged[section] = values
+        data = merged
+    return data

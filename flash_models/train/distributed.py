@@ -1,0 +1,211 @@
+"""Distributed training, always launched by torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR):
+
+- ``ddp``: torch DDP, optionally with torch.distributed's own bf16 gradient-compression comm hook;
+- ``fsdp``: FSDP2 ``fully_shard`` per block then the root, with a bf16 MixedPrecisionPolicy for precision=bf16
+  (the sharded fp32 parameters are the master weights);
+- ``tp``: DTensor tensor parallelism over all ranks with ``parallelize_module``: column-wise qkv and MLP input
+  projections, row-wise output projections; embeddings, norms and the LM head stay replicated.
+
+Fused projections and column-wise sharding. Our Attention keeps q, k and v in one Linear whose output rows
+are [q (Hq*D); k (Hkv*D); v (Hkv*D)], and GatedMLP keeps [gate (I); up (I)]. ColwiseParallel gives rank r the
+r-th contiguous block of rows, which for the fused layout would hand rank 0 all of q and nothing of v. Before
+sharding we therefore permute the rows so that each rank's contiguous block is [q_r; k_r; v_r] (its own heads,
+whole) or [gate_r; up_r]; the module then runs unchanged on its local heads (its config is narrowed to
+Hq/tp, Hkv/tp heads) and SwiGLU splits the local [gate_r; up_r] in halves as usual. The permutation is
+recorded on the model and undone when the full state dict is exported (``export_state_dict``), so
+save_pretrained writes the canonical HF layout. Training checkpoints keep the permuted rows and are resumed
+with the same tensor-parallel size. Requirement: Hq and Hkv divisible by the TP size.
+
+A 2-GPU NCCL run (not made here; see scripts/train_2gpu.sh):
+    torchrun --standalone --nproc-per-node 2 -m flash_models train configs/gpt2-small.yaml distributed.strategy=ddp
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DistState:
+    strategy: str = "none"
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mesh: object = None  # DeviceMesh for fsdp / tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.strategy == "tp" else self.rank
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: each reads different data. Tensor-parallel ranks all read the same batch."""
+        return 1 if self.strategy in ("none", "tp") else self.world
+
+    @property
+    def initialized(self) -> bool:
+        return self.world > 1 or dist.is_initialized()
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device
+
+
+def setup(strategy: str, device_name: str) -> DistState:
+    if strategy == "none":
+        return DistState(device=pick_device(device_name))
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"distributed.strategy={strategy!r} runs under torchrun, e.g. "
+            f"torchrun --standalone --nproc-per-node 2 -m flash_models train CONFIG distributed.strategy={strategy}"
+        )
+    rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_name, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    mesh = None
+    if strategy in ("fsdp", "tp"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+    return DistState(strategy=strategy, rank=rank, world=world, local_rank=local_rank, device=device, mesh=mesh)
+
+
+def all_reduce_sum(value: torch.Tensor, state: DistState) -> torch.Tensor:
+    """Sum over data-parallel ranks (a no-op for one process and for pure TP)."""
+    if state.dp_world > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def barrier(state: DistState) -> None:
+    if state.initialized and dist.is_initialized():
+        dist.barrier()
+
+
+def teardown(state: DistState) -> None:
+    if state.strategy != "none" and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------------------
+def apply_ddp(model: nn.Module, state: DistState, *, bf16_compress: bool) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[state.device.index] if state.device.type == "cuda" else None)
+    if bf16_compress:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)
+    return ddp
+
+
+def apply_fsdp(model: nn.Module, blocks: list[nn.Module], state: DistState, *, bf16: bool, reshard_after_forward: bool) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=state.mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=state.mesh, mp_policy=policy)
+    return model
+
+
+def fused_row_order(sizes: list[int], tp: int) -> torch.Tensor:
+    """Row permutation of a fused projection with parts of ``sizes`` rows so that rank r's contiguous block
+    (of sum(sizes)/tp rows) holds the r-th slice of every part, in order: [a_r; b_r; c_r]."""
+    starts = torch.tensor([0] + sizes[:-1]).cumsum(0).tolist()
+    order = []
+    for r in range(tp):
+        for start, size in zip(starts, sizes):
+            piece = size // tp
+            order.extend(range(start + r * piece, start + (r + 1) * piece))
+    return torch.tensor(order)
+
+
+@torch.no_grad()
+def _permute_rows(linear: nn.Linear, order: torch.Tensor) -> None:
+    linear.weight.copy_(linear.weight[order.to(linear.weight.device)])
+    if linear.bias is not None:
+        linear.bias.copy_(linear.bias[order.to(linear.bias.device)])
+
+
+def tp_plan(block: nn.Module) -> dict:
+    """The parallelize_module plan of one of our pre-norm blocks (GPT-2: fc1/fc2; LLaMA: gate_up/down)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {"attn.qkv": ColwiseParallel(), "attn.out_proj": RowwiseParallel()}
+    if hasattr(block.mlp, "gate_up"):
+        plan.update({"mlp.gate_up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
+    else:
+        plan.update({"mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    return plan
+
+
+def apply_tp(model: nn.Module, state: DistState) -> nn.Module:
+    """Tensor-parallel blocks of our decoder (see the module docstring for the fused-row permutation)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = state.world
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError("distributed.strategy='tp' supports our decoder models (GPT-2, LLaMA families)")
+    orders: dict[str, torch.Tensor] = {}
+    for i, block in enumerate(blocks):
+        cfg = block.attn.cfg
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            raise ValueError(f"tensor parallel size {tp} must divide the heads ({cfg.num_heads} query, {cfg.num_kv_heads} kv)")
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        orders[f"blocks.{i}.attn.qkv"] = fused_row_order([q_dim, kv_dim, kv_dim], tp)
+        _permute_rows(block.attn.qkv, orders[f"blocks.{i}.attn.qkv"])
+        if hasattr(block.mlp, "gate_up"):
+            inter = block.mlp.gate_up.out_features // 2
+            if inter % tp:
+                raise ValueError(f"tensor parallel size {tp} must divide the MLP width {inter}")
+            orders[f"blocks.{i}.mlp.gate_up"] = fused_row_order([inter, inter], tp)
+            _permute_rows(block.mlp.gate_up, orders[f"blocks.{i}.mlp.gate_up"])
+        parallelize_module(block, state.mesh, tp_plan(block))
+        block.attn.cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // tp, num_kv_heads=cfg.num_kv_heads // tp)
+    model.tp_row_orders = orders
+    return model
+
+
+# ------------------------------------------------------------------------------------------------------------
+def export_state_dict(model: nn.Module, state: DistState) -> dict[str, torch.Tensor]:
+    """The full, unsharded state dict on the CPU in the canonical row layout (collective: every rank calls)."""
+    if state.strategy == "none":
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    for prefix, order in getattr(unwrap(model), "tp_row_orders", {}).items():
+        inverse = torch.argsort(order)
+        for suffix in (".weight", ".bias"):
+            if prefix + suffix in sd:
+                sd[prefix + suffix] = sd[prefix + suffix][inverse]
+    return sd
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") and isinstance(model, nn.parallel.DistributedDataParallel) else model

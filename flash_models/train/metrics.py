@@ -1,0 +1,171 @@
+"""Training utilities: FLOPs/MFU, gradient norm and clipping (plain, DDP, FSDP and TP parameters alike), an
+exponential moving average of the weights, and the metrics log (JSONL, optional TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def model_dims(model: nn.Module) -> tuple[int, int] | None:
+    """(layers, hidden) for the attention term of the FLOPs count: ours (decoder_config) or an HF config."""
+    dc = getattr(model, "decoder_config", None)
+    if dc is not None:
+        return dc.num_layers, dc.hidden_size
+    hf = getattr(model, "config", None)
+    layers = getattr(hf, "num_hidden_layers", None) or getattr(hf, "n_layer", None)
+    hidden = getattr(hf, "hidden_size", None) or getattr(hf, "n_embd", None)
+    return (layers, hidden) if layers and hidden else None
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters that take part in matmuls: all but learned position tables (a lookup: ours
+    ``embed.positions``, HF's ``wpe`` / ``position_embeddings``). Tied tables count once (the LM head)."""
+    total = 0
+    for name, p in model.named_parameters():  # named_parameters yields a shared parameter once
+        if "position" in name or name.endswith("wpe.weight"):
+            continue
+        total += p.numel()
+    return total
+
+
+def flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token, 6 N + 12 L D S (forward + backward; DESIGN.md's convention)."""
+    dims = model_dims(model)
+    attn = 12 * dims[0] * dims[1] * seq_len if dims else 0
+    return 6.0 * matmul_params(model) + attn
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype | None = None) -> float:
+    """Achieved FLOP/s of a large square matmul on ``device`` (bf16 on CUDA, fp32 on the CPU): the MFU peak."""
+    if device.type == "cuda":
+        dtype, n, reps = dtype or torch.bfloat16, 8192, 20
+    else:
+        dtype, n, reps = dtype or torch.float32, 1024, 3
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@torch.no_grad()
+def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm of the gradients. DTensor gradients (FSDP2 shards, TP shards) reduce across ranks."""
+    norms = [_local(torch.linalg.vector_norm(p.grad.float())) for p in params if p.grad is not None]
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    total = grad_norm(params)
+    if max_norm is not None and max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device))
+    return total
+
+
+# ------------------------------------------------------------------------------------------------------------
+class EMA:
+    """Exponential moving average of the weights in float32: ema = decay * ema + (1 - decay) * w after each
+    step. ``swapped_in(model)`` evaluates with the averaged weights and restores the trained ones."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        params = dict(model.named_parameters())
+        self.shadow = [params[n].detach().float().clone() for n in self.names]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        params = dict(model.named_parameters())
+        for name, s in zip(self.names, self.shadow):
+            s.lerp_(params[name].detach().float(), 1.0 - self.decay)
+
+    @torch.no_grad()
+    def swap(self, model: nn.Module) -> None:
+        """Exchange the model's weights and the averages (call twice to restore)."""
+        params = dict(model.named_parameters())
+        for i, name in enumerate(self.names):
+            p = params[name]
+            kept = p.detach().float().clone()
+            p.copy_(self.shadow[i])
+            self.shadow[i] = kept
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "names": self.names, "shadow": [_local(s) for s in self.shadow]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        if state["names"] != self.names:
+            raise ValueError("the checkpoint's EMA covers different parameters than this model")
+        for s, saved in zip(self.shadow, state["shadow"]):
+            if hasattr(s, "device_mesh"):  # a DTensor shard: take this rank's part of the full tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                s.copy_(distribute_tensor(saved.to(s.device_mesh.device_type), s.device_mesh, s.placements))
+            else:
+                s.copy_(saved)
+
+
+# ------------------------------------------------------------------------------------------------------------
+class MetricsLog:
+    """One JSON object per line in ``metrics.jsonl``, mirrored to TensorBoard when asked."""
+
+    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.file = None
+        self.writer = None
+        if not enabled:
+            return
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.file = (output_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ImportError("train.tensorboard=true needs TensorBoard: pip install tensorboard") from None
+            self.writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            step = record.get("step", 0)
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,380 @@
+"""The training loop: ``Trainer(config).fit()`` or ``train(config)``.
+
+One optimizer step = one global batch, split into micro-batches per data-parallel rank. The loss of each
+micro-batch is weighted by its share of the global batch's loss tokens (or rows), so accumulation and data
+parallelism give the same gradient as one big batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import distributed as D
+from .build import DataBundle, build_data, build_model
+from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .config import ExperimentConfig, load_config
+from .data import IGNORE, StepSampler, micro_batches
+from .metrics import EMA, MetricsLog, clip_grad_norm, flops_per_token, measure_matmul_peak
+from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def block_list(model: nn.Module) -> nn.ModuleList | None:
+    """The model's transformer blocks: ours keep them in ``.blocks``; HF decoders in ``.model.layers`` or
+    ``.transformer.h``."""
+    for path in ("blocks", "model.layers", "transformer.h", "encoder.layers", "bert.encoder.layer", "vit.encoder.layer"):
+        try:
+            found = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(found, nn.ModuleList):
+            return found
+    return None
+
+
+def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
+    """Recompute every ``every``-th block's activations in backward (non-reentrant, RNG state preserved so
+    dropout recomputes identically). The wrapper strips its own prefix from state-dict keys."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = block_list(model)
+    if blocks is None:
+        raise ValueError(f"train.activation_checkpointing: cannot find the transformer blocks of {type(model).__name__}")
+    for i in range(0, len(blocks), every):
+        blocks[i] = checkpoint_wrapper(blocks[i])
+
+
+class Trainer:
+    def __init__(self, config: ExperimentConfig, *, model: nn.Module | None = None, data: DataBundle | None = None):
+        self.cfg = cfg = config
+        t = cfg.train
+        self.dist = D.setup(cfg.distributed.strategy, t.device)
+        self.device = self.dist.device
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        seed_everything(t.seed)  # same on every rank: identical initial weights
+        self.output_dir = Path(t.output_dir)
+        raw = model if model is not None else build_model(cfg)
+        self.task = cfg.model.task
+        vocab = getattr(getattr(raw, "decoder_config", None), "vocab_size", None) or getattr(getattr(raw, "config", None), "vocab_size", None)
+        if data is None:
+            if self.dist.is_main:  # one rank tokenizes into the cache, the others open it
+                data = build_data(cfg, vocab_size=vocab)
+            D.barrier(self.dist)
+            if data is None:
+                data = build_data(cfg, vocab_size=vocab)
+        self.data = data
+        per_rank = t.global_batch_size // self.dist.dp_world
+        if t.global_batch_size % self.dist.dp_world or per_rank % t.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must split into {self.dist.dp_world} data-parallel "
+                f"ranks x micro_batch_size={t.micro_batch_size} x accumulation steps"
+            )
+        self.accum_steps = per_rank // t.micro_batch_size
+        self.sampler = StepSampler(len(data.train), global_batch=t.global_batch_size, seed=t.seed,
+                                   shuffle=cfg.data.shuffle, rank=self.dist.dp_rank, world=self.dist.dp_world)
+        self.raw_model = raw.to(self.device)
+        self.model, self.master = self._wrap(raw)
+        groups = self.master.groups if self.master is not None else param_groups(self.model, cfg.optim.weight_decay)
+        self.optimizer = build_optimizer(self.model, cfg.optim, params=groups)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
+        self.ema = EMA(self.model, t.ema_decay) if t.ema_decay is not None else None
+        self.mixup = self._mixup()
+        self.step = 0
+        self.history: list[dict] = []
+        if t.resume is not None:
+            path = find_checkpoint(t.resume, self.output_dir)
+            if path is not None:
+                self.step = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                            sampler=self.sampler, dist_state=self.dist, ema=self.ema, master=self.master)
+                log.info("resumed from %s at step %d", path, self.step)
+        self.metrics = MetricsLog(self.output_dir, enabled=self.dist.is_main, tensorboard=t.tensorboard)
+
+    # --------------------------------------------------------------------------------------------------------
+    def _wrap(self, model: nn.Module) -> tuple[nn.Module, MasterWeights | None]:
+        """Precision, tensor parallel, activation checkpointing, compile, then DDP/FSDP (torchtitan's order)."""
+        cfg, dist_state = self.cfg, self.dist
+        pure_bf16 = cfg.train.precision == "bf16"
+        if pure_bf16 and dist_state.strategy != "fsdp":
+            model.to(torch.bfloat16)
+        if dist_state.strategy == "tp":
+            D.apply_tp(model, dist_state)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+        if cfg.train.compile:
+            if dist_state.strategy in ("fsdp", "tp"):
+                for block in block_list(model):
+                    block.compile()
+            else:
+                model.compile()
+        master = None
+        if dist_state.strategy == "ddp":
+            model = D.apply_ddp(model, dist_state, bf16_compress=cfg.distributed.ddp_bf16_compress)
+        elif dist_state.strategy == "fsdp":
+            model = D.apply_fsdp(model, list(block_list(model)), dist_state, bf16=pure_bf16,
+                                 reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
+        if pure_bf16 and dist_state.strategy != "fsdp":  # FSDP's sharded fp32 parameters are the masters
+            master = MasterWeights(model, param_groups(model, cfg.optim.weight_decay))
+        return model, master
+
+    def _mixup(self):
+        d = self.cfg.data
+        if self.task != "image_classification" or not (d.mixup_alpha or d.cutmix_alpha):
+            return None
+        from timm.data import Mixup
+
+        return Mixup(mixup_alpha=d.mixup_alpha, cutmix_alpha=d.cutmix_alpha, label_smoothing=d.label_smoothing,
+                     num_classes=self.cfg.model.num_labels)
+
+    def _autocast(self):
+        if self.cfg.train.precision == "bf16_autocast":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # --------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def loss_units(batch: dict, task: str) -> int:
+        """What the loss averages over: predicted tokens (labels shifted by one, -100 ignored) or rows."""
+        if task == "causal_lm":
+            return int((batch["labels"][..., 1:] != IGNORE).sum())
+        return int(batch["labels"].shape[0])
+
+    def forward(self, batch: dict, *, train: bool) -> tuple[torch.Tensor, dict]:
+        """Mean loss of one micro-batch and side metrics (correct predictions for classification)."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with self._autocast():
+            if self.task == "causal_lm":
+                kwargs = {"cu_seqlens": batch["cu_seqlens"]} if "cu_seqlens" in batch else {}
+                out = self.model(batch["input_ids"], labels=batch["labels"], **kwargs)
+                return out.loss.float(), {}
+            labels = batch.pop("labels")
+            targets = labels
+            if train and self.mixup is not None:
+                batch["pixel_values"], targets = self.mixup(batch["pixel_values"], labels)
+            logits = self.model(**batch).logits.float()
+            if targets.dim() == 2:  # mixup/cutmix soft targets
+                loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
+            else:
+                loss = nn.functional.cross_entropy(logits, labels, label_smoothing=self.cfg.data.label_smoothing if train else 0.0)
+            return loss, {"correct": int((logits.argmax(-1) == labels).sum())}
+
+    def train_step(self) -> dict:
+        t = self.cfg.train
+        indices = self.sampler.next_step()
+        batches = micro_batches(self.data.train, indices, t.micro_batch_size, self.data.collate)
+        units = [self.loss_units(b, self.task) for b in batches]
+        total = D.all_reduce_sum(torch.tensor(float(sum(units)), device=self.device), self.dist).item()
+        for p in self.model.parameters():
+            p.grad = None
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (batch, n) in enumerate(zip(batches, units)):
+            last = i == len(batches) - 1
+            sync = contextlib.nullcontext() if last or self.dist.strategy != "ddp" else self.model.no_sync()
+            if self.dist.strategy == "fsdp":
+                self.model.set_requires_gradient_sync(last)
+            with sync:
+                loss, _ = self.forward(batch, train=True)
+                (loss * (n * self.dist.dp_world / max(total, 1.0))).backward()
+            loss_sum += loss.detach() * n
+        loss_value = D.all_reduce_sum(loss_sum, self.dist).item() / max(total, 1.0)
+        if self.master is not None:
+            self.master.grads_to_master()
+            params = self.master.masters()
+        else:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = clip_grad_norm(params, self.cfg.optim.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        if self.master is not None:
+            self.master.master_to_model()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        self.step += 1
+        tokens = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dp_world if "input_ids" in batches[0] else 0
+        return {"step": self.step, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": tokens,
+                "rows": len(indices) * self.dist.dp_world}
+
+    # --------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, *, use_ema: bool = False) -> dict:
+        if self.data.eval is None:
+            return {}
+        if use_ema:
+            self.ema.swap(self.model)
+        self.model.eval()
+        try:
+            t = self.cfg.train
+            ds = self.data.eval
+            n_batches = min(t.eval_batches, math.ceil(len(ds) / t.micro_batch_size))
+            loss_sum = torch.zeros(2, device=self.device)  # loss * units, units
+            correct = 0
+            for k in range(n_batches):
+                idx = list(range(k * t.micro_batch_size, min(len(ds), (k + 1) * t.micro_batch_size)))
+                batch = self.data.collate([ds[i] for i in idx])
+                n = self.loss_units(batch, self.task)
+                loss, extra = self.forward(batch, train=False)
+                loss_sum += torch.stack([loss * n, torch.tensor(float(n), device=self.device)])
+                correct += extra.get("correct", 0)
+        finally:
+            self.model.train()
+            if use_ema:
+                self.ema.swap(self.model)
+        loss = (loss_sum[0] / loss_sum[1].clamp(min=1)).item()
+        prefix = "eval_ema_" if use_ema else "eval_"
+        out = {prefix + "loss": loss}
+        if self.task == "causal_lm":
+            out[prefix + "perplexity"] = math.exp(min(loss, 50.0))
+        else:
+            out[prefix + "accuracy"] = correct / max(1.0, loss_sum[1].item())
+        return out
+
+    def evaluate_all(self) -> dict:
+        out = self.evaluate()
+        if self.ema is not None and self.data.eval is not None:
+            out.update(self.evaluate(use_ema=True))
+        return out
+
+    # --------------------------------------------------------------------------------------------------------
+    def save(self) -> Path:
+        return save_checkpoint(self.output_dir / "checkpoints", step=self.step, model=self.model, optimizer=self.optimizer,
+                               scheduler=self.scheduler, sampler=self.sampler, dist_state=self.dist, ema=self.ema,
+                               master=self.master, extra={"config": self.cfg.to_dict()})
+
+    def export(self, directory: Path | None = None) -> Path | None:
+        """save_pretrained the trained model (and the EMA weights into ``final_ema``) in HF layout."""
+        directory = Path(directory or self.output_dir / "final")
+        state = D.export_state_dict(self.model, self.dist)
+        ema_state = None
+        if self.ema is not None:
+            self.ema.swap(self.model)
+            ema_state = D.export_state_dict(self.model, self.dist)
+            self.ema.swap(self.model)
+        if self.dist.is_main:
+            _save_pretrained(self.raw_model, state, directory)
+            if ema_state is not None:
+                _save_pretrained(self.raw_model, ema_state, directory.with_name(directory.name + "_ema"))
+            if self.data.tokenizer is not None and hasattr(self.data.tokenizer, "save_pretrained"):
+                self.data.tokenizer.save_pretrained(directory)
+        D.barrier(self.dist)
+        return directory if self.dist.is_main else None
+
+    # --------------------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        t = self.cfg.train
+        seq_len = self.cfg.data.seq_len
+        fpt = flops_per_token(D.unwrap(self.model), seq_len) if self.task == "causal_lm" else 0.0
+        peak = t.peak_tflops * 1e12 if t.peak_tflops else (measure_matmul_peak(self.device) if fpt else 0.0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=not (t.progress and self.dist.is_main), desc="train", unit="step")
+        profiler = self._profiler()
+        timed_tokens, timed_seconds = 0, 0.0
+        self.model.train()
+        try:
+            while self.step < t.max_steps:
+                start = time.perf_counter()
+                record = self.train_step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - start
+                if record["step"] > 1 or self.step == t.max_steps:  # the first step pays for compilation
+                    timed_tokens += record["tokens"]
+                    timed_seconds += elapsed
+                record["tokens_per_s"] = record["tokens"] / elapsed
+                record["mfu"] = record["tokens_per_s"] * fpt / peak / self.dist.world if peak else 0.0
+                if profiler is not None:
+                    profiler.step()
+                if t.eval_every and self.step % t.eval_every == 0:
+                    record.update(self.evaluate_all())
+                self.history.append(record)
+                if self.step % t.log_every == 0 or self.step == t.max_steps or "eval_loss" in record:
+                    self.metrics.log(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}")
+                bar.update(1)
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                    self.save()
+        finally:
+            bar.close()
+            if profiler is not None:
+                profiler.__exit__(None, None, None)
+        final_eval = self.evaluate_all()
+        if t.save_every:
+            self.save()
+        exported = self.export() if t.export else None
+        summary = self._summary(timed_tokens, timed_seconds, fpt, peak, final_eval, exported)
+        self.metrics.log({"summary": True, **summary})
+        self.metrics.close()
+        if self.dist.is_main:
+            log.info("summary: %s", json.dumps(summary))
+        return summary
+
+    def _profiler(self):
+        t = self.cfg.train
+        if not t.profile_steps or not self.dist.is_main:
+            return None
+        from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=t.profile_steps, repeat=1),
+                       on_trace_ready=tensorboard_trace_handler(str(self.output_dir / "profile")), record_shapes=True)
+        prof.__enter__()
+        return prof
+
+    def _summary(self, tokens, seconds, fpt, peak, final_eval, exported) -> dict:
+        tokens_per_s = tokens / seconds if seconds else 0.0
+        if self.device.type == "cuda":
+            peak_mem = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process RSS high-water mark
+        return {
+            "steps": self.step, "final_loss": self.history[-1]["loss"] if self.history else None,
+            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak / self.dist.world if peak else 0.0,
+            "flops_per_token": fpt, "peak_flops": peak, "peak_memory_bytes": peak_mem, **final_eval,
+            "exported": str(exported) if exported else None,
+        }
+
+    def close(self) -> None:
+        D.teardown(self.dist)
+
+
+def _save_pretrained(model: nn.Module, state: dict, directory: Path) -> None:
+    """Write ``state`` (full, canonical rows) through the model family's save_pretrained on a clean copy."""
+    if hasattr(model, "decoder_config"):  # ours: a fresh unwrapped module (no DDP/FSDP/TP/compile wrappers)
+        from ..checkpoint.loader import build_model as build_from_hf
+
+        clean = build_from_hf(model.config.to_hf(), device="meta")
+        dtype = next(iter(state.values())).dtype
+        clean.load_state_dict({k: v for k, v in state.items()}, strict=True, assign=True)
+        clean.to(dtype).save_pretrained(directory)
+    else:
+        model.save_pretrained(directory, state_dict=state)
+
+
+def train(config: ExperimentConfig | str | Path | dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """Run a whole experiment from a config object, a YAML path or a dict; returns the end summary."""
+    cfg = config if isinstance(config, ExperimentConfig) else load_config(config, overrides)
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
