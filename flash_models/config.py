@@ -12,6 +12,9 @@ from dataclasses import dataclass
 ATTN_IMPLS = ("eager", "sdpa", "flash", "auto")
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Block variants (modules/block.py): pre-norm (GPT-2, LLaMA), parallel attention + MLP with two norms (GPT-NeoX)
+# or one shared norm (GPT-J), and post-norm (BERT, OPT-350m).
+BLOCK_KINDS = ("pre_norm", "parallel", "parallel_shared_norm", "post_norm")
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -142,8 +145,15 @@ class DecoderConfig:
     initializer_range: float = 0.02
     residual_in_fp32: bool = False
     scale_residual_init: bool = False  # GPT-2: output projections init'd with std / sqrt(2 * layers)
+    block: str = "pre_norm"  # one of BLOCK_KINDS
+    position_offset: int = 0  # OPT: the position table has this many extra leading rows
+    embed_dim: int | None = None  # token embedding width when it differs from hidden (OPT project_in/out)
+    final_norm: bool = True  # False for post-norm stacks, whose blocks end normalized
 
     def __post_init__(self):
         check_choice("norm", self.norm, ("layer_norm", "rms_norm"))
+        check_choice("block", self.block, BLOCK_KINDS)
+        if self.final_norm == (self.block == "post_norm"):
+            raise ValueError("post-norm blocks end normalized and take no final norm; every other block needs one")
         if not self.learned_positions and self.rope is None:
             raise ValueError("a decoder needs learned positions or a rotary config")

@@ -25,11 +25,12 @@ def randomize_(model: torch.nn.Module, *, seed: int = 0, std: float = 0.05) -> t
     return model
 
 
-def random_hf_model(hf_config, *, seed: int = 0, auto_class: str = "AutoModelForCausalLM"):
-    """An HF model of ``hf_config`` in eval mode with randomized weights, using SDPA attention."""
+def random_hf_model(hf_config, *, seed: int = 0, auto_class: str = "AutoModelForCausalLM", attn_implementation: str = "sdpa"):
+    """An HF model of ``hf_config`` in eval mode with randomized weights, using SDPA attention (or the given
+    implementation, for models without SDPA such as GPT-J)."""
     torch.manual_seed(seed)
-    hf_config._attn_implementation = "sdpa"
-    model = getattr(transformers, auto_class).from_config(hf_config, attn_implementation="sdpa")
+    hf_config._attn_implementation = attn_implementation
+    model = getattr(transformers, auto_class).from_config(hf_config, attn_implementation=attn_implementation)
     return randomize_(model, seed=seed).eval()
 
 

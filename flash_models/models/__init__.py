@@ -2,6 +2,15 @@
 
 from .decoder import CausalLMOutput, DecoderLM
 from .gpt2 import GPT2Config, GPT2LMHeadModel
+from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM
+from .gptj import GPTJConfig, GPTJForCausalLM
 from .llama import LlamaConfig, LlamaForCausalLM
+from .mistral import MistralConfig, MistralForCausalLM
+from .opt import OPTConfig, OPTForCausalLM
+from .qwen2 import Qwen2Config, Qwen2ForCausalLM
 
-__all__ = ["CausalLMOutput", "DecoderLM", "GPT2Config", "GPT2LMHeadModel", "LlamaConfig", "LlamaForCausalLM"]
+__all__ = [
+    "CausalLMOutput", "DecoderLM", "GPT2Config", "GPT2LMHeadModel", "GPTJConfig", "GPTJForCausalLM", "GPTNeoXConfig",
+    "GPTNeoXForCausalLM", "LlamaConfig", "LlamaForCausalLM", "MistralConfig", "MistralForCausalLM", "OPTConfig",
+    "OPTForCausalLM", "Qwen2Config", "Qwen2ForCausalLM",
+]

@@ -12,7 +12,10 @@ from torch import nn
 import flash_kernels
 
 from ..config import ATTN_IMPLS, DecoderConfig, check_choice
-from ..modules import Attention, Embeddings, KVCache, Norm, PreNormBlock, RotaryEmbedding, build_attention_mask, build_mlp
+from ..modules import (
+    Attention, Embeddings, KVCache, Norm, ParallelBlock, PostNormBlock, PreNormBlock, RotaryEmbedding, build_attention_mask,
+    build_mlp,
+)
 from ..modules.attention import build_cached_attention_mask
 
 
@@ -48,27 +51,37 @@ class DecoderLM(nn.Module):
         self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
         dc: DecoderConfig = config.decoder()
         self.decoder_config = dc
-        self.embed = Embeddings(dc.vocab_size, dc.hidden_size, max_positions=dc.max_position_embeddings if dc.learned_positions else None)
-        self.rotary = RotaryEmbedding(dc.rope) if dc.rope is not None else None
-
-        def norm() -> Norm:
-            return Norm(dc.hidden_size, kind=dc.norm, eps=dc.norm_eps, bias=dc.norm_bias, kernel_backend=kernel_backend)
-
-        self.blocks = nn.ModuleList(
-            PreNormBlock(
-                norm1=norm(),
-                attn=Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=attn_impl),
-                norm2=norm(),
-                mlp=build_mlp(dc.mlp, kernel_backend=kernel_backend),
-                input_dropout_p=dc.embed_dropout_p if i == 0 else dc.residual_dropout_p,
-                residual_dropout_p=dc.residual_dropout_p,
-                residual_in_fp32=dc.residual_in_fp32,
-            )
-            for i in range(dc.num_layers)
+        self.embed = Embeddings(
+            dc.vocab_size, dc.hidden_size, max_positions=dc.max_position_embeddings if dc.learned_positions else None,
+            token_dim=dc.embed_dim, position_offset=dc.position_offset,
         )
-        self.norm_f = norm()
-        self.lm_head = None if dc.tie_word_embeddings else nn.Linear(dc.hidden_size, dc.vocab_size, bias=dc.lm_head_bias)
+        self.rotary = RotaryEmbedding(dc.rope) if dc.rope is not None else None
+        self.blocks = nn.ModuleList(self._block(dc, i) for i in range(dc.num_layers))
+        self.norm_f = self._norm() if dc.final_norm else None
+        token_dim = dc.embed_dim or dc.hidden_size
+        self.project_out = nn.Linear(dc.hidden_size, token_dim, bias=False) if token_dim != dc.hidden_size else None
+        self.lm_head = None if dc.tie_word_embeddings else nn.Linear(token_dim, dc.vocab_size, bias=dc.lm_head_bias)
         self.init_weights()
+
+    def _norm(self) -> Norm:
+        dc = self.decoder_config
+        return Norm(dc.hidden_size, kind=dc.norm, eps=dc.norm_eps, bias=dc.norm_bias, kernel_backend=self.kernel_backend)
+
+    def _block(self, dc: DecoderConfig, i: int) -> nn.Module:
+        """Block ``i`` of the kind the config names (see modules/block.py for each residual stream)."""
+        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl)
+        mlp = build_mlp(dc.mlp, kernel_backend=self.kernel_backend)
+        input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
+        if dc.block == "pre_norm":
+            return PreNormBlock(norm1=self._norm(), attn=attn, norm2=self._norm(), mlp=mlp, input_dropout_p=input_dropout_p,
+                                residual_dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
+        if dc.block in ("parallel", "parallel_shared_norm"):
+            norm2 = self._norm() if dc.block == "parallel" else None
+            return ParallelBlock(norm1=self._norm(), attn=attn, mlp=mlp, norm2=norm2, input_dropout_p=input_dropout_p,
+                                 residual_in_fp32=dc.residual_in_fp32)
+        # post-norm: blocks hand over a normalized stream, so only the embeddings get input dropout
+        return PostNormBlock(attn=attn, norm1=self._norm(), mlp=mlp, norm2=self._norm(),
+                             input_dropout_p=dc.embed_dropout_p if i == 0 else 0.0, residual_dropout_p=dc.residual_dropout_p)
 
     # ----------------------------------------------------------------------------------------------------
     def init_weights(self) -> None:
@@ -143,7 +156,10 @@ class DecoderLM(nn.Module):
             hidden, residual = block(
                 hidden, residual, mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache
             )
-        hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
+        if self.norm_f is not None:
+            hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
+        if self.project_out is not None:
+            hidden = self.project_out(hidden)  # (B, S, embed_dim)
         if kv_cache is not None:
             kv_cache.advance(mask.cache_lengths - kv_cache.seqlens)
         logits = nn.functional.linear(

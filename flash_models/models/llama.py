@@ -56,7 +56,7 @@ class LlamaConfig:
         params = dict(hf.rope_parameters or {})
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{cls.model_type}: partial_rotary_factor != 1 is not supported")
-        head_dim = hf.head_dim or hf.hidden_size // hf.num_attention_heads
+        head_dim = cls.hf_head_dim(hf)
         rope = RopeConfig.from_hf_parameters(
             params, rotary_dim=head_dim, max_position_embeddings=hf.max_position_embeddings
         )
@@ -67,6 +67,10 @@ class LlamaConfig:
             bos_token_id=token_ids(hf.bos_token_id),
             eos_token_id=token_ids(hf.eos_token_id),
         )
+
+    @classmethod
+    def hf_head_dim(cls, hf) -> int:
+        return hf.head_dim or hf.hidden_size // hf.num_attention_heads
 
     def to_hf(self):
         return self.hf_config_class(
@@ -82,6 +86,10 @@ class LlamaConfig:
     def sliding_window_size(self) -> int | None:
         return None
 
+    def attention_biases(self) -> tuple[bool, bool]:
+        """(qkv projection bias, output projection bias)."""
+        return self.attention_bias, self.attention_bias
+
     def decoder(self) -> DecoderConfig:
         return DecoderConfig(
             vocab_size=self.vocab_size,
@@ -89,8 +97,8 @@ class LlamaConfig:
             num_layers=self.num_hidden_layers,
             attention=AttentionConfig(
                 hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
-                num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, qkv_bias=self.attention_bias,
-                out_bias=self.attention_bias, dropout_p=self.attention_dropout,
+                num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, qkv_bias=self.attention_biases()[0],
+                out_bias=self.attention_biases()[1], dropout_p=self.attention_dropout,
                 sliding_window=self.sliding_window_size(),
             ),
             mlp=MLPConfig(

@@ -34,3 +34,15 @@ class Norm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, kind={self.kind}, eps={self.eps}"
+
+
+def dual_norm(norm_a: Norm, norm_b: Norm, x, residual=None, *, dropout_p: float = 0.0, residual_in_fp32: bool = False):
+    """``h = dropout(x) + residual`` normalized by two norms of the same kind in one fused kernel:
+    returns (norm_a(h), norm_b(h), h). Parallel blocks with two norms (GPT-NeoX) use it."""
+    assert norm_a.kind == norm_b.kind and norm_a.eps == norm_b.eps, "a dual norm needs two norms of one kind"
+    fn = flash_kernels.rms_norm_dual if norm_a.kind == "rms_norm" else flash_kernels.layer_norm_dual
+    return fn(
+        x, norm_a.weight, norm_a.bias, norm_b.weight, norm_b.bias, residual=residual, eps=norm_a.eps,
+        dropout_p=dropout_p if norm_a.training else 0.0, prenorm=True, residual_in_fp32=residual_in_fp32,
+        backend=norm_a.kernel_backend,
+    )

@@ -14,10 +14,23 @@ def tiny_overrides(preset):
     hf = preset.hf_config
     if preset.model_type == "gpt2":
         return dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-    if preset.model_type == "llama":
+    if preset.model_type in ("llama", "mistral", "qwen2"):
         ratio = hf.get("num_attention_heads", 32) // hf.get("num_key_value_heads", hf.get("num_attention_heads", 32))
-        return dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=max(1, 4 // ratio), vocab_size=128, max_position_embeddings=64)
+        if preset.model_type == "mistral":
+            tiny["sliding_window"] = 6  # shorter than the test sequences, so the window is exercised
+        return tiny
+    if preset.model_type == "gpt_neox":
+        return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128,
+                    max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)
+    if preset.model_type == "gptj":
+        return dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, n_positions=64, resid_pdrop=0.1,
+                    embd_pdrop=0.1, attn_pdrop=0.1)
+    if preset.model_type == "opt":
+        projected = hf.get("word_embed_proj_dim", hf.get("hidden_size")) != hf.get("hidden_size")
+        return dict(hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4, vocab_size=128,
+                    max_position_embeddings=64, word_embed_proj_dim=32 if projected else 64, dropout=0.1)
     raise AssertionError(f"add tiny sizes for model_type {preset.model_type!r}")
 
 

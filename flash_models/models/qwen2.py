@@ -1,0 +1,57 @@
+"""Qwen2 (HF ``model_type`` "qwen2"): LLaMA's block with a bias on the q/k/v projections (none on o_proj).
+
+Qwen2's optional sliding window applies only to layers from ``max_window_layers`` on; released checkpoints
+keep ``use_sliding_window=False``, and per-layer windows are not supported (loading one raises)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import transformers
+
+from ..registry import Family, Preset, register_family, register_preset
+from .llama import LlamaConfig, LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class Qwen2Config(LlamaConfig):
+    use_sliding_window: bool = False
+    sliding_window: int | None = None  # HF clears it unless use_sliding_window
+    max_window_layers: int = 28
+
+    model_type = "qwen2"
+    hf_config_class = transformers.Qwen2Config
+    _PLAIN = tuple(n for n in LlamaConfig._PLAIN if n not in ("attention_bias", "mlp_bias", "head_dim")) + (
+        "use_sliding_window", "sliding_window", "max_window_layers",
+    )
+
+    @classmethod
+    def from_hf(cls, hf) -> Qwen2Config:
+        windowed = [i for i, kind in enumerate(hf.layer_types) if kind != "full_attention"]
+        if windowed:
+            raise ValueError(
+                f"Qwen2 with sliding-window layers {windowed} (use_sliding_window=True) is not supported: "
+                "flash-models applies one window to every layer"
+            )
+        return super().from_hf(hf)
+
+    @classmethod
+    def hf_head_dim(cls, hf) -> int:
+        return hf.hidden_size // hf.num_attention_heads
+
+    def attention_biases(self) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    config_class = Qwen2Config
+
+
+register_family(Family("qwen2", Qwen2Config, Qwen2ForCausalLM))
+register_preset(Preset(
+    "qwen2-0.5b", "qwen2",
+    dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+         num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, max_window_layers=24),
+    description="Qwen2-0.5B shape: 24 layers, hidden 896, GQA 14/2, qkv bias, tied embeddings",
+))
