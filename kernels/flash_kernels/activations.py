@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from ._triton_utils import as_rows, next_power_of_2
+from ._triton_utils import as_rows, eager_function, next_power_of_2, pick
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -168,12 +168,16 @@ def _act_setup_context(ctx, inputs, output):
     ctx.kind, ctx.gated = kind, gated
 
 
-def _act_backward(ctx, dy):
-    (x,) = ctx.saved_tensors
-    return _act_bwd_op(x, dy, ctx.kind, ctx.gated), None, None
+def _act_backward_with(bwd):
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        return bwd(x, dy, ctx.kind, ctx.gated), None, None
+
+    return backward
 
 
-_act_fwd_op.register_autograd(_act_backward, setup_context=_act_setup_context)
+_act_fwd_op.register_autograd(_act_backward_with(_act_bwd_op), setup_context=_act_setup_context)
+_act_eager = eager_function("Activation", _act_fwd, _act_setup_context, _act_backward_with(_act_bwd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -194,7 +198,7 @@ def swiglu(gate_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
     _split_gate_up(gate_up, "swiglu")
     if not use_triton(backend, gate_up, op="swiglu", unsupported=_unsupported(gate_up)):
         return swiglu_ref(gate_up)
-    return _act_fwd_op(gate_up, "silu", True)
+    return pick(_act_fwd_op, _act_eager)(gate_up, "silu", True)
 
 
 def geglu(gate_up: torch.Tensor, *, approximate: str = "tanh", backend: str | None = None) -> torch.Tensor:
@@ -203,7 +207,7 @@ def geglu(gate_up: torch.Tensor, *, approximate: str = "tanh", backend: str | No
     _split_gate_up(gate_up, "geglu")
     if not use_triton(backend, gate_up, op="geglu", unsupported=_unsupported(gate_up)):
         return geglu_ref(gate_up, approximate=approximate)
-    return _act_fwd_op(gate_up, "gelu_tanh" if approximate == "tanh" else "gelu", True)
+    return pick(_act_fwd_op, _act_eager)(gate_up, "gelu_tanh" if approximate == "tanh" else "gelu", True)
 
 
 def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = None) -> torch.Tensor:
@@ -211,4 +215,4 @@ def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = No
     _check_approximate(approximate)
     if not use_triton(backend, x, op="gelu", unsupported=_unsupported(x)):
         return gelu_ref(x, approximate=approximate)
-    return _act_fwd_op(x, "gelu_tanh" if approximate == "tanh" else "gelu", False)
+    return pick(_act_fwd_op, _act_eager)(x, "gelu_tanh" if approximate == "tanh" else "gelu", False)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from ._triton_utils import as_rows, next_power_of_2, warps_for_block
+from ._triton_utils import as_rows, eager_function, next_power_of_2, pick, warps_for_block
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -171,9 +171,7 @@ def _ce_bwd_op(
     logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, dlosses: torch.Tensor, dlse: Optional[torch.Tensor],
     ignore_index: int, label_smoothing: float, lse_square_scale: float, logit_scale: float,
 ) -> torch.Tensor:
-    dlogits = torch.empty_like(logits)
-    ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale)
-    return dlogits
+    return _ce_bwd_new(logits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale)
 
 
 @_ce_bwd_op.register_fake
@@ -196,19 +194,38 @@ def _ce_setup_context(ctx, inputs, output):
     ctx.inplace_backward = inplace_backward
 
 
-def _ce_backward(ctx, dlosses, dlse):
-    logits, labels, lse = ctx.saved_tensors
-    if dlosses is None:
-        dlosses = torch.zeros_like(lse)
-    if ctx.inplace_backward:
-        _ce_bwd_inplace_op(logits, labels, lse, dlosses.contiguous(), dlse, *ctx.args)
-        dlogits = logits
-    else:
-        dlogits = _ce_bwd_op(logits, labels, lse, dlosses.contiguous(), dlse, *ctx.args)
-    return dlogits, None, None, None, None, None, None
+def _ce_bwd_new(logits, labels, lse, dlosses, dlse, *args):
+    dlogits = torch.empty_like(logits)
+    ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, *args)
+    return dlogits
 
 
-_ce_fwd_op.register_autograd(_ce_backward, setup_context=_ce_setup_context)
+def _ce_backward_with(bwd, bwd_inplace):
+    """The backward, calling the custom ops (traced by torch.compile) or their implementations (eager)."""
+
+    def backward(ctx, dlosses, dlse):
+        logits, labels, lse = ctx.saved_tensors
+        if dlosses is None:
+            dlosses = torch.zeros_like(lse)
+        if ctx.inplace_backward:
+            bwd_inplace(logits, labels, lse, dlosses.contiguous(), dlse, *ctx.args)
+            dlogits = logits
+        else:
+            dlogits = bwd(logits, labels, lse, dlosses.contiguous(), dlse, *ctx.args)
+        return dlogits, None, None, None, None, None, None
+
+    return backward
+
+
+def _ce_bwd_inplace(logits, labels, lse, dlosses, dlse, *args):
+    ce_rows_bwd(logits, logits, labels, lse, dlosses, dlse, *args)
+
+
+_ce_fwd_op.register_autograd(_ce_backward_with(_ce_bwd_op, _ce_bwd_inplace_op), setup_context=_ce_setup_context)
+_ce_eager = eager_function(
+    "CrossEntropy", lambda logits, labels, *args: ce_rows_fwd(logits, labels, *args[:-1]), _ce_setup_context,
+    _ce_backward_with(_ce_bwd_new, _ce_bwd_inplace),
+)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,7 +259,7 @@ def cross_entropy_triton_rows(
     """Per-row (losses, lse) from the Triton kernels, differentiable; shared with linear_cross_entropy."""
     # Under torch.compile the graph is functional: an in-place backward would be copied anyway.
     inplace = inplace_backward and not torch.compiler.is_compiling()
-    return _ce_fwd_op(as_rows(logits), labels, int(ignore_index), float(label_smoothing), float(lse_square_scale),
+    return pick(_ce_fwd_op, _ce_eager)(as_rows(logits), labels, int(ignore_index), float(label_smoothing), float(lse_square_scale),
                       float(logit_scale), inplace)
 
 

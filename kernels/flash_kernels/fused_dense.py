@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import default_backend
+from ._triton_utils import eager_function, pick
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def build_directory() -> Path:
     return path
 
 
+@torch.compiler.assume_constant_result
 def extension_buildable() -> str | None:
     """None when the extension is prebuilt or can be built here, else why not."""
     if importlib.util.find_spec(_PREBUILT) is not None:
@@ -130,9 +132,11 @@ def load_extension(*, verbose: bool = False):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flash_kernels::fused_dense_fwd", mutates_args=())
-def _dense_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return load_extension().linear_fwd(x, weight, bias, False)[0]
+
+
+_dense_op = torch.library.custom_op("flash_kernels::fused_dense_fwd", mutates_args=())(_dense)
 
 
 @_dense_op.register_fake
@@ -140,11 +144,13 @@ def _(x, weight, bias):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-@torch.library.custom_op("flash_kernels::fused_dense_bwd", mutates_args=())
-def _dense_bwd_op(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _dense_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = load_extension()
     dw, db = ext.linear_wgrad(x, dy, True)
     return ext.linear_dgrad(dy, weight, None)[0], dw, db
+
+
+_dense_bwd_op = torch.library.custom_op("flash_kernels::fused_dense_bwd", mutates_args=())(_dense_bwd)
 
 
 @_dense_bwd_op.register_fake
@@ -157,21 +163,27 @@ def _dense_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight)
 
 
-def _dense_backward(ctx, dy):
-    x, weight = ctx.saved_tensors
-    return _dense_bwd_op(x, weight, dy.contiguous())
+def _dense_backward_with(bwd):
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        return bwd(x, weight, dy.contiguous())
+
+    return backward
 
 
-_dense_op.register_autograd(_dense_backward, setup_context=_dense_setup)
+_dense_op.register_autograd(_dense_backward_with(_dense_bwd_op), setup_context=_dense_setup)
+_dense_eager = eager_function("FusedDense", _dense, _dense_setup, _dense_backward_with(_dense_bwd))
 
 
-@torch.library.custom_op("flash_kernels::fused_mlp_gelu_fwd", mutates_args=())
-def _mlp_op(
+def _mlp(
     x: torch.Tensor, weight1: torch.Tensor, bias1: torch.Tensor, weight2: torch.Tensor, bias2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = load_extension()
     act, pre = ext.linear_fwd(x, weight1, bias1, True)
     return ext.linear_fwd(act, weight2, bias2, False)[0], act, pre
+
+
+_mlp_op = torch.library.custom_op("flash_kernels::fused_mlp_gelu_fwd", mutates_args=())(_mlp)
 
 
 @_mlp_op.register_fake
@@ -180,8 +192,7 @@ def _(x, weight1, bias1, weight2, bias2):
     return x.new_empty((x.shape[0], weight2.shape[0])), hidden, torch.empty_like(hidden)
 
 
-@torch.library.custom_op("flash_kernels::fused_mlp_gelu_bwd", mutates_args=())
-def _mlp_bwd_op(
+def _mlp_bwd(
     x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, act: torch.Tensor, pre: torch.Tensor,
     dy: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,6 +202,9 @@ def _mlp_bwd_op(
     dw1 = ext.linear_wgrad(x, dpre, False)[0]
     dx = ext.linear_dgrad(dpre, weight1, None)[0]
     return dx, dw1, db1, dw2, db2
+
+
+_mlp_bwd_op = torch.library.custom_op("flash_kernels::fused_mlp_gelu_bwd", mutates_args=())(_mlp_bwd)
 
 
 @_mlp_bwd_op.register_fake
@@ -205,13 +219,16 @@ def _mlp_setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight1, weight2, act, pre)
 
 
-def _mlp_backward(ctx, dy, _dact, _dpre):
-    x, weight1, weight2, act, pre = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = _mlp_bwd_op(x, weight1, weight2, act, pre, dy.contiguous())
-    return dx, dw1, db1, dw2, db2
+def _mlp_backward_with(bwd):
+    def backward(ctx, dy, _dact, _dpre):
+        x, weight1, weight2, act, pre = ctx.saved_tensors
+        return bwd(x, weight1, weight2, act, pre, dy.contiguous())
+
+    return backward
 
 
-_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup)
+_mlp_op.register_autograd(_mlp_backward_with(_mlp_bwd_op), setup_context=_mlp_setup)
+_mlp_eager = eager_function("FusedMLP", _mlp, _mlp_setup, _mlp_backward_with(_mlp_bwd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -266,7 +283,7 @@ def fused_dense(
         raise ValueError(f"fused_dense: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if not _use_cuda(backend, x, [weight, bias], op="fused_dense"):
         return fused_dense_ref(x, weight, bias)
-    y = _dense_op(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), bias.contiguous())
+    y = pick(_dense_op, _dense_eager)(x.reshape(-1, x.shape[-1]).contiguous(), weight.contiguous(), bias.contiguous())
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -289,5 +306,5 @@ def fused_dense_gelu_dense(
     params = [weight1, bias1, weight2, bias2]
     if not _use_cuda(backend, x, params, approximate=approximate, op="fused_dense_gelu_dense"):
         return fused_dense_gelu_dense_ref(x, weight1, bias1, weight2, bias2, approximate=approximate)
-    y, _, _ = _mlp_op(x.reshape(-1, x.shape[-1]).contiguous(), *(p.contiguous() for p in params))
+    y, _, _ = pick(_mlp_op, _mlp_eager)(x.reshape(-1, x.shape[-1]).contiguous(), *(p.contiguous() for p in params))
     return y.view(*x.shape[:-1], weight2.shape[0])

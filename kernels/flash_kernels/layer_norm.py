@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from ._triton_utils import as_rows, dropout_seed, next_power_of_2, num_programs, placeholder, warps_for_block
+from ._triton_utils import (
+    as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, pick, placeholder, warps_for_block,
+)
 
 
 def layer_norm_ref(
@@ -423,7 +425,8 @@ def _norm_bwd(
     )
     if has_residual and not store_dres:
         dres = dx
-    return dx, dres, dw_p.sum(0), db_p.sum(0), dw1_p.sum(0), db1_p.sum(0)
+    reduce = lambda partial: partial.sum(0) if partial.numel() else partial  # noqa: E731
+    return dx, dres, reduce(dw_p), reduce(db_p), reduce(dw1_p), reduce(db1_p)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -501,27 +504,33 @@ def _norm_setup_context(ctx, inputs, output):
     ctx.store_residual = store_residual
 
 
-def _norm_backward(ctx, dy, dy1, dres_out, _dmean, _drstd, _dseed, _dmask):
-    h, weight, weight1, rowscale, mean, rstd, seed = ctx.saved_tensors
-    if dy is None:
-        dy = torch.zeros(h.shape, device=h.device, dtype=ctx.args["x_dtype"])
-    if weight1 is None:
-        dy1 = None
-    elif dy1 is None:
-        dy1 = torch.zeros_like(dy)
-    if not ctx.store_residual or (dres_out is not None and dres_out.numel() == 0):
-        dres_out = None
-    dx, dres, dw, db, dw1, db1 = _norm_bwd_op(h, as_rows(dy), None if dy1 is None else as_rows(dy1),
-                                              None if dres_out is None else as_rows(dres_out), weight, weight1,
-                                              mean, rstd, rowscale, seed, **ctx.args)
-    w_dt, b_dt, w1_dt, b1_dt = ctx.param_dtypes
-    cast = lambda g, dt: g.to(dt) if dt is not None else None  # noqa: E731
-    dres = dres if ctx.args["has_residual"] else None
-    return (dx, dw.to(w_dt), cast(db, b_dt), cast(dw1, w1_dt), cast(db1, b1_dt), dres,
-            None, None, None, None, None, None, None, None, None)
+def _norm_backward_with(bwd):
+    """The backward, calling ``bwd``: the custom op (traced by torch.compile) or its implementation (eager)."""
+
+    def backward(ctx, dy, dy1, dres_out, _dmean, _drstd, _dseed, _dmask):
+        h, weight, weight1, rowscale, mean, rstd, seed = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros(h.shape, device=h.device, dtype=ctx.args["x_dtype"])
+        if weight1 is None:
+            dy1 = None
+        elif dy1 is None:
+            dy1 = torch.zeros_like(dy)
+        if not ctx.store_residual or (dres_out is not None and dres_out.numel() == 0):
+            dres_out = None
+        dx, dres, dw, db, dw1, db1 = bwd(h, as_rows(dy), None if dy1 is None else as_rows(dy1),
+                                         None if dres_out is None else as_rows(dres_out), weight, weight1,
+                                         mean, rstd, rowscale, seed, **ctx.args)
+        w_dt, b_dt, w1_dt, b1_dt = ctx.param_dtypes
+        cast = lambda g, dt: g.to(dt) if dt is not None else None  # noqa: E731
+        dres = dres if ctx.args["has_residual"] else None
+        return (dx, dw.to(w_dt), cast(db, b_dt), cast(dw1, w1_dt), cast(db1, b1_dt), dres,
+                None, None, None, None, None, None, None, None, None)
+
+    return backward
 
 
-_norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+_norm_fwd_op.register_autograd(_norm_backward_with(_norm_bwd_op), setup_context=_norm_setup_context)
+_norm_eager = eager_function("FusedNorm", _norm_fwd, _norm_setup_context, _norm_backward_with(_norm_bwd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -573,7 +582,7 @@ def _norm(
     # h differs from x only when something is added to or scales it; only then is it stored (prenorm returns
     # it, the backward reads it). Otherwise the residual output is x itself and the backward reads x.
     store_residual = residual is not None or dropout_p > 0.0 or rowscale is not None
-    y, y1, res_out, _, _, _, mask = _norm_fwd_op(
+    y, y1, res_out, _, _, _, mask = pick(_norm_fwd_op, _norm_eager)(
         as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual),
         None if rowscale is None else rowscale.reshape(-1), float(eps), float(dropout_p), is_rms_norm,
         zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import check_backend_name, use_triton
-from ._triton_utils import next_power_of_2, placeholder
+from ._triton_utils import eager_function, next_power_of_2, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_bwd, ce_rows_fwd, check_labels, cross_entropy_ref
 
 
@@ -121,8 +121,7 @@ def _row_grad(labels, ignore_index, reduction):
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flash_kernels::linear_cross_entropy_fwd", mutates_args=())
-def _lce_fwd_op(
+def _lce_fwd(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, ignore_index: int,
     label_smoothing: float, logit_scale: float, reduction: str, chunk_size: int, triton_ce: bool, compute_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,6 +142,9 @@ def _lce_fwd_op(
             db.to(bias.dtype) if db is not None else placeholder(dev))
 
 
+_lce_fwd_op = torch.library.custom_op("flash_kernels::linear_cross_entropy_fwd", mutates_args=())(_lce_fwd)
+
+
 @_lce_fwd_op.register_fake
 def _(hidden, weight, bias, labels, ignore_index, label_smoothing, logit_scale, reduction, chunk_size, triton_ce,
       compute_grads):
@@ -154,8 +156,7 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, logit_scale, 
     return loss, dh, dw, db
 
 
-@torch.library.custom_op("flash_kernels::linear_cross_entropy_bwd", mutates_args=())
-def _lce_bwd_op(
+def _lce_bwd(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
     dlosses: torch.Tensor, ignore_index: int, label_smoothing: float, logit_scale: float, chunk_size: int,
     triton_ce: bool,
@@ -164,6 +165,9 @@ def _lce_bwd_op(
                              ignore_index=ignore_index, label_smoothing=label_smoothing, logit_scale=logit_scale,
                              triton_ce=triton_ce)
     return dh, dw, db.to(bias.dtype) if db is not None else placeholder(hidden.device)
+
+
+_lce_bwd_op = torch.library.custom_op("flash_kernels::linear_cross_entropy_bwd", mutates_args=())(_lce_bwd)
 
 
 @_lce_bwd_op.register_fake
@@ -183,16 +187,20 @@ def _lce_setup_context(ctx, inputs, output):
         ctx.save_for_backward(*output[1:])
 
 
-def _lce_backward(ctx, dloss, _ddh, _ddw, _ddb):
-    if ctx.reduction == "none":
-        hidden, weight, bias, labels = ctx.saved_tensors
-        dh, dw, db = _lce_bwd_op(hidden, weight, bias, labels, dloss, *ctx.args)
-    else:
-        dh, dw, db = (g * dloss.to(g.dtype) for g in ctx.saved_tensors)
-    return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None, None, None
+def _lce_backward_with(bwd):
+    def backward(ctx, dloss, _ddh, _ddw, _ddb):
+        if ctx.reduction == "none":
+            hidden, weight, bias, labels = ctx.saved_tensors
+            dh, dw, db = bwd(hidden, weight, bias, labels, dloss, *ctx.args)
+        else:
+            dh, dw, db = (g * dloss.to(g.dtype) for g in ctx.saved_tensors)
+        return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None, None, None
+
+    return backward
 
 
-_lce_fwd_op.register_autograd(_lce_backward, setup_context=_lce_setup_context)
+_lce_fwd_op.register_autograd(_lce_backward_with(_lce_bwd_op), setup_context=_lce_setup_context)
+_lce_eager = eager_function("LinearCrossEntropy", _lce_fwd, _lce_setup_context, _lce_backward_with(_lce_bwd))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -201,9 +209,10 @@ _lce_fwd_op.register_autograd(_lce_backward, setup_context=_lce_setup_context)
 
 
 def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
-    """Tokens per chunk: a chunk of logits one to two times the size of the hidden states (at least 256 rows,
-    so the GEMMs stay efficient), a power of two."""
-    target = next_power_of_2(math.ceil(n_tokens * hidden_size / max(vocab_size, 1)))
+    """Tokens per chunk: a chunk of logits two to four times the size of the hidden states (at least 256 rows,
+    so the GEMMs stay efficient), a power of two. Bigger chunks make the weight-gradient GEMM (whose reduction
+    dim is the chunk) more efficient; the logits chunk stays small next to the weight gradient."""
+    target = next_power_of_2(math.ceil(2 * n_tokens * hidden_size / max(vocab_size, 1)))
     return max(1, min(n_tokens, max(256, target)))
 
 
@@ -257,7 +266,7 @@ def linear_cross_entropy(
     chunk = chunk_size or default_chunk_size(n, weight.shape[1], weight.shape[0])
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
-    loss, _, _, _ = _lce_fwd_op(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1), int(ignore_index),
+    loss, _, _, _ = pick(_lce_fwd_op, _lce_eager)(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1), int(ignore_index),
                                 float(label_smoothing), float(logit_scale), reduction, int(chunk), triton_ce,
                                 needs_grad)
     return loss.view(labels.shape) if reduction == "none" else loss

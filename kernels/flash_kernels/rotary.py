@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._backend import use_triton
-from ._triton_utils import next_power_of_2
+from ._triton_utils import eager_function, next_power_of_2, pick
 
 
 def _positions_cos_sin(x, cos, sin, *, seqlen_offsets, position_ids, cu_seqlens):
@@ -135,8 +135,7 @@ def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, co
 # ----------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("flash_kernels::rotary", mutates_args=())
-def _rotary_op(
+def _rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: Optional[torch.Tensor],
     offsets: Optional[torch.Tensor], offset: int, interleaved: bool, conj: bool,
 ) -> torch.Tensor:
@@ -146,6 +145,9 @@ def _rotary_op(
         out[..., rotary_dim:].copy_(x[..., rotary_dim:])
     _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj)
     return out
+
+
+_rotary_op = torch.library.custom_op("flash_kernels::rotary", mutates_args=())(_rotary)
 
 
 @_rotary_op.register_fake
@@ -167,14 +169,18 @@ def _rotary_setup_context(ctx, inputs, output):
     ctx.args = (offset, interleaved, not conj)
 
 
-def _rotary_backward(ctx, dy):
-    cos, sin, positions, offsets = ctx.saved_tensors
-    # The rotation is orthogonal: its transpose is the rotation by -sin.
-    dx = _rotary_op(dy.contiguous() if dy.stride(-1) != 1 else dy, cos, sin, positions, offsets, *ctx.args)
-    return dx, None, None, None, None, None, None, None
+def _rotary_backward_with(rotate):
+    def backward(ctx, dy):
+        cos, sin, positions, offsets = ctx.saved_tensors
+        # The rotation is orthogonal: its transpose is the rotation by -sin.
+        dx = rotate(dy.contiguous() if dy.stride(-1) != 1 else dy, cos, sin, positions, offsets, *ctx.args)
+        return dx, None, None, None, None, None, None, None
+
+    return backward
 
 
-_rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
+_rotary_op.register_autograd(_rotary_backward_with(_rotary_op), setup_context=_rotary_setup_context)
+_rotary_eager = eager_function("Rotary", _rotary, _rotary_setup_context, _rotary_backward_with(_rotary))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -259,8 +265,11 @@ def apply_rotary(
     positions, offsets, offset = _token_positions(x, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
     x4 = x.unsqueeze(0) if cu_seqlens is not None else x  # (B, S, H, D)
     if inplace and not (torch.is_grad_enabled() and x.requires_grad):
-        _rotary_inplace_op(x4, cos, sin, positions, offsets, offset, interleaved, False)
+        if torch.compiler.is_compiling():
+            _rotary_inplace_op(x4, cos, sin, positions, offsets, offset, interleaved, False)
+        else:
+            _rotary_launch(x4, x4, cos, sin, positions, offsets, offset, interleaved, False)
         return x
-    out = _rotary_op(x4, cos, sin, positions, offsets, offset, interleaved, False)
+    out = pick(_rotary_op, _rotary_eager)(x4, cos, sin, positions, offsets, offset, interleaved, False)
     out = out.squeeze(0) if cu_seqlens is not None else out
     return x.copy_(out) if inplace else out

@@ -49,7 +49,7 @@ def test_no_grad_path_and_default_chunk():
     with torch.no_grad():
         out = linear_cross_entropy(hidden, weight, labels, backend="auto")
     assert_close(out, linear_cross_entropy_ref(hidden, weight, labels), torch.float32)
-    assert default_chunk_size(16384, 4096, 128256) == 1024
+    assert default_chunk_size(16384, 4096, 128256) == 2048
     assert default_chunk_size(10, 64, 1000) == 10
 
 
