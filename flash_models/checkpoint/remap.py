@@ -73,12 +73,12 @@ class RuleSet:
     ignore: tuple[str, ...] = ()  # regexes of HF keys that carry nothing we need (buffers, tied copies)
     base_prefix: str = ""
     head_prefixes: tuple[str, ...] = ()
-    legacy_keys: tuple[tuple[str, str], ...] = ()  # (old full key, current key) from older transformers versions
+    # (regex, replacement) renames, applied in order with re.sub, for key names of older transformers versions
+    legacy_keys: tuple[tuple[str, str], ...] = ()
 
     def normalize_hf_key(self, key: str) -> str:
-        for old, new in self.legacy_keys:
-            if key == old:
-                return new
+        for pattern, replacement in self.legacy_keys:
+            key = re.sub(pattern, replacement, key)
         if self.base_prefix and not key.startswith(self.base_prefix) and not key.startswith(self.head_prefixes):
             return self.base_prefix + key
         return key

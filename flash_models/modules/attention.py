@@ -225,10 +225,11 @@ class Attention(nn.Module):
         dense = mask.cache_dense(cache.max_len, q.device)  # (B, 1, Sq, max_len)
         return self._masked_attention(q, cache.k[layer], cache.v[layer], dense, "eager" if backend == "eager" else "sdpa", 0.0)
 
-    def backend_for(self, q: torch.Tensor) -> str:
+    def backend_for(self, x: torch.Tensor) -> str:
+        """The backend for inputs on x's device and dtype (x: q, or the hidden states about to come in)."""
         if self.attn_impl != "auto":
             return self.attn_impl
-        flash_ok = q.is_cuda and q.dtype in FLASH_DTYPES and q.shape[-1] in FLASH_HEAD_DIMS
+        flash_ok = x.is_cuda and x.dtype in FLASH_DTYPES and self.cfg.head_dim in FLASH_HEAD_DIMS
         return "flash" if flash_ok else "sdpa"
 
     def attend(self, q, k, v, mask: AttentionMask) -> torch.Tensor:

@@ -118,7 +118,7 @@ def gpt_neox_rules(config) -> RuleSet:
     ignore = [r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)", r"gpt_neox\.rotary_emb\.inv_freq"]
     _head(config, rules, ignore)
     return RuleSet(tuple(rules), ignore=tuple(ignore), base_prefix=p, head_prefixes=("lm_head.",),
-                   legacy_keys=(("embed_out.weight", "lm_head.weight"),))  # transformers < 5 named the head embed_out
+                   legacy_keys=((r"^embed_out\.weight$", "lm_head.weight"),))  # transformers < 5 named the head embed_out
 
 
 def gptj_rules(config) -> RuleSet:
