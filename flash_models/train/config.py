@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -170,6 +171,9 @@ def _positive(key: str, value) -> None:
         raise ConfigError(f"{key} must be > 0, got {value}")
 
 
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -209,6 +213,8 @@ def _coerce(key: str, value, tp):
             raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected int")
         return value
     if tp is float:
+        if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            return float(value)  # PyYAML reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected float")
         return float(value)

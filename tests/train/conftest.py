@@ -1,0 +1,45 @@
+"""Shared fixtures for the training tests: a small text corpus and tiny experiment configs on it."""
+
+import random
+
+import pytest
+
+from flash_models.train import load_config
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+
+def write_corpus(path, n_docs=120, seed=0):
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(n_docs)]
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus.txt")
+
+
+TINY_GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 257, "n_positions": 64,
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+@pytest.fixture
+def tiny_config(tmp_path, corpus):
+    """A factory: a tiny GPT-2 on the byte tokenizer, fp32 on the CPU, with dict overrides per section."""
+
+    def make(**sections):
+        base = {
+            "model": {"name": "gpt2", "overrides": dict(TINY_GPT2), "attn_impl": "sdpa"},
+            "data": {"format": "text", "train": str(corpus), "tokenizer": "bytes", "seq_len": 32,
+                     "cache_dir": str(tmp_path / "cache")},
+            "train": {"max_steps": 4, "global_batch_size": 4, "micro_batch_size": 2, "precision": "fp32",
+                      "device": "cpu", "output_dir": str(tmp_path / "run"), "progress": False, "export": False},
+            "optim": {"lr": 3e-3, "warmup_steps": 1},
+        }
+        for section, values in sections.items():
+            base[section] = {**base.get(section, {}), **values}
+        return load_config(base)
+
+    return make
