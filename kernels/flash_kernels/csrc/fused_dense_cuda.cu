@@ -9,6 +9,10 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <cublasLt.h>
 
+#include <mutex>
+#include <tuple>
+#include <map>
+
 #include "fused_dense.h"
 
 namespace flash_kernels {
@@ -56,6 +60,12 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
   }
 }
 
+// The heuristic query costs tens of microseconds of host time per call, as much as a small GEMM: its answer
+// is cached per problem (shapes, layouts, epilogue, dtype, device), for which it is always the same.
+using AlgoKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
+std::map<AlgoKey, cublasLtMatmulHeuristicResult_t> algo_cache;
+std::mutex algo_cache_mutex;
+
 template <typename T>
 void set_attr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value) {
   FK_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
@@ -90,12 +100,23 @@ void lt_gemm(const LtGemm& g) {
   FK_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(desc.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                        sizeof(ws)));
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+  const AlgoKey key{static_cast<int>(g.dtype), g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.ld_aux,
+                    static_cast<int>(g.epilogue), at::cuda::current_device()};
   cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  FK_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
-                                                 &heuristic, &found));
-  TORCH_CHECK(found > 0, "fused_dense: cuBLASLt has no algorithm for this epilogue and shape (m=", g.m, ", n=", g.n,
-              ", k=", g.k, ")");
+  {
+    std::lock_guard<std::mutex> lock(algo_cache_mutex);
+    auto it = algo_cache.find(key);
+    if (it != algo_cache.end()) {
+      heuristic = it->second;
+    } else {
+      int found = 0;
+      FK_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(handle, desc.op, desc.a, desc.b, desc.d, desc.d, desc.pref, 1,
+                                                     &heuristic, &found));
+      TORCH_CHECK(found > 0, "fused_dense: cuBLASLt has no algorithm for this epilogue and shape (m=", g.m,
+                  ", n=", g.n, ", k=", g.k, ")");
+      algo_cache.emplace(key, heuristic);
+    }
+  }
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
   FK_CUBLAS_CHECK(cublasLtMatmul(handle, desc.op, &alpha, g.a, desc.a, g.b, desc.b, &beta, g.d, desc.d, g.d, desc.d,
                                  &heuristic.algo, workspace.data_ptr(), ws, at::cuda::getCurrentCUDAStream()));
