@@ -50,7 +50,9 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype | None = None) 
         dtype, n, reps = dtype or torch.bfloat16, 8192, 20
     else:
         dtype, n, reps = dtype or torch.float32, 1024, 3
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(0)  # its own generator: training's RNG stream stays untouched
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     for _ in range(2):
         a @ b
     _sync(device)

@@ -22,7 +22,7 @@ def corpus(tmp_path):
 
 
 TINY_GPT2 = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 257, "n_positions": 64,
-             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 256, "eos_token_id": 256}
 
 
 @pytest.fixture

@@ -1,0 +1,70 @@
+import json
+
+import torch
+import transformers
+
+from flash_models.train import Trainer
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.history]
+
+
+def test_stopped_and_resumed_run_reproduces_losses_bit_for_bit(tiny_config, tmp_path):
+    """Dropout on, EMA on, grad accumulation, warmup + cosine: all of it must continue exactly."""
+    common = dict(model={"overrides": {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 257, "n_positions": 64,
+                                       "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1,
+                                       "bos_token_id": 256, "eos_token_id": 256}})
+    full = Trainer(tiny_config(train={"max_steps": 6, "output_dir": str(tmp_path / "full"), "ema_decay": 0.9}, **common))
+    full.fit()
+    first = Trainer(tiny_config(train={"max_steps": 6, "output_dir": str(tmp_path / "cut"), "ema_decay": 0.9,
+                                       "save_every": 3}, **common))
+    for _ in range(3):  # "stop" after step 3, as a killed job would, right after its checkpoint
+        first.history.append(first.train_step())
+    first.save()
+    del first
+    resumed = Trainer(tiny_config(train={"max_steps": 6, "output_dir": str(tmp_path / "cut"), "ema_decay": 0.9,
+                                         "resume": "auto"}, **common))
+    assert resumed.step == 3
+    resumed.fit()
+    assert losses(resumed) == losses(full)[3:]  # exact float equality
+    for a, b in zip(full.ema.shadow, resumed.ema.shadow):
+        assert torch.equal(a, b)
+    for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_checkpoint_is_atomic_and_latest_points_to_complete_one(tiny_config, tmp_path):
+    trainer = Trainer(tiny_config(train={"max_steps": 2, "save_every": 1, "output_dir": str(tmp_path / "r")}))
+    trainer.fit()
+    ckpts = tmp_path / "r" / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000002"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000001", "step_00000002"]  # no temp dirs
+    state = torch.load(ckpts / "step_00000002" / "train_state.pt", weights_only=False)
+    assert {"model", "optimizer", "scheduler", "sampler", "step"} <= set(state) and state["sampler"]["cursor"] > 0
+    assert (ckpts / "step_00000002" / "rng_rank0.pt").is_file()
+
+
+def test_export_is_hf_layout_and_metrics_log(tiny_config, tmp_path):
+    out = tmp_path / "e"
+    trainer = Trainer(tiny_config(train={"max_steps": 3, "export": True, "output_dir": str(out), "log_every": 1,
+                                         "precision": "bf16_autocast"}))
+    summary = trainer.fit()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out / "final")
+    ids = torch.randint(0, 257, (1, 12))
+    with torch.no_grad():
+        assert torch.allclose(hf(ids).logits, trainer.model(ids).logits, atol=1e-5)
+    lines = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines if "step" in l and "summary" not in l] == [1, 2, 3]
+    assert lines[-1]["summary"] and summary["tokens_per_s"] > 0 and 0 < summary["mfu"] < 1
+    assert summary["flops_per_token"] > 6 * 32 * 32 * 2
+
+
+def test_pure_bf16_with_master_weights_and_activation_checkpointing(tiny_config):
+    trainer = Trainer(tiny_config(train={"max_steps": 8, "precision": "bf16", "activation_checkpointing": 1},
+                                  optim={"lr": 1e-2}))
+    trainer.fit()
+    assert next(trainer.model.parameters()).dtype == torch.bfloat16
+    assert all(m.dtype == torch.float32 for m in trainer.master.masters())
+    assert trainer.history[-1]["loss"] < trainer.history[0]["loss"]
+    assert "CheckpointWrapper" in type(trainer.model.blocks[0]).__name__
