@@ -1,7 +1,11 @@
-"""Text generation: KV-cached decoding, sampling, streaming."""
+"""Text generation: prefill, graph-replayed decode steps, sampling, streaming, speculative decoding."""
 
-from .generate import generate
-from .sampling import filter_logits, next_token
-from .streaming import TextStream
+from .generate import GenerateOutput, Generation, generate
+from .sampling import filter_logits
+from .settings import GenerationSettings, resolve_settings
+from .streaming import TextStream, stream
 
-__all__ = ["TextStream", "filter_logits", "generate", "next_token"]
+__all__ = [
+    "GenerateOutput", "Generation", "GenerationSettings", "TextStream", "filter_logits", "generate",
+    "resolve_settings", "stream",
+]

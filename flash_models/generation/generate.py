@@ -1,32 +1,137 @@
-"""Minimal KV-cached generation: one prefill, then one token per step. Returns prompt + new tokens, as HF.
-
-Shaped for the full engine to grow from: a cache object, a forward per step, and ``next_token`` sampling.
-"""
+"""KV-cached generation: prefill once, then decode one token per row per step (eager or a CUDA graph),
+with HF's argument names. Returns prompt + new tokens as HF does, or a ``GenerateOutput`` with scores."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
-from .sampling import check_sampling_args, next_token
+from .engine import DecodeRunner
+from .sampling import choose, process_logits
+from .settings import GenerationSettings, resolve_settings
 
 
-def _as_list(ids) -> list[int]:
-    if ids is None:
-        return []
-    return [ids] if isinstance(ids, int) else list(ids)
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # (B, S + T)
+    scores: tuple[torch.Tensor, ...] | None = None  # T x (B, V): the processed scores each token was chosen from
+    logprobs: torch.Tensor | None = None  # (B, T): log-probability of each chosen token under those scores
 
 
-def _eos_ids(eos_token_id, config_eos, vocab_size: int) -> list[int]:
-    """The user's EOS ids, checked against the vocabulary; else the config's (those in the vocabulary)."""
-    if eos_token_id is None:
-        return [i for i in _as_list(config_eos) if 0 <= i < vocab_size]
-    ids = _as_list(eos_token_id)
-    bad = [i for i in ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"eos_token_id {bad} outside the vocabulary [0, {vocab_size})")
-    return ids
+def _check_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: GenerationSettings):
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, seq_len) prompt, got shape {tuple(input_ids.shape)}")
+    dc = model.decoder_config
+    S = input_ids.shape[1]
+    if dc.learned_positions and S + settings.max_new_tokens > dc.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({S}) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
+            f"{dc.max_position_embeddings} positions"
+        )
+    device = model.device
+    input_ids = input_ids.to(device)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(device)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        if not attention_mask.bool().any(dim=1).all():
+            raise ValueError("a row of attention_mask has no real token: every prompt needs at least one")
+    return input_ids, attention_mask
+
+
+class _StopStrings:
+    """Marks rows whose decoded continuation contains a stop string (host-side, only when asked for)."""
+
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...]):
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")
+        self.tokenizer, self.stop_strings = tokenizer, stop_strings
+
+    def hits(self, new_tokens: list[torch.Tensor]) -> torch.Tensor | None:
+        if not self.stop_strings:
+            return None
+        rows = torch.stack(new_tokens, dim=1).tolist()
+        texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+        return torch.tensor([any(s in t for s in self.stop_strings) for t in texts])
+
+
+class Generation:
+    """One generate call as an iterator over steps: each ``next`` yields the (B,) tokens of one step."""
+
+    def __init__(self, model, input_ids, *, attention_mask=None, settings: GenerationSettings, generator=None, tokenizer=None):
+        self.model, self.settings, self.generator = model, settings, generator
+        self.input_ids, self.attention_mask = _check_prompt(model, input_ids, attention_mask, settings)
+        self.stops = _StopStrings(tokenizer, settings.stop_strings)
+        self.tokens: list[torch.Tensor] = []
+        self.scores: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+        B = self.input_ids.shape[0]
+        self.finish_step = torch.full((B,), settings.max_new_tokens, dtype=torch.long, device=self.input_ids.device)
+
+    # How often the decode loop asks the device whether every row has finished: each ask is a host sync.
+    def _stop_interval(self) -> int:
+        return 4 if self.input_ids.is_cuda else 1
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        s, model = self.settings, self.model
+        if s.max_new_tokens == 0:
+            return
+        B, S = self.input_ids.shape
+        device = self.input_ids.device
+        cache = model.new_kv_cache(B, S + s.max_new_tokens)
+        logits = model(self.input_ids, attention_mask=self.attention_mask, kv_cache=cache).logits[:, -1]
+        runner = DecodeRunner(model, cache, use_cuda_graph=s.use_cuda_graph)
+        seen = None
+        if s.repetition_penalty != 1.0:  # which tokens each row holds already (padding excluded)
+            real = torch.ones_like(self.input_ids) if self.attention_mask is None else self.attention_mask.long()
+            counts = torch.zeros(B, model.decoder_config.vocab_size, dtype=torch.long, device=device)
+            seen = counts.scatter_add_(1, self.input_ids, real) > 0
+        eos = torch.tensor(s.eos_ids, dtype=torch.long, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
+        stoppable = bool(s.eos_ids) or bool(s.stop_strings)
+        for step in range(s.max_new_tokens):
+            scores = process_logits(logits, s, seen=seen, step=step)
+            token = choose(scores, do_sample=s.do_sample, generator=self.generator)
+            token = torch.where(finished, torch.full_like(token, s.pad_id), token)
+            if s.output_scores:
+                self.scores.append(scores)
+                self.logprobs.append(scores.log_softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
+            self.tokens.append(token)
+            yield token
+            if stoppable:
+                done = torch.isin(token, eos)
+                hits = self.stops.hits(self.tokens)
+                if hits is not None:
+                    done |= hits.to(device)
+                newly = done & ~finished
+                self.finish_step = torch.where(newly, torch.full_like(self.finish_step, step), self.finish_step)
+                finished |= newly
+                if (step + 1) % self._stop_interval() == 0 and bool(finished.all()):  # the batched stop check
+                    return
+            if step + 1 == s.max_new_tokens:
+                return
+            if seen is not None:
+                seen.scatter_(1, token.unsqueeze(1), True)
+            logits = runner(token)
+
+    def output(self):
+        """Prompt + generated tokens; steps after the last row finished (the stop check runs every few
+        steps on a GPU) are trimmed so the result is what a per-step check gives."""
+        steps = len(self.tokens)
+        stoppable = bool(self.settings.eos_ids) or bool(self.settings.stop_strings)
+        if stoppable and steps and bool((self.finish_step < self.settings.max_new_tokens).all()):
+            steps = min(steps, int(self.finish_step.max()) + 1)
+        new = torch.stack(self.tokens[:steps], dim=1) if steps else self.input_ids[:, :0]
+        sequences = torch.cat([self.input_ids, new], dim=1)
+        if not (self.settings.return_dict_in_generate or self.settings.output_scores):
+            return sequences
+        scores = tuple(self.scores[:steps]) if self.settings.output_scores else None
+        logprobs = torch.stack(self.logprobs[:steps], dim=1) if self.settings.output_scores and steps else None
+        return GenerateOutput(sequences=sequences, scores=scores, logprobs=logprobs)
 
 
 @torch.inference_mode()
@@ -34,64 +139,28 @@ def generate(
     model,
     input_ids: torch.Tensor,
     *,
-    max_new_tokens: int = 20,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_token_id: int | Iterable[int] | None = None,
-    pad_token_id: int | None = None,
     attention_mask: torch.Tensor | None = None,
+    generation_config=None,
     generator: torch.Generator | None = None,
+    tokenizer=None,
+    draft_model=None,
     on_token: Callable[[torch.Tensor], None] | None = None,
-) -> torch.Tensor:
-    """Greedy or sampled continuation of ``input_ids`` (B, S); left-pad batches and pass ``attention_mask``.
+    **kwargs,
+):
+    """Greedy or sampled continuation of ``input_ids`` (B, S), with HF's argument names: max_new_tokens,
+    min_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id (one id or
+    several; [] for none), pad_token_id, stop_strings (needs ``tokenizer``), output_scores,
+    return_dict_in_generate; or a ``transformers.GenerationConfig``. Left-pad batches and pass
+    ``attention_mask``. Finished rows continue with pad_token_id (default: the first EOS id). ``generator``
+    seeds sampling. ``draft_model`` turns on speculative decoding (greedy). ``on_token`` gets each step's
+    (B,) tokens."""
+    settings = resolve_settings(model.config, model.decoder_config.vocab_size, generation_config, **kwargs)
+    if draft_model is not None:
+        from .speculative import speculative_generate
 
-    Finished rows (after an EOS) continue with ``pad_token_id`` (default: the first EOS id), and generation
-    stops early once every row has finished. ``on_token`` receives each step's (B,) tokens, for streaming.
-    """
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
-    if input_ids.numel() == 0:
-        raise ValueError("input_ids is empty: generation needs a prompt of at least one token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if do_sample:
-        check_sampling_args(temperature=temperature, top_k=top_k, top_p=top_p)
-    vocab = model.decoder_config.vocab_size
-    eos = _eos_ids(eos_token_id, model.config.eos_token_id, vocab)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    B, S = input_ids.shape
-    limit = model.decoder_config.max_position_embeddings
-    if model.decoder_config.learned_positions and S + max_new_tokens > limit:
-        raise ValueError(
-            f"prompt ({S}) + max_new_tokens ({max_new_tokens}) exceeds the model's {limit} positions"
-        )
-    device = model.device
-    input_ids = input_ids.to(device)
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(device)
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
-    if max_new_tokens == 0:
-        return input_ids
-
-    cache = model.new_kv_cache(B, S + max_new_tokens)
-    logits = model(input_ids, attention_mask=attention_mask, kv_cache=cache).logits[:, -1]
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    eos_tensor = torch.tensor(eos, device=device, dtype=input_ids.dtype)
-    new_tokens = []
-    for step in range(max_new_tokens):
-        token = next_token(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        token = torch.where(finished, torch.full_like(token, pad), token)
-        new_tokens.append(token)
+        return speculative_generate(model, draft_model, input_ids, attention_mask=attention_mask, settings=settings)
+    run = Generation(model, input_ids, attention_mask=attention_mask, settings=settings, generator=generator, tokenizer=tokenizer)
+    for token in run:
         if on_token is not None:
             on_token(token)
-        if eos:
-            finished |= torch.isin(token, eos_tensor)
-            if bool(finished.all()):  # the one host sync per step: the batched stop check
-                break
-        if step + 1 == max_new_tokens:
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-        logits = model(token.unsqueeze(1), attention_mask=attention_mask, kv_cache=cache).logits[:, -1]
-    return torch.cat([input_ids, torch.stack(new_tokens, dim=1)], dim=1)
+    return run.output()

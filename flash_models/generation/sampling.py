@@ -1,22 +1,22 @@
-"""Choosing the next token from logits: greedy, or sampling with temperature, top-k and top-p."""
+"""From logits to the next token: repetition penalty, EOS suppression before min_new_tokens, temperature,
+top-k, top-p and min-p filtering, then greedy or seeded sampling. All batched, no host sync."""
 
 from __future__ import annotations
 
 import torch
 
 
-def check_sampling_args(*, temperature: float, top_k: int, top_p: float) -> None:
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}; use do_sample=False for greedy decoding")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's rule for every token already in the row (prompt or generated): divide a positive logit by the
+    penalty, multiply a negative one. ``seen`` (B, V) bool."""
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
 
 
-def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the smallest set whose probability reaches
-    top_p (HF's rule: the token that crosses the threshold is kept). logits (B, V) in float32."""
+def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k, outside the smallest set whose probability reaches top_p
+    (HF's rule: the token that crosses the threshold is kept), and below min_p times the top probability.
+    logits (B, V) in float32, already divided by the temperature."""
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -25,18 +25,28 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = cumulative <= 1 - top_p  # ascending: the low-probability tail
         drop_sorted[..., -1] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
 
 
-def next_token(
-    logits: torch.Tensor, *, do_sample: bool, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,)."""
+def process_logits(logits: torch.Tensor, settings, *, seen: torch.Tensor | None, step: int) -> torch.Tensor:
+    """The scores the next token is chosen from (float32, (B, V)), as HF's logits processors compute them."""
     logits = logits.float()
+    if settings.repetition_penalty != 1.0 and seen is not None:
+        logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
+    if step < settings.min_new_tokens and settings.eos_ids:
+        logits[:, list(settings.eos_ids)] = float("-inf")
+    if settings.do_sample:
+        logits = filter_logits(logits / settings.temperature, top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p)
+    return logits
+
+
+def choose(scores: torch.Tensor, *, do_sample: bool, generator: torch.Generator | None = None) -> torch.Tensor:
+    """scores (B, V) -> token ids (B,): argmax, or a draw from softmax(scores)."""
     if not do_sample:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits / temperature, top_k=top_k, top_p=top_p).softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        return scores.argmax(dim=-1)
+    return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(-1)

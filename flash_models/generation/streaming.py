@@ -1,8 +1,16 @@
-"""Turning a growing list of token ids into text pieces, correct across multi-byte characters and tokens
-that merge with their neighbours: decode everything so far, emit the new suffix, and hold back a piece that
-ends inside a character (the tokenizer shows it as U+FFFD)."""
+"""Streaming text as tokens arrive.
+
+``TextStream`` turns a growing list of token ids into text pieces, correct across multi-byte characters and
+tokens that merge with their neighbours: decode everything so far, emit the new suffix, and hold back a piece
+that ends inside a character (the tokenizer shows it as U+FFFD). ``stream`` runs a generation and yields
+those pieces.
+"""
 
 from __future__ import annotations
+
+from typing import Iterator
+
+import torch
 
 
 class TextStream:
@@ -21,7 +29,32 @@ class TextStream:
         return piece
 
     def flush(self) -> str:
+        """Whatever is still held back, once generation has ended."""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
         self.emitted = text
         return piece
+
+
+@torch.inference_mode()
+def stream(model, tokenizer, input_ids: torch.Tensor, *, skip_special_tokens: bool = True, generator=None, **kwargs) -> Iterator[str]:
+    """Yield text pieces of the continuation of a single prompt (1, S) as they are generated. Joined, they
+    equal ``tokenizer.decode(new_tokens, skip_special_tokens=...)``; generation stops at EOS."""
+    from .generate import Generation
+    from .settings import resolve_settings
+
+    if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+        raise ValueError(f"stream takes one prompt (1, seq_len), got batch {input_ids.shape[0]}")
+    settings = resolve_settings(model.config, model.decoder_config.vocab_size, **kwargs)
+    text = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
+    eos = set(settings.eos_ids)
+    for token in Generation(model, input_ids, settings=settings, generator=generator, tokenizer=tokenizer):
+        token_id = int(token[0])
+        piece = text.push(token_id)
+        if piece:
+            yield piece
+        if token_id in eos:
+            break
+    tail = text.flush()
+    if tail:
+        yield tail

@@ -1,0 +1,59 @@
+"""The decode step, eager or replayed from a CUDA graph.
+
+A decode step is one token per row through the whole model against a fixed KV cache. Everything it reads
+lives in tensors that stay put (the cache, its device-side lengths, the rotary tables, a static token
+buffer), so on CUDA the step is captured once and replayed: one launch instead of hundreds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..modules.kv_cache import KVCache
+
+
+class DecodeRunner:
+    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True):
+        self.model, self.cache = model, cache
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if use_cuda_graph and cache.seqlens.is_cuda and self._graph_safe():
+            self._capture()
+
+    def _graph_safe(self) -> bool:
+        """Dynamic-NTK rotary rebuilds its tables past the trained length; a graph would keep stale ones."""
+        rope = self.model.decoder_config.rope
+        return rope is None or rope.rope_type != "dynamic" or self.cache.max_len <= rope.max_position_embeddings
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B,) -> next-token logits (B, V); the cache advances by one token per row."""
+        if self.graph is None:
+            return self.model(tokens.unsqueeze(1), kv_cache=self.cache).logits[:, -1]
+        self.cache.reserve(1)  # host-side bookkeeping the replay does not run
+        self.static_tokens.copy_(tokens.unsqueeze(1))
+        self.graph.replay()
+        return self.static_logits
+
+    def _eager_step_from_saved(self, saved_lengths: torch.Tensor, saved_bound: int) -> torch.Tensor:
+        self.cache.seqlens.copy_(saved_lengths)
+        self.cache.upper_bound = saved_bound
+        return self.model(self.static_tokens, kv_cache=self.cache).logits[:, -1]
+
+    def _capture(self) -> None:
+        cache, model = self.cache, self.model
+        if model.rotary is not None:
+            model.rotary.tables(cache.max_len, cache.seqlens.device)  # the tables the graph will read
+        self.static_tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.seqlens.device)
+        saved_lengths, saved_bound = cache.seqlens.clone(), cache.upper_bound
+        # Warm up on a side stream (allocator pools, Triton autotuning), as torch.cuda.graphs asks.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._eager_step_from_saved(saved_lengths, saved_bound)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_logits = self._eager_step_from_saved(saved_lengths, saved_bound)
+        # The warm-up and capture wrote into the slots at the saved lengths; the real steps overwrite them.
+        cache.seqlens.copy_(saved_lengths)
+        cache.upper_bound = saved_bound
