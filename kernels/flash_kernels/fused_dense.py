@@ -20,7 +20,6 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
