@@ -219,6 +219,31 @@ def _check_cu_seqlens(op, name, cu, total, device):
 
 
 @triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROW_MASK: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile, masking only what can be out of range: a mask that varies along the head
+    dim stops Triton from vectorising the load (2-byte loads, and no cp.async pipelining)."""
+    if ROW_MASK:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def _mm(a, b, acc, DOT_F32: tl.constexpr):
     """a @ b (+ acc) in fp32. DOT_F32 upcasts the operands first: only for Triton's CPU interpreter, whose
     bf16 tl.dot is wrong (triton 3.8); the values are bf16-exact either way, so the result is the same."""
@@ -278,13 +303,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
                DOT_F32: tl.constexpr):
-    d_mask = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = d_mask[None, :]
-        if MASK:
-            kv_mask = kv_mask & (offs_n[:, None] < len_k)
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+        k = _load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)  # (N, D)
         qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
         s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap,
                        slope_log2, SOFTCAP, ALIBI, MASK)
@@ -297,7 +318,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
         acc = acc * alpha[:, None]
         if DROPOUT:
             p = tl.where(_keep(seed, offs_m[:, None], offs_n[None, :], max_k, dropout_p), p, 0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
         acc = _mm(p.to(v.dtype), v, acc, DOT_F32)
         m_i = m_new
     return acc, l_i, m_i
@@ -375,8 +396,7 @@ def _attn_fwd_kernel(
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=(offs_m[:, None] < len_q) & d_mask[None, :], other=0.0)
+    q = _load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     slope_log2 = 0.0
     if ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
@@ -408,7 +428,7 @@ def _attn_fwd_kernel(
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * _LN2)
     row_ok = offs_m < len_q
     o_base = O + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_mask[None, :])
+    _store_rows(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
 
 
@@ -454,10 +474,11 @@ def _bwd_preprocess_kernel(O, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, s
     q_start, len_q, _, _ = _seq_bounds(CuQ, CuQ, b, seqlen_q, seqlen_q, VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM)
     b64 = b.to(tl.int64)
-    o = tl.load(O + b64 * stride_ob + (q_start + offs_m[:, None]).to(tl.int64) * stride_os + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
+    o = _load_rows(O + b64 * stride_ob + (q_start + offs_m[:, None]).to(tl.int64) * stride_os + h * stride_oh + offs_d[None, :],
+                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :],
+                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < len_q)
 
@@ -468,15 +489,17 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
                DOT_F32: tl.constexpr):
-    d_mask = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < len_q
-        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+        q = _load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        do = _load_rows(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        if MASK:
+            lse = tl.load(lse_base + offs_m, mask=offs_m < len_q, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=offs_m < len_q, other=0.0)
+        else:
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E  # empty rows: p = 0
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         # Work on the transposed tile (keys x rows) so dK, dV accumulate without a transpose.
         qkT = _mm(k, tl.trans(q), None, DOT_F32)  # (N, M)
         sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], len_q, len_k, left, right, scale_log2, softcap,
@@ -548,10 +571,10 @@ def _attn_bwd_dkdv_kernel(
     b64 = b.to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    kv_mask = (offs_n[:, None] < len_k) & d_mask[None, :]
-    k = tl.load(K + b64 * stride_kb + (k_start + offs_n[:, None]).to(tl.int64) * stride_ks + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + (k_start + offs_n[:, None]).to(tl.int64) * stride_vs + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = _load_rows(K + b64 * stride_kb + (k_start + offs_n[:, None]).to(tl.int64) * stride_ks + hk * stride_kh + offs_d[None, :],
+                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + b64 * stride_vb + (k_start + offs_n[:, None]).to(tl.int64) * stride_vs + hk * stride_vh + offs_d[None, :],
+                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     keys_partial = n0 + BLOCK_N > len_k
@@ -583,9 +606,10 @@ def _attn_bwd_dkdv_kernel(
                                  seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
     # scores were scaled by softmax_scale before the softmax; dK picks that factor up here.
     dk = dk * (scale_log2 * _LN2)
-    out_mask = (offs_n[:, None] < len_k) & d_mask[None, :]
-    tl.store(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=out_mask)
+    _store_rows(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + hk * stride_dkh + offs_d[None, :],
+                dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + hk * stride_dvh + offs_d[None, :],
+                dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -594,14 +618,10 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, o
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
                DOT_F32: tl.constexpr):
-    d_mask = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = d_mask[None, :]
-        if MASK:
-            kv_mask = kv_mask & (offs_n[:, None] < len_k)
-        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        v = _load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
         qk = _mm(q, tl.trans(k), None, DOT_F32)
         s, t = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap, slope_log2,
                        SOFTCAP, ALIBI, MASK)
@@ -645,9 +665,10 @@ def _attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < len_q
-    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :], mask=mask, other=0.0)
+    q = _load_rows(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh + offs_d[None, :],
+                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :],
+                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
     lse = tl.load(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
     delta = tl.load(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
@@ -675,7 +696,8 @@ def _attn_bwd_dq_kernel(
                        left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
                        HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
     dq = dq * (scale_log2 * _LN2)
-    tl.store(DQ + b64 * stride_dqb + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqs + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=mask)
+    _store_rows(DQ + b64 * stride_dqb + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqs + h * stride_dqh + offs_d[None, :],
+                dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
-from .attention import LOG2E, _attention_ref, _check_common, _mm, _scores, _triton_unsupported, _window_bounds
+from .attention import (
+    LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
+)
 
 # ----------------------------------------------------------------------------------------------------------
 # Reference
@@ -79,22 +81,18 @@ def flash_attn_with_kvcache_ref(
 # ----------------------------------------------------------------------------------------------------------
 
 
-# Split-KV schedule knobs: aim for DECODE_PROGRAMS_PER_SM programs per SM (several waves, so the last one's
-# tail is short), with chunks of at least DECODE_MIN_CHUNK keys. Chunks are multiples of CHUNK_ALIGN so no
-# key tile (BLOCK_N <= CHUNK_ALIGN) straddles two splits.
-DECODE_PROGRAMS_PER_SM = 8
+# Split-KV schedule. A decode step reads each K/V byte once, so what matters is keeping every SM streaming:
+# about DECODE_PROGRAMS_PER_SM programs per SM in one wave (a second, partial wave would idle most SMs), each
+# over a chunk of at least DECODE_MIN_CHUNK keys. Chunks are multiples of CHUNK_ALIGN so no key tile
+# (BLOCK_N <= CHUNK_ALIGN) straddles two splits. DECODE_TILE = (BLOCK_N, num_warps, num_stages): fixed rather
+# than autotuned, because autotuning re-reads the same cache and so measures L2, not HBM. The values come from
+# the sweep in flash_models/bench/attention.py (--decode-sweep) on an H200; see docs/benchmarks.md.
+DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 256
 CHUNK_ALIGN = 128
+DECODE_TILE = (64, 4, 3)
 
 
-def _decode_configs():
-    if triton_interpreter_enabled():
-        return [triton.Config({"BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    shapes = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3))
-    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in shapes]
-
-
-@triton.autotune(configs=_decode_configs(), key=["n_kv_heads", "chunk", "group", "BLOCK_M", "BLOCK_D", "PAGED"])
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, Opart, Lpart, Seqlens, BlockTable, scale_log2, softcap,
@@ -117,9 +115,8 @@ def _decode_split_kernel(
     i = offs_r % seqlen_q
     h = hk * group + g
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_mask[None, :], other=0.0)  # (M, D)
+    q = _load_rows(Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :],
+                   offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)  # (M, D)
     # Keys any row may see, intersected with this split's chunk.
     off = len_k - seqlen_q
     lo = tl.maximum(split * chunk, tl.maximum(off - left, 0) // BLOCK_N * BLOCK_N)
@@ -137,9 +134,8 @@ def _decode_split_kernel(
         else:
             k_rows = b64 * stride_kb + offs_n.to(tl.int64) * stride_ks
             v_rows = b64 * stride_vb + offs_n.to(tl.int64) * stride_vs
-        kv_mask = n_ok[:, None] & d_mask[None, :]
-        k = tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)  # (N, D)
-        v = tl.load(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_rows(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)  # (N, D)
+        v = _load_rows(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)
         qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
         s, _ = _scores(qk, i[:, None], offs_n[None, :], seqlen_q, len_k, left, right, scale_log2, softcap, 0.0,
                        SOFTCAP, False, True)
@@ -153,7 +149,7 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
     part = split * stride_ps + b64 * stride_pb + h * stride_ph + i * stride_pq
-    tl.store(Opart + part[:, None] + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None] & d_mask[None, :])
+    _store_rows(Opart + part[:, None] + offs_d[None, :], acc / l_safe[:, None], offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(Lpart + split * stride_lps + b64 * stride_lpb + h * stride_lph + i, lse2, mask=row_ok)
 
 
@@ -225,13 +221,15 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     bd = triton.next_power_of_2(d)
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
+    block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
     _decode_split_kernel[(num_splits, bsz * hkv, triton.cdiv(rows, block_m))](
         q, k_cache, v_cache, opart, lpart, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_combine_kernel[(bsz * hq * seqlen_q,)](
         opart, lpart, out, num_splits, hq, seqlen_q,
