@@ -353,7 +353,7 @@ def _configs(shapes):
 
 
 def _fwd_configs():
-    return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)])
+    return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)])
 
 
 def _prune_big_head(configs, named_args, **kwargs):
@@ -539,8 +539,8 @@ def _q_range(n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, lef
 
 def _bwd_configs(kind):
     if kind == "dkdv":
-        return _configs([(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3)])
-    return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)])
+        return _configs([(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 4)])
+    return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4)])
 
 
 @triton.autotune(configs=_bwd_configs("dkdv"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
