@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from flash_models.train import load_config
 
@@ -14,6 +15,16 @@ def write_corpus(path, n_docs=120, seed=0):
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(n_docs)]
     path.write_text("\n\n".join(docs))
     return path
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny models here are dominated by thread start-up: on a shared 2-core CI box one intra-op thread is
+    tens of times faster. Restored after each test so other test folders keep their setting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture
