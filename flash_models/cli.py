@@ -64,28 +64,25 @@ def _prompt_ids(tokenizer, messages_or_text, *, use_template: bool) -> torch.Ten
 
 
 def _stream(model, tokenizer, ids: torch.Tensor, args) -> str:
-    """Generate with tokens printed as they come; returns the answer text. Timing goes to stderr."""
-    from .generation import TextStream
+    """Generate with text printed as it comes; returns the answer text. Timing goes to stderr."""
+    from .generation import stream
 
-    stream = TextStream(tokenizer)
     times: list[float] = []
-
-    def on_token(token: torch.Tensor) -> None:
-        times.append(time.perf_counter())
-        print(stream.push(int(token[0])), end="", flush=True)
-
-    generator = torch.Generator(device=model.device).manual_seed(args.seed)
+    pieces = []
     start = time.perf_counter()
-    model.generate(
-        ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, eos_token_id=tokenizer.eos_token_id, generator=generator,
-        on_token=on_token,
-    )
-    print(stream.flush(), flush=True)
+    for piece in stream(
+        model, tokenizer, ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=tokenizer.eos_token_id,
+        generator=torch.Generator(device=model.device).manual_seed(args.seed),
+        on_token=lambda _: times.append(time.perf_counter()),
+    ):
+        pieces.append(piece)
+        print(piece, end="", flush=True)
+    print(flush=True)
     if args.stats and times:
         rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
         print(f"[{len(times)} tokens | first token {times[0] - start:.3f} s | {rate:.1f} tokens/s]", file=sys.stderr)
-    return stream.emitted
+    return "".join(pieces)
 
 
 def cmd_generate(args) -> None:

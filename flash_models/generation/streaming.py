@@ -37,9 +37,13 @@ class TextStream:
 
 
 @torch.inference_mode()
-def stream(model, tokenizer, input_ids: torch.Tensor, *, skip_special_tokens: bool = True, generator=None, **kwargs) -> Iterator[str]:
+def stream(
+    model, tokenizer, input_ids: torch.Tensor, *, skip_special_tokens: bool = True, generator=None, on_token=None,
+    **kwargs,
+) -> Iterator[str]:
     """Yield text pieces of the continuation of a single prompt (1, S) as they are generated. Joined, they
-    equal ``tokenizer.decode(new_tokens, skip_special_tokens=...)``; generation stops at EOS."""
+    equal ``tokenizer.decode(new_tokens, skip_special_tokens=...)``; generation stops at EOS. ``on_token``
+    receives each token id as it comes (for timing)."""
     from .generate import Generation
     from .settings import resolve_settings
 
@@ -50,6 +54,8 @@ def stream(model, tokenizer, input_ids: torch.Tensor, *, skip_special_tokens: bo
     eos = set(settings.eos_ids)
     for token in Generation(model, input_ids, settings=settings, generator=generator, tokenizer=tokenizer):
         token_id = int(token[0])
+        if on_token is not None:
+            on_token(token_id)
         piece = text.push(token_id)
         if piece:
             yield piece
