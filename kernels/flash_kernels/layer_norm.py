@@ -407,12 +407,17 @@ def _norm_bwd(
     store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or residual_dtype != x_dtype)
     dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else placeholder(dev, residual_dtype)
 
+    block, single = _block(N, _MAX_FUSED_BWD)
+
     def partials(present: bool) -> torch.Tensor:
-        return torch.zeros((programs, N), device=dev, dtype=torch.float32) if present else placeholder(dev)
+        if not present:
+            return placeholder(dev)
+        # The single-block kernel writes every partial; the loop path accumulates into them.
+        alloc = torch.empty if single else torch.zeros
+        return alloc((programs, N), device=dev, dtype=torch.float32)
 
     dw_p, db_p = partials(True), partials(has_bias)
     dw1_p, db1_p = partials(weight1 is not None), partials(weight1 is not None and has_bias1)
-    block, single = _block(N, _MAX_FUSED_BWD)
     _norm_bwd_kernel[(programs,)](
         h, weight, weight1, dy, dy1, dres_out, mean, rstd, rowscale, seed, dx, dres, dw_p, db_p, dw1_p, db1_p,
         h.stride(0), dy.stride(0), dy1.stride(0) if dy1 is not None else 0,
