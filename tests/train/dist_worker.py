@@ -1,0 +1,37 @@
+"""Run under torchrun with 2 processes (gloo, CPU) by test_train_distributed.py: trains the same tiny models
+with DDP (+ bf16 compression hook), FSDP2 and tensor parallelism, and writes rank 0's per-step losses as JSON.
+
+    torchrun --standalone --nproc-per-node 2 tests/train/dist_worker.py CONFIG_JSON OUT_JSON
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flash_models.train import Trainer, load_config
+
+
+def main(config_path: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    runs = json.loads(open(config_path).read())
+    results = {}
+    for name, config in runs.items():
+        trainer = Trainer(load_config(config))
+        trainer.fit()
+        results[name] = {"losses": [h["loss"] for h in trainer.history]}
+        if name.startswith("tp"):
+            results[name]["local_qkv_rows"] = trainer.model.blocks[0].attn.qkv.weight.to_local().shape[0]
+        if trainer.cfg.train.export and dist.get_rank() == 0:
+            results[name]["exported"] = str(trainer.cfg.train.output_dir) + "/final"
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    assert "RANK" in os.environ, "run me with torchrun"
+    main(sys.argv[1], sys.argv[2])
