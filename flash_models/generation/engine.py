@@ -7,9 +7,13 @@ buffer), so on CUDA the step is captured once and replayed: one launch instead o
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..modules.kv_cache import KVCache
+
+CACHE_LEN_BUCKET = 256  # cache lengths are rounded up to this, so a captured graph serves many prompt sizes
 
 
 class DecodeRunner:
@@ -40,8 +44,8 @@ class DecodeRunner:
 
     def _capture(self) -> None:
         cache, model = self.cache, self.model
-        if model.rotary is not None:
-            model.rotary.tables(cache.max_len, cache.seqlens.device)  # the tables the graph will read
+        if model.rotary is not None:  # the tables the graph reads: keep them alive as long as the graph
+            self.rope_tables = model.rotary.tables(cache.max_len, cache.seqlens.device)
         self.static_tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.seqlens.device)
         saved_lengths, saved_bound = cache.seqlens.clone(), cache.upper_bound
         # Warm up on a side stream (allocator pools, Triton autotuning), as torch.cuda.graphs asks.
@@ -57,3 +61,45 @@ class DecodeRunner:
         # The warm-up and capture wrote into the slots at the saved lengths; the real steps overwrite them.
         cache.seqlens.copy_(saved_lengths)
         cache.upper_bound = saved_bound
+
+
+# model -> {(batch, cache length, dtype): (cache, runner)}: a captured graph is tied to its cache's tensors,
+# so both are kept together and reused by later calls of the same shape (capturing costs many steps).
+_POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def cache_and_runner(model, batch_size: int, needed_len: int, *, use_cuda_graph: bool) -> tuple[KVCache, DecodeRunner]:
+    """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with
+    graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh."""
+    pooled = use_cuda_graph and model.device.type == "cuda"
+    if not pooled:
+        cache = model.new_kv_cache(batch_size, needed_len)
+        return cache, _LazyRunner(model, cache, use_cuda_graph=False)
+    length = -(-needed_len // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
+    entries = _POOL.setdefault(model, {})
+    key = (batch_size, length, model.dtype)
+    if key not in entries:
+        cache = model.new_kv_cache(batch_size, length)
+        entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True))
+    cache, runner = entries[key]
+    cache.reset()
+    return cache, runner
+
+
+def clear_decode_pool(model) -> None:
+    """Free the pooled KV caches and CUDA graphs of ``model``."""
+    _POOL.pop(model, None)
+
+
+class _LazyRunner:
+    """Builds (and on CUDA captures) the DecodeRunner at the first decode step, after the prefill has
+    filled the cache: the capture replays from the cache state it sees."""
+
+    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool):
+        self.model, self.cache, self.use_cuda_graph = model, cache, use_cuda_graph
+        self.runner: DecodeRunner | None = None
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.runner is None:
+            self.runner = DecodeRunner(self.model, self.cache, use_cuda_graph=self.use_cuda_graph)
+        return self.runner(tokens)

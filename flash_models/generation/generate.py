@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .engine import DecodeRunner
+from .engine import cache_and_runner
 from .sampling import choose, process_logits
 from .settings import GenerationSettings, resolve_settings
 
@@ -82,9 +82,8 @@ class Generation:
             return
         B, S = self.input_ids.shape
         device = self.input_ids.device
-        cache = model.new_kv_cache(B, S + s.max_new_tokens)
+        cache, runner = cache_and_runner(model, B, S + s.max_new_tokens, use_cuda_graph=s.use_cuda_graph)
         logits = model(self.input_ids, attention_mask=self.attention_mask, kv_cache=cache).logits[:, -1]
-        runner = DecodeRunner(model, cache, use_cuda_graph=s.use_cuda_graph)
         seen = None
         if s.repetition_penalty != 1.0:  # which tokens each row holds already (padding excluded)
             real = torch.ones_like(self.input_ids) if self.attention_mask is None else self.attention_mask.long()

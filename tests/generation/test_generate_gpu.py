@@ -1,0 +1,59 @@
+"""CUDA-only generation checks (run on the device machine): graph replay equals eager decoding."""
+
+import pytest
+import torch
+
+import flash_models as fm
+from flash_models.generation.engine import DecodeRunner
+
+pytestmark = pytest.mark.gpu
+
+
+def small(preset, **overrides):
+    sizes = {
+        "gpt2": dict(n_layer=4, n_embd=256, n_head=4, vocab_size=1000, n_positions=512),
+        "llama-1b": dict(num_hidden_layers=4, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512),
+    }[preset]
+    torch.manual_seed(0)
+    return fm.create_model(preset, dtype=torch.bfloat16, device="cuda", **{**sizes, **overrides}).eval()
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama-1b"])
+@torch.inference_mode()
+def test_graph_decode_logits_equal_eager_decode_logits(preset):
+    model = small(preset)
+    prompt = torch.randint(0, 1000, (3, 37), device="cuda")
+    runs = {}
+    for graph in (False, True):
+        cache = model.new_kv_cache(3, 128)
+        logits = model(prompt, kv_cache=cache).logits[:, -1]
+        runner = DecodeRunner(model, cache, use_cuda_graph=graph)
+        assert (runner.graph is not None) == graph
+        steps = []
+        for _ in range(20):
+            token = logits.argmax(-1)
+            logits = runner(token)
+            steps.append(logits.float().clone())
+        runs[graph] = torch.stack(steps)
+    torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama-1b"])
+def test_generate_with_graphs_equals_without_and_reuses_the_graph(preset):
+    model = small(preset)
+    prompt = torch.randint(0, 1000, (2, 21), device="cuda")
+    mask = torch.ones_like(prompt)
+    mask[1, :5] = 0
+    eager = model.generate(prompt, attention_mask=mask, max_new_tokens=40, eos_token_id=[], use_cuda_graph=False)
+    graphed = model.generate(prompt, attention_mask=mask, max_new_tokens=40, eos_token_id=[])
+    again = model.generate(prompt, attention_mask=mask, max_new_tokens=40, eos_token_id=[])
+    assert torch.equal(graphed, eager) and torch.equal(again, eager)
+
+
+def test_speculative_equals_greedy_on_gpu():
+    target, draft = small("llama-1b"), small("llama-1b", num_hidden_layers=1)
+    prompt = torch.randint(0, 1000, (4, 16), device="cuda")
+    greedy = target.generate(prompt, max_new_tokens=48, eos_token_id=[], use_cuda_graph=False)
+    spec = target.generate(prompt, max_new_tokens=48, eos_token_id=[], draft_model=draft, num_draft_tokens=4)
+    assert torch.equal(spec, greedy)
