@@ -5,13 +5,13 @@
     ids = model.generate(input_ids, max_new_tokens=64)
 """
 
-from .checkpoint import CheckpointKeyError, create_model, from_pretrained, save_pretrained
+from .checkpoint import CheckpointKeyError, create_model, from_pretrained, from_timm, save_pretrained
 from .embedded import minilm_dir, smollm2_gguf
 from .registry import families, list_models
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointKeyError", "create_model", "families", "from_pretrained", "list_models", "minilm_dir",
+    "CheckpointKeyError", "create_model", "families", "from_pretrained", "from_timm", "list_models", "minilm_dir",
     "save_pretrained", "smollm2_gguf",
 ]

@@ -97,7 +97,7 @@ def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | 
     ruleset = rules_for(model.config)
     hf_state = ours_to_hf(model.state_dict(), ruleset)
     hf_config = model.config.to_hf()
-    hf_config.architectures = [type(model).__name__]
+    hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class
     hf_config.dtype = model.dtype
     write_model_dir(save_directory, hf_state, {"config.json": hf_config.to_json_string()}, max_shard_size=max_shard_size)
 

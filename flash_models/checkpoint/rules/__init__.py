@@ -7,6 +7,7 @@ from typing import Callable
 
 from ..remap import RuleSet
 from .decoders import gpt2_rules, gpt_neox_rules, gptj_rules, llama_rules, opt_rules
+from .encoders import bert_rules, timm_vit_rules, vit_rules
 
 RULES: dict[str, Callable[[object], RuleSet]] = {
     "gpt2": gpt2_rules,
@@ -16,7 +17,11 @@ RULES: dict[str, Callable[[object], RuleSet]] = {
     "gpt_neox": gpt_neox_rules,
     "gptj": gptj_rules,
     "opt": opt_rules,
+    "bert": bert_rules,
+    "vit": vit_rules,
 }
+
+__all__ = ["RULES", "rules_for", "timm_vit_rules"]
 
 
 def rules_for(config) -> RuleSet:

@@ -1,0 +1,329 @@
+"""BERT (HF ``model_type`` "bert"): absolute positions and token types, post-norm blocks, a tanh pooler, and
+the task heads. The checkpoint's ``architectures`` picks the class (exact lookup): BertModel (also for none),
+BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification.
+
+On the flash path a padded batch is unpadded once, before the embeddings: every layer runs on the packed real
+tokens with varlen attention, and the output is scattered back to (B, S) at the end (padding rows are zero).
+The other backends keep the (B, S) layout and mask padded keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import flash_kernels
+
+from ..config import ATTN_IMPLS, AttentionConfig, MLPConfig, check_choice
+from ..modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
+from ..modules.mlp import activation
+from ..registry import Family, Preset, register_family, register_preset
+
+PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int | None = 0
+    classifier_dropout: float | None = None
+    tie_word_embeddings: bool = True
+    architecture: str = "BertModel"  # HF ``architectures[0]``: which head class
+    labels: tuple[str, ...] = ("LABEL_0", "LABEL_1")  # HF id2label, in id order
+    problem_type: str | None = None
+
+    model_type = "bert"
+    _PLAIN = (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+        "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings", "type_vocab_size",
+        "initializer_range", "layer_norm_eps", "pad_token_id", "classifier_dropout", "tie_word_embeddings", "problem_type",
+    )
+
+    def __post_init__(self):
+        check_choice("architecture", self.architecture, tuple(ARCHITECTURES))
+        check_choice("problem_type", self.problem_type, PROBLEM_TYPES)
+
+    @classmethod
+    def from_hf(cls, hf: transformers.BertConfig) -> BertConfig:
+        if hf.is_decoder or hf.add_cross_attention:
+            raise ValueError("BERT as a decoder (is_decoder / add_cross_attention) is not supported")
+        position_type = hf.to_dict().get("position_embedding_type", "absolute")  # a field older configs carry
+        if position_type != "absolute":
+            raise ValueError(f"BERT position_embedding_type={position_type!r} is not supported; only 'absolute'")
+        architecture = hf.architectures[0] if hf.architectures else "BertModel"
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"BERT architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+        return cls(**{name: getattr(hf, name) for name in cls._PLAIN}, architecture=architecture,
+                   labels=tuple(hf.id2label[i] for i in range(hf.num_labels)))
+
+    def to_hf(self) -> transformers.BertConfig:
+        hf = transformers.BertConfig(**{name: getattr(self, name) for name in self._PLAIN},
+                                     id2label=dict(enumerate(self.labels)))
+        hf.architectures = [self.architecture]
+        return hf
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def attention(self) -> AttentionConfig:
+        h, heads = self.hidden_size, self.num_attention_heads
+        if h % heads:
+            raise ValueError(f"hidden_size {h} is not a multiple of num_attention_heads {heads}")
+        return AttentionConfig(hidden_size=h, num_heads=heads, num_kv_heads=heads, head_dim=h // heads,
+                               dropout_p=self.attention_probs_dropout_prob, causal=False)
+
+
+@dataclass
+class EncoderOutput:
+    last_hidden_state: torch.Tensor  # (B, S, hidden)
+    pooler_output: torch.Tensor | None = None  # (B, hidden)
+
+
+@dataclass
+class HeadOutput:
+    logits: torch.Tensor | None = None  # MLM (B, S, vocab); sequence (B, labels); token (B, S, labels)
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None  # BertForPreTraining: MLM logits
+    seq_relationship_logits: torch.Tensor | None = None  # BertForPreTraining: next-sentence logits (B, 2)
+
+
+class BertPreTrainedModel(nn.Module):
+    """What every BERT class shares: init, device/dtype, save_pretrained."""
+
+    def _setup(self, config: BertConfig, attn_impl: str, kernel_backend: str) -> None:
+        check_choice("attn_impl", attn_impl, ATTN_IMPLS)
+        flash_kernels._backend.check_backend_name(kernel_backend)
+        self.config, self.attn_impl, self.kernel_backend = config, attn_impl, kernel_backend
+
+    def init_weights(self) -> None:
+        """BERT practice: N(0, initializer_range) for linears and embeddings, zero biases, unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, Norm):
+                module.reset_parameters()
+            if isinstance(module, MaskedLMHead):
+                nn.init.zeros_(module.bias)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        from ..checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory, **kwargs)
+
+
+class BertModel(BertPreTrainedModel):
+    def __init__(self, config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto",
+                 add_pooling_layer: bool = True):
+        super().__init__()
+        self._setup(config, attn_impl, kernel_backend)
+        c = config
+
+        def norm() -> Norm:
+            return Norm(c.hidden_size, kind="layer_norm", eps=c.layer_norm_eps, kernel_backend=kernel_backend)
+
+        self.embed = Embeddings(c.vocab_size, c.hidden_size, max_positions=c.max_position_embeddings,
+                                type_vocab_size=c.type_vocab_size)
+        self.embed_norm = norm()
+        mlp = MLPConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, activation=c.hidden_act)
+        self.blocks = nn.ModuleList(
+            PostNormBlock(attn=Attention(c.attention(), layer_idx=i, attn_impl=attn_impl), norm1=norm(),
+                          mlp=MLP(mlp, kernel_backend=kernel_backend), norm2=norm(),
+                          input_dropout_p=0.0, residual_dropout_p=c.hidden_dropout_prob)
+            for i in range(c.num_hidden_layers)
+        )
+        self.pooler = nn.Linear(c.hidden_size, c.hidden_size) if add_pooling_layer else None
+        if type(self) is BertModel:
+            self.init_weights()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> EncoderOutput:
+        """input_ids (B, S); attention_mask (B, S), 1 = token, 0 = padding (left or right)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        B, S = input_ids.shape
+        limit = self.config.max_position_embeddings
+        if S > limit:
+            raise ValueError(f"sequence of {S} tokens exceeds BERT's {limit} positions; truncate the input")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        unpad = attention_mask is not None and self.blocks[0].attn.backend_for(self.embed.tokens.weight) == "flash"
+        if unpad:  # pack the real tokens of every row into one (1, total) row, once for all layers
+            index = attention_mask.flatten().nonzero().squeeze(1)
+            counts = attention_mask.sum(1, dtype=torch.int32)
+            cu_seqlens = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+            input_ids, position_ids, token_type_ids = (t.flatten()[index].unsqueeze(0) for t in (input_ids, position_ids, token_type_ids))
+            mask = build_attention_mask(None, q_len=index.numel(), past_len=0, causal=False, sliding_window=None,
+                                        cu_seqlens=cu_seqlens)
+        else:
+            mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
+        hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids))  # (B, S, hidden) or (1, total, hidden)
+        hidden = F.dropout(hidden, self.config.hidden_dropout_prob, self.training)
+        residual = None
+        for block in self.blocks:
+            hidden, residual = block(hidden, residual, mask=mask, position_ids=position_ids)
+        if unpad:
+            padded = hidden.new_zeros(B * S, hidden.shape[-1])
+            padded[index] = hidden[0]
+            hidden = padded.view(B, S, -1)
+        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
+        return EncoderOutput(last_hidden_state=hidden, pooler_output=pooled)
+
+
+class MaskedLMHead(nn.Module):
+    """dense -> activation -> LayerNorm -> decoder (tied to the word embeddings unless untied) + bias."""
+
+    def __init__(self, config: BertConfig, *, kernel_backend: str):
+        super().__init__()
+        self.activation, self.kernel_backend = config.hidden_act, kernel_backend
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm = Norm(config.hidden_size, kind="layer_norm", eps=config.layer_norm_eps, kernel_backend=kernel_backend)
+        self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(activation(self.dense(hidden), self.activation, backend=self.kernel_backend))
+        weight = word_embeddings if self.decoder is None else self.decoder.weight
+        return F.linear(hidden, weight, self.bias)
+
+
+def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must be {tuple(logits.shape[:-1])}")
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+
+
+class _BertWithHead(BertPreTrainedModel):
+    pooler = False
+
+    def __init__(self, config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
+        super().__init__()
+        self._setup(config, attn_impl, kernel_backend)
+        self.bert = BertModel(config, attn_impl=attn_impl, kernel_backend=kernel_backend, add_pooling_layer=self.pooler)
+        self.build_head(config)
+        self.init_weights()
+
+    def build_head(self, config: BertConfig) -> None:
+        raise NotImplementedError
+
+    def classifier_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.config.classifier_dropout if self.config.classifier_dropout is not None else self.config.hidden_dropout_prob
+        return F.dropout(x, p, self.training)
+
+
+class BertForMaskedLM(_BertWithHead):
+    def build_head(self, config):
+        self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
+        logits = self.mlm(hidden, self.bert.embed.tokens.weight)
+        loss = _cross_entropy(logits, labels) if labels is not None else None
+        return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+class BertForPreTraining(_BertWithHead):
+    pooler = True
+
+    def build_head(self, config):
+        self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
+        self.nsp = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                next_sentence_label=None) -> HeadOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
+        mlm_logits = self.mlm(out.last_hidden_state, self.bert.embed.tokens.weight)
+        nsp_logits = self.nsp(out.pooler_output)
+        loss = None
+        if labels is not None and next_sentence_label is not None:  # HF: the sum, only when both are given
+            loss = _cross_entropy(mlm_logits, labels) + _cross_entropy(nsp_logits, next_sentence_label)
+        return HeadOutput(prediction_logits=mlm_logits, seq_relationship_logits=nsp_logits, loss=loss,
+                          last_hidden_state=out.last_hidden_state)
+
+
+class BertForSequenceClassification(_BertWithHead):
+    pooler = True
+
+    def build_head(self, config):
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
+        logits = self.classifier(self.classifier_dropout(out.pooler_output))  # (B, num_labels)
+        return HeadOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels),
+                          last_hidden_state=out.last_hidden_state)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """HF's rule: regression for one label, else single-label (integer labels) or multi-label (float)."""
+        problem = self.config.problem_type
+        if problem is None:
+            if self.config.num_labels == 1:
+                problem = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem = "single_label_classification"
+            else:
+                problem = "multi_label_classification"
+        if problem == "regression":
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float().reshape(logits.shape[:-1]))
+        if problem == "single_label_classification":
+            return _cross_entropy(logits, labels)
+        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+class BertForTokenClassification(_BertWithHead):
+    def build_head(self, config):
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
+        logits = self.classifier(self.classifier_dropout(hidden))  # (B, S, num_labels)
+        loss = _cross_entropy(logits, labels) if labels is not None else None
+        return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+ARCHITECTURES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification)
+}
+
+
+def build_bert(config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto") -> nn.Module:
+    """The class the config's architecture names (``from_pretrained`` of a base checkpoint gives BertModel)."""
+    return ARCHITECTURES[config.architecture](config, attn_impl=attn_impl, kernel_backend=kernel_backend)
+
+
+register_family(Family("bert", BertConfig, build_bert, hf_auto_class="AutoModel"))
+register_preset(Preset("bert-base", "bert", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+                       description="BERT-base shape: 12 layers, hidden 768"))
+register_preset(Preset("bert-large", "bert", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096),
+                       description="BERT-large shape: 24 layers, hidden 1024"))

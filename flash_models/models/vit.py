@@ -1,0 +1,277 @@
+"""Vision Transformer (HF ``model_type`` "vit", and timm's ``VisionTransformer``): patch embedding, class (and
+register) tokens, learned position embedding, pre-norm blocks on the shared modules, pooling and a head.
+
+One config covers both sources: HF's ViT is the timm options class_token=True, global_pool="token", no
+pre-norm, no fc_norm. ``ViTConfig.from_timm`` reads a timm model and raises for options we do not build
+(LayerScale, qk-norm, attention pooling, stochastic depth, other norms or activations)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import flash_kernels
+
+from ..config import ATTN_IMPLS, AttentionConfig, MLPConfig, check_choice
+from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
+from ..registry import Family, Preset, register_family, register_preset
+
+GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "")
+ARCHITECTURES = (None, "ViTModel", "ViTForImageClassification")  # None: built from timm
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    image_size: int = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    layer_norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    class_token: bool = True
+    reg_tokens: int = 0
+    no_embed_class: bool = False  # timm: position embeddings only on patches, not on prefix tokens
+    pre_norm: bool = False
+    final_norm: bool = True
+    fc_norm: bool | None = None  # timm: None = norm after pooling for avg/max pools
+    global_pool: str = "token"
+    num_classes: int = 1000  # 0: no head
+    pooler: bool = False  # HF ViTModel's dense + tanh on the class token
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    initializer_range: float = 0.02
+    architecture: str | None = None
+    labels: tuple[str, ...] = ()  # HF id2label, in id order
+    encoder_stride: int = 16  # HF field kept for the round trip (masked image modeling only)
+
+    model_type = "vit"
+
+    def __post_init__(self):
+        check_choice("global_pool", self.global_pool, GLOBAL_POOLS)
+        check_choice("architecture", self.architecture, ARCHITECTURES)
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.global_pool == "token" and not self.class_token:
+            raise ValueError("global_pool='token' needs a class token")
+
+    @property
+    def use_fc_norm(self) -> bool:
+        return self.global_pool in ("avg", "max", "avgmax") if self.fc_norm is None else self.fc_norm
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        return int(self.class_token) + self.reg_tokens
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @classmethod
+    def from_hf(cls, hf: transformers.ViTConfig) -> ViTConfig:
+        architecture = hf.architectures[0] if hf.architectures else "ViTModel"
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"ViT architecture {architecture!r} is not supported; supported: {ARCHITECTURES[1:]}")
+        if hf.pooler_act != "tanh" or hf.pooler_output_size != hf.hidden_size:
+            raise ValueError("ViT pooler other than tanh over hidden_size outputs is not supported")
+        for name in ("image_size", "patch_size"):
+            if not isinstance(getattr(hf, name), int):
+                raise ValueError(f"ViT with a non-square {name} {getattr(hf, name)} is not supported")
+        classify = architecture == "ViTForImageClassification"
+        return cls(
+            image_size=hf.image_size, patch_size=hf.patch_size, num_channels=hf.num_channels, hidden_size=hf.hidden_size,
+            num_hidden_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+            intermediate_size=hf.intermediate_size, hidden_act=hf.hidden_act, layer_norm_eps=hf.layer_norm_eps,
+            qkv_bias=hf.qkv_bias, num_classes=hf.num_labels if classify else 0, pooler=not classify,
+            hidden_dropout_prob=hf.hidden_dropout_prob, attention_probs_dropout_prob=hf.attention_probs_dropout_prob,
+            initializer_range=hf.initializer_range, architecture=architecture, encoder_stride=hf.encoder_stride,
+            labels=tuple(hf.id2label[i] for i in range(hf.num_labels)),
+        )
+
+    def to_hf(self) -> transformers.ViTConfig:
+        hf_shaped = (self.class_token and not self.reg_tokens and not self.no_embed_class and not self.pre_norm
+                     and self.final_norm and not self.use_fc_norm and self.global_pool == "token")
+        if not hf_shaped or (self.num_classes and self.pooler):
+            raise ValueError("this ViT (timm options: registers, avg/max pooling, fc_norm, pre-norm ...) has no HF "
+                             "ViT layout to save to; save its state_dict instead")
+        labels = self.labels or tuple(f"LABEL_{i}" for i in range(self.num_classes or 2))
+        hf = transformers.ViTConfig(
+            image_size=self.image_size, patch_size=self.patch_size, num_channels=self.num_channels,
+            hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
+            hidden_act=self.hidden_act, layer_norm_eps=self.layer_norm_eps, qkv_bias=self.qkv_bias,
+            hidden_dropout_prob=self.hidden_dropout_prob, attention_probs_dropout_prob=self.attention_probs_dropout_prob,
+            initializer_range=self.initializer_range, encoder_stride=self.encoder_stride, id2label=dict(enumerate(labels)),
+        )
+        hf.architectures = ["ViTForImageClassification" if self.num_classes else "ViTModel"]
+        return hf
+
+    @classmethod
+    def from_timm(cls, model: nn.Module) -> ViTConfig:
+        """Read a timm ``VisionTransformer`` (its modules are the source of truth for its options)."""
+        block = model.blocks[0]
+        checks = {
+            "LayerScale (init_values)": not isinstance(block.ls1, nn.Identity),
+            "qk_norm": not isinstance(block.attn.q_norm, nn.Identity),
+            "stochastic depth (drop_path_rate)": not isinstance(block.drop_path1, nn.Identity),
+            "attention pooling (global_pool='map')": model.attn_pool is not None,
+            "dynamic_img_size": model.dynamic_img_size,
+            "a norm in the patch embedding": not isinstance(model.patch_embed.norm, nn.Identity),
+            "a norm layer other than LayerNorm": not isinstance(block.norm1, nn.LayerNorm),
+            "an activation other than exact GELU": not (isinstance(block.mlp.act, nn.GELU) and block.mlp.act.approximate == "none"),
+            "an MLP other than fc1 -> act -> fc2": not isinstance(block.mlp.norm, nn.Identity),
+            "no position embedding": model.pos_embed is None,
+            "non-square images or patches": len(set(model.patch_embed.img_size)) > 1 or len(set(model.patch_embed.patch_size)) > 1,
+            "pool_include_prefix": getattr(model, "pool_include_prefix", False),  # attribute only in newer timm
+        }
+        unsupported = [name for name, found in checks.items() if found]
+        if unsupported:
+            raise ValueError(f"timm VisionTransformer with {', '.join(unsupported)} is not supported")
+        final = model.norm if not isinstance(model.norm, nn.Identity) else model.fc_norm
+        return cls(
+            image_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
+            num_channels=model.patch_embed.proj.in_channels, hidden_size=model.embed_dim,
+            num_hidden_layers=len(model.blocks), num_attention_heads=block.attn.num_heads,
+            intermediate_size=block.mlp.fc1.out_features, layer_norm_eps=block.norm1.eps,
+            qkv_bias=block.attn.qkv.bias is not None, class_token=model.cls_token is not None,
+            reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
+            pre_norm=not isinstance(model.norm_pre, nn.Identity), final_norm=not isinstance(final, nn.Identity),
+            fc_norm=not isinstance(model.fc_norm, nn.Identity), global_pool=model.global_pool,
+            num_classes=model.num_classes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=block.attn.attn_drop.p,
+        )
+
+
+@dataclass
+class VisionOutput:
+    logits: torch.Tensor | None  # (B, classes); None without a head
+    loss: torch.Tensor | None = None
+    last_hidden_state: torch.Tensor | None = None  # (B, prefix + patches, hidden), after the final norm
+    pooler_output: torch.Tensor | None = None  # pooled features (HF ViTModel: its tanh pooler)
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, config: ViTConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
+        super().__init__()
+        check_choice("attn_impl", attn_impl, ATTN_IMPLS)
+        flash_kernels._backend.check_backend_name(kernel_backend)
+        c = self.config = config
+        self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
+        d = c.hidden_size
+
+        def norm() -> Norm:
+            return Norm(d, kind="layer_norm", eps=c.layer_norm_eps, kernel_backend=kernel_backend)
+
+        self.patch_embed = nn.Conv2d(c.num_channels, d, c.patch_size, stride=c.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if c.class_token else None
+        self.reg_token = nn.Parameter(torch.zeros(1, c.reg_tokens, d)) if c.reg_tokens else None
+        embedded = c.num_patches + (0 if c.no_embed_class else c.num_prefix_tokens)
+        self.pos_embed = nn.Parameter(torch.zeros(1, embedded, d))
+        self.norm_pre = norm() if c.pre_norm else None
+        attn = AttentionConfig(hidden_size=d, num_heads=c.num_attention_heads, num_kv_heads=c.num_attention_heads,
+                               head_dim=d // c.num_attention_heads, qkv_bias=c.qkv_bias,
+                               dropout_p=c.attention_probs_dropout_prob, causal=False)
+        mlp = MLPConfig(hidden_size=d, intermediate_size=c.intermediate_size, activation=c.hidden_act)
+        self.blocks = nn.ModuleList(
+            PreNormBlock(norm1=norm(), attn=Attention(attn, layer_idx=i, attn_impl=attn_impl), norm2=norm(),
+                         mlp=MLP(mlp, kernel_backend=kernel_backend), input_dropout_p=c.hidden_dropout_prob,
+                         residual_dropout_p=c.hidden_dropout_prob)
+            for i in range(c.num_hidden_layers)
+        )
+        self.norm = norm() if c.final_norm and not c.use_fc_norm else None
+        self.fc_norm = norm() if c.final_norm and c.use_fc_norm else None
+        self.pooler = nn.Linear(d, d) if c.pooler else None
+        self.head = nn.Linear(d, c.num_classes) if c.num_classes else None
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """timm/HF practice: truncated normal (std initializer_range) for linears, the patch conv, the tokens and
+        position table; zero biases; unit norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                nn.init.trunc_normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            if isinstance(module, Norm):
+                module.reset_parameters()
+        for param in (self.cls_token, self.reg_token, self.pos_embed):
+            if param is not None:
+                nn.init.trunc_normal_(param, std=std)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pos_embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pos_embed.dtype
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> VisionOutput:
+        """pixel_values (B, C, H, W) at the config's image size; labels (B,) class ids for a cross-entropy loss."""
+        c = self.config
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, c.image_size, c.image_size):
+            raise ValueError(f"pixel_values must be (B, {c.num_channels}, {c.image_size}, {c.image_size}), "
+                             f"got {tuple(pixel_values.shape)}")
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)  # (B, N, D)
+        B = x.shape[0]
+        prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if c.no_embed_class:
+            x = torch.cat([*prefix, x + self.pos_embed], dim=1)
+        else:
+            x = torch.cat([*prefix, x], dim=1) + self.pos_embed  # (B, prefix + N, D)
+        if self.norm_pre is not None:
+            x = self.norm_pre(x)
+        mask = build_attention_mask(None, q_len=x.shape[1], past_len=0, causal=False, sliding_window=None)
+        hidden, residual = x, None
+        for block in self.blocks:
+            hidden, residual = block(hidden, residual, mask=mask, position_ids=None)
+        if self.norm is not None:
+            x = self.norm(hidden, residual, dropout_p=c.hidden_dropout_prob)
+        else:
+            x = F.dropout(hidden, c.hidden_dropout_prob, self.training) + residual
+        pooled = self.pool(x)
+        if self.fc_norm is not None:
+            pooled = self.fc_norm(pooled)
+        if self.pooler is not None:
+            pooled = torch.tanh(self.pooler(pooled))
+        logits = self.head(pooled) if self.head is not None else None
+        loss = None
+        if labels is not None:
+            if logits is None:
+                raise ValueError("labels given, but this ViT has no classification head (num_classes=0)")
+            loss = F.cross_entropy(logits.float(), labels)
+        return VisionOutput(logits=logits, loss=loss, last_hidden_state=x, pooler_output=pooled)
+
+    def pool(self, x: torch.Tensor) -> torch.Tensor:
+        kind, patches = self.config.global_pool, x[:, self.config.num_prefix_tokens:]
+        if kind == "token":
+            return x[:, 0]
+        if kind == "avg":
+            return patches.mean(1)
+        if kind == "max":
+            return patches.amax(1)
+        if kind == "avgmax":
+            return 0.5 * (patches.mean(1) + patches.amax(1))
+        return x  # "": no pooling, the head sees every token
+
+    def save_pretrained(self, save_directory, **kwargs) -> None:
+        from ..checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory, **kwargs)
+
+
+register_family(Family("vit", ViTConfig, VisionTransformer, hf_auto_class="AutoModelForImageClassification"))
+for _name, (_d, _layers, _heads) in {"vit-b16": (768, 12, 12), "vit-l16": (1024, 24, 16)}.items():
+    register_preset(Preset(
+        _name, "vit",
+        dict(hidden_size=_d, num_hidden_layers=_layers, num_attention_heads=_heads, intermediate_size=4 * _d,
+             image_size=224, patch_size=16, num_labels=1000, architectures=["ViTForImageClassification"]),
+        description=f"ViT-{_name[4].upper()}/16 at 224 px, ImageNet-1k head",
+    ))
