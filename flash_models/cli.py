@@ -23,7 +23,11 @@ import torch
 
 from .embedded import ALIASES, DEFAULT_MODEL, resolve_alias
 
-BENCH_AREAS = {"attention": "flash_models.bench.attention", "ops": "flash_models.bench.ops"}
+BENCH_AREAS = {
+    "attention": "flash_models.bench.attention",
+    "ops": "flash_models.bench.ops",
+    "generate": "flash_models.bench.generate",
+}
 
 
 def _is_model_reference(text: str) -> bool:

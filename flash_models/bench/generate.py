@@ -1,0 +1,120 @@
+"""`flash-models bench generate`: decode speed of ours against HF generate (dynamic cache) and HF generate
+with a static cache + torch.compile, in one process on one GPU, on random-init bf16 models.
+
+Models: GPT-2 124M and a LLaMA of ~1.1B (TinyLlama shape). Batch 1 and 16, prompts of 128 and 512 tokens,
+256 new tokens, greedy, no EOS. ms/token = (time of a 256-token generate - time of a 1-token generate) / 255,
+so the prefill is left out on both sides. The bandwidth bound is the weight bytes plus the mean KV-cache
+bytes read per step, over the measured device copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+from ..checkpoint import create_model
+from .harness import BenchResult, measure_copy_bandwidth
+
+log = logging.getLogger(__name__)
+
+MODELS = {
+    "gpt2-124m": ("gpt2", {}),
+    "llama-1.1b": ("llama-1b", {}),
+}
+COLUMNS = ["model", "batch", "prompt", "impl", "ms_per_step", "tokens_per_s", "bound_ms", "frac_of_bound", "x_vs_hf", "x_vs_hf_static"]
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _per_step_ms(generate, new_tokens: int, repeats: int) -> float:
+    generate(new_tokens)  # warm-up: compilation, graph capture, autotuning
+    generate(1)
+    full = _median_time(lambda: generate(new_tokens), repeats)
+    prefill = _median_time(lambda: generate(1), repeats)
+    return (full - prefill) / (new_tokens - 1) * 1e3
+
+
+def _hf_twin(ours):
+    """The HF model with our model's weights (through save_pretrained's canonical layout, in memory)."""
+    from ..checkpoint.remap import ours_to_hf
+    from ..checkpoint.rules import rules_for
+
+    hf_config = ours.config.to_hf()
+    with torch.device("cuda"):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    hf.load_state_dict(ours_to_hf(ours.state_dict(), rules_for(ours.config)), strict=False)
+    hf.tie_weights()
+    hf.generation_config.eos_token_id = None  # random weights: never stop early, on either side
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+def _bound_ms(model, batch: int, prompt: int, new_tokens: int, bandwidth: float) -> float:
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    att = model.decoder_config.attention
+    kv_per_token = 2 * model.decoder_config.num_layers * att.num_kv_heads * att.head_dim * 2  # bf16 k and v
+    mean_len = prompt + new_tokens / 2
+    return (weights + batch * mean_len * kv_per_token) / bandwidth * 1e3
+
+
+def run(models: list[str], batches: list[int], prompts: list[int], new_tokens: int, repeats: int, peers: list[str]) -> BenchResult:
+    result = BenchResult("generate")
+    bandwidth = measure_copy_bandwidth()
+    result.env["copy_bandwidth_GBps"] = bandwidth / 1e9
+    for name in models:
+        preset, overrides = MODELS[name]
+        torch.manual_seed(0)
+        ours = create_model(preset, dtype=torch.bfloat16, device="cuda", **overrides).eval()
+        hf = _hf_twin(ours) if peers else None
+        for batch in batches:
+            for prompt in prompts:
+                ids = torch.randint(100, 20000, (batch, prompt), device="cuda")
+                bound = _bound_ms(ours, batch, prompt, new_tokens, bandwidth)
+                row = dict(model=name, batch=batch, prompt=prompt, bound_ms=bound)
+                times = {}
+                times["ours"] = _per_step_ms(lambda n: ours.generate(ids, max_new_tokens=n, eos_token_id=[]), new_tokens, repeats)
+                if "hf" in peers:
+                    times["hf"] = _per_step_ms(lambda n: hf.generate(ids, max_new_tokens=n, do_sample=False), new_tokens, repeats)
+                if "hf_static" in peers:
+                    times["hf_static"] = _per_step_ms(
+                        lambda n: hf.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static"), new_tokens, repeats)
+                for impl, ms in times.items():
+                    result.add(**row, impl=impl, ms_per_step=ms, tokens_per_s=batch / ms * 1e3,
+                               frac_of_bound=bound / ms, x_vs_hf=times.get("hf", float("nan")) / ms,
+                               x_vs_hf_static=times.get("hf_static", float("nan")) / ms)
+                log.info("%s b%d p%d: %s", name, batch, prompt, {k: round(v, 3) for k, v in times.items()})
+        del ours, hf
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flash-models bench generate", description=__doc__)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peers", nargs="*", default=["hf", "hf_static"], choices=["hf", "hf_static"])
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    result = run(args.models, args.batches, args.prompts, args.new_tokens, args.repeats, args.peers)
+    result.write_json(args.out / "generate.json")
+    print(f"device {result.env['device']}, copy bandwidth {result.env['copy_bandwidth_GBps']:.0f} GB/s")
+    print(result.markdown(COLUMNS))
