@@ -11,7 +11,7 @@ from flash_models.checkpoint.loader import build_model
 from flash_models.checkpoint.remap import hf_to_ours, ours_to_hf
 from flash_models.checkpoint.rules import rules_for
 from flash_models.registry import get_family, get_preset
-from flash_models.testing import max_rel_err, random_hf_model
+from flash_models.testing import hf_tied_keys, max_rel_err, random_hf_model
 
 TINY = {
     "gpt2": transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4),
@@ -90,15 +90,6 @@ def test_original_gpt2_keys_without_prefix_load(tmp_path):
         assert max_rel_err(fm.from_pretrained(tmp_path)(ids).logits, hf(ids).logits) < 1e-5
 
 
-def tied_keys(hf_model) -> set[str]:
-    """Keys HF ties to another parameter, which we store once: with tied embeddings the LM head (and whatever
-    the class lists in ``_tied_weights_keys``); always BERT's MLM decoder bias (the same tensor as its bias)."""
-    listed = set(getattr(hf_model, "_tied_weights_keys", None) or {})
-    if hf_model.config.to_dict().get("tie_word_embeddings", False):
-        return listed | {"lm_head.weight"}
-    return {k for k in listed if k.endswith("decoder.bias")}
-
-
 @pytest.mark.parametrize("preset", fm.list_models())
 def test_keys_and_shapes_match_hf_on_meta(preset):
     spec = get_preset(preset)
@@ -107,7 +98,7 @@ def test_keys_and_shapes_match_hf_on_meta(preset):
         hf = getattr(transformers, get_family(spec.model_type).hf_auto_class).from_config(hf_config)
     ours = build_model(hf_config, device="meta")
     hf_shapes = {k: tuple(v.shape) for k, v in hf.state_dict().items()
-                 if k not in tied_keys(hf)}
+                 if k not in hf_tied_keys(hf)}
     ours_shapes = {k: tuple(v.shape) for k, v in ours_to_hf(ours.state_dict(), rules_for(ours.config)).items()}
     assert ours_shapes == hf_shapes
 

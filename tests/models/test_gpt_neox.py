@@ -1,0 +1,94 @@
+import pytest
+import torch
+import transformers
+
+import flash_models as fm
+from flash_models.testing import (
+    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
+    max_rel_err, ours_from_hf, random_hf_model,
+)
+
+VOCAB = 193
+
+
+def neox_config(**overrides):
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=112,
+                max_position_embeddings=64, rotary_pct=0.25, bos_token_id=0, eos_token_id=1)
+    return transformers.GPTNeoXConfig(**{**base, **overrides})
+
+
+CONFIGS = {
+    "parallel_half_rotary": dict(rotary_pct=0.5, rotary_emb_base=500.0),
+    "sequential_no_bias": dict(use_parallel_residual=False, attention_bias=False, hidden_act="gelu_new"),
+    "parallel_tied_full_rotary": dict(rotary_pct=1.0, tie_word_embeddings=True, layer_norm_eps=1e-3),
+}
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fp32_logits_and_loss_match_hf(name, attn_impl):
+    hf = random_hf_model(neox_config(**CONFIGS[name]), seed=1)
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    ids = torch.randint(0, VOCAB, (3, 23))
+    with torch.no_grad():
+        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
+    assert max_rel_err(out.logits, ref.logits) < 1e-5
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+
+
+def test_bf16_error_bounded_by_hf_own_bf16_error():
+    cfg = neox_config(**CONFIGS["parallel_half_rotary"])
+    hf32 = random_hf_model(cfg, seed=2)
+    hf16 = random_hf_model(cfg, seed=2).to(torch.bfloat16)
+    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 31))
+    with torch.no_grad():
+        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(name):
+    cfg = neox_config(**CONFIGS[name])
+    assert_round_trip_bit_identical(random_hf_model(cfg, seed=3))
+    assert_meta_keys_match_hf(cfg, auto_class="AutoModelForCausalLM")
+
+
+def test_checkpoint_with_transformers4_head_name_loads(tmp_path):
+    hf = random_hf_model(neox_config(), seed=4)
+    state = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in hf.state_dict().items()}
+    hf.config.save_pretrained(tmp_path)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    ids = torch.randint(0, VOCAB, (1, 9))
+    with torch.no_grad():
+        assert max_rel_err(fm.from_pretrained(tmp_path)(ids).logits, hf(ids).logits) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["parallel_half_rotary", "sequential_no_bias"])
+def test_save_pretrained_is_read_by_transformers_with_same_logits(name, tmp_path):
+    hf = random_hf_model(neox_config(**CONFIGS[name]), seed=5)
+    ours = ours_from_hf(hf)
+    ours.save_pretrained(tmp_path)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
+    assert fm.from_pretrained(tmp_path).config == ours.config
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_each_sequence_alone(side):
+    ours = ours_from_hf(random_hf_model(neox_config(**CONFIGS["parallel_half_rotary"]), seed=6))
+    assert_padded_rows_equal_alone(ours, VOCAB, side=side)
+
+
+def test_greedy_generation_equals_hf_on_left_padded_batch():
+    hf = random_hf_model(neox_config(**CONFIGS["parallel_half_rotary"]), seed=7)
+    ours = ours_from_hf(hf)
+    ids = torch.randint(2, VOCAB, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
+    assert torch.equal(out, ref)

@@ -1,0 +1,79 @@
+import pytest
+import torch
+import transformers
+
+import flash_models as fm
+from flash_models.testing import (
+    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
+    max_rel_err, ours_from_hf, random_hf_model,
+)
+
+VOCAB = 181
+
+
+def gptj_config(**overrides):
+    base = dict(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=3, n_head=4, rotary_dim=8, bos_token_id=0,
+                eos_token_id=1)
+    return transformers.GPTJConfig(**{**base, **overrides})
+
+
+def hf_gptj(cfg, seed):
+    return random_hf_model(cfg, seed=seed, attn_implementation="eager")  # HF's GPT-J has no SDPA path
+
+
+CONFIGS = {
+    "partial_rotary": dict(),
+    "full_rotary_relu_inner": dict(rotary_dim=16, activation_function="relu", n_inner=80, layer_norm_epsilon=1e-3),
+}
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fp32_logits_and_loss_match_hf(name, attn_impl):
+    hf = hf_gptj(gptj_config(**CONFIGS[name]), seed=1)
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    ids = torch.randint(0, VOCAB, (3, 21))
+    with torch.no_grad():
+        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
+    assert max_rel_err(out.logits, ref.logits) < 1e-5
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+
+
+def test_bf16_error_bounded_by_hf_own_bf16_error():
+    cfg = gptj_config()
+    hf32 = hf_gptj(cfg, seed=2)
+    hf16 = hf_gptj(cfg, seed=2).to(torch.bfloat16)
+    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 29))
+    with torch.no_grad():
+        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(name):
+    cfg = gptj_config(**CONFIGS[name])
+    assert_round_trip_bit_identical(hf_gptj(cfg, seed=3))
+    assert_meta_keys_match_hf(cfg, auto_class="AutoModelForCausalLM")
+
+
+def test_save_pretrained_is_read_by_transformers_with_same_logits(tmp_path):
+    hf = hf_gptj(gptj_config(), seed=4)
+    ours = ours_from_hf(hf)
+    ours.save_pretrained(tmp_path)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
+    assert fm.from_pretrained(tmp_path).config == ours.config
+
+
+def test_tied_gptj_is_refused():
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        fm.checkpoint.build_model(gptj_config(tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_each_sequence_alone(side):
+    ours = ours_from_hf(hf_gptj(gptj_config(), seed=5))
+    assert_padded_rows_equal_alone(ours, VOCAB, side=side)

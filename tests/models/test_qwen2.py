@@ -1,0 +1,80 @@
+import pytest
+import torch
+import transformers
+
+import flash_models as fm
+from flash_models.testing import (
+    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
+    max_rel_err, ours_from_hf, random_hf_model,
+)
+
+VOCAB = 199
+
+
+def qwen2_config(**overrides):
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                bos_token_id=0, eos_token_id=1)
+    return transformers.Qwen2Config(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_fp32_logits_and_loss_match_hf(tied, attn_impl):
+    hf = random_hf_model(qwen2_config(tie_word_embeddings=tied), seed=1)
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    assert ours.blocks[0].attn.qkv.bias is not None and ours.blocks[0].attn.out_proj.bias is None
+    ids = torch.randint(0, VOCAB, (3, 19))
+    with torch.no_grad():
+        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
+    assert max_rel_err(out.logits, ref.logits) < 1e-5
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+
+
+def test_bf16_error_bounded_by_hf_own_bf16_error():
+    cfg = qwen2_config()
+    hf32 = random_hf_model(cfg, seed=2)
+    hf16 = random_hf_model(cfg, seed=2).to(torch.bfloat16)
+    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 30))
+    with torch.no_grad():
+        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+
+
+def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match():
+    cfg = qwen2_config(tie_word_embeddings=True)
+    assert_round_trip_bit_identical(random_hf_model(cfg, seed=3))
+    assert_meta_keys_match_hf(cfg, auto_class="AutoModelForCausalLM")
+
+
+def test_save_pretrained_is_read_by_transformers_with_same_logits(tmp_path):
+    hf = random_hf_model(qwen2_config(), seed=4)
+    ours = ours_from_hf(hf)
+    ours.save_pretrained(tmp_path)
+    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, VOCAB, (2, 13))
+    with torch.no_grad():
+        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
+    assert fm.from_pretrained(tmp_path).config == ours.config
+
+
+def test_sliding_window_fields_without_use_sliding_window_load_as_full_attention():
+    """Released Qwen2 configs carry sliding_window and max_window_layers with use_sliding_window=False."""
+    cfg = qwen2_config(use_sliding_window=False, sliding_window=4, max_window_layers=1)
+    hf = random_hf_model(cfg, seed=5)
+    ours = ours_from_hf(hf)
+    assert ours.decoder_config.attention.sliding_window is None
+    ids = torch.randint(0, VOCAB, (1, 20))
+    with torch.no_grad():
+        assert max_rel_err(ours(ids).logits, hf(ids).logits) < 1e-5
+
+
+def test_per_layer_sliding_window_is_refused():
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        fm.checkpoint.build_model(qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=1))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_equals_each_sequence_alone(side):
+    assert_padded_rows_equal_alone(ours_from_hf(random_hf_model(qwen2_config(), seed=6)), VOCAB, side=side)
