@@ -1,0 +1,239 @@
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import flash_models as fm
+from flash_models.testing import (
+    assert_meta_keys_match_hf, assert_round_trip_bit_identical, low_precision_bound_ok, max_rel_err, ours_from_hf,
+    random_hf_model,
+)
+
+VOCAB = 151
+AUTO = {
+    "BertModel": "AutoModel",
+    "BertForPreTraining": "AutoModelForPreTraining",
+    "BertForMaskedLM": "AutoModelForMaskedLM",
+    "BertForSequenceClassification": "AutoModelForSequenceClassification",
+    "BertForTokenClassification": "AutoModelForTokenClassification",
+}
+
+
+def bert_config(architecture="BertModel", **overrides):
+    base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=112,
+                max_position_embeddings=40, type_vocab_size=3, hidden_act="gelu_new", layer_norm_eps=1e-6,
+                architectures=[architecture], num_labels=3)
+    return transformers.BertConfig(**{**base, **overrides})
+
+
+def hf_bert(architecture="BertModel", seed=0, **overrides):
+    return random_hf_model(bert_config(architecture, **overrides), seed=seed, auto_class=AUTO[architecture])
+
+
+def padded_batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (3, 19), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding
+    mask[2, :5] = 0  # left padding
+    return ids, mask, torch.randint(0, 3, ids.shape, generator=gen)
+
+
+def main_output(out, architecture):
+    if architecture == "BertModel":
+        return out.last_hidden_state
+    return out.prediction_logits if architecture == "BertForPreTraining" else out.logits
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("architecture", AUTO)
+def test_fp32_outputs_match_hf_on_real_tokens(architecture, attn_impl):
+    hf = hf_bert(architecture, seed=1)
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    assert type(ours).__name__ == architecture
+    ids, mask, types = padded_batch(1)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        out = ours(ids, attention_mask=mask, token_type_ids=types)
+    expected, got = main_output(ref, architecture), main_output(out, architecture)
+    if got.dim() == 3:  # per-token outputs: compare on real tokens
+        expected, got = expected[mask.bool()], got[mask.bool()]
+    assert max_rel_err(got, expected) < 1e-5
+    if architecture == "BertModel":
+        assert max_rel_err(out.pooler_output, ref.pooler_output) < 1e-5
+    if architecture == "BertForPreTraining":
+        assert max_rel_err(out.seq_relationship_logits, ref.seq_relationship_logits) < 1e-5
+
+
+@pytest.mark.parametrize("architecture, overrides, make_labels", [
+    ("BertForMaskedLM", {}, lambda ids: torch.where(torch.rand(ids.shape) < 0.3, ids, -100)),
+    ("BertForTokenClassification", {}, lambda ids: torch.randint(0, 3, ids.shape)),
+    ("BertForSequenceClassification", {}, lambda ids: torch.randint(0, 3, (ids.shape[0],))),
+    ("BertForSequenceClassification", dict(num_labels=1), lambda ids: torch.randn(ids.shape[0])),
+    ("BertForSequenceClassification", dict(problem_type="multi_label_classification"), lambda ids: (torch.rand(ids.shape[0], 3) < 0.5).float()),
+])
+def test_losses_match_hf(architecture, overrides, make_labels):
+    hf = hf_bert(architecture, seed=2, **overrides)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(2)
+    labels = make_labels(ids)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+        out = ours(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+    assert torch.allclose(out, ref, rtol=1e-5)
+
+
+def test_pretraining_loss_matches_hf():
+    hf = hf_bert("BertForPreTraining", seed=3)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(3)
+    labels, nsp = torch.where(torch.rand(ids.shape) < 0.3, ids, -100), torch.randint(0, 2, (3,))
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels, next_sentence_label=nsp).loss
+        out = ours(ids, attention_mask=mask, token_type_ids=types, labels=labels, next_sentence_label=nsp).loss
+    assert torch.allclose(out, ref, rtol=1e-5)
+
+
+def test_bf16_error_bounded_by_hf_own_bf16_error():
+    hf32 = hf_bert(seed=4)
+    hf16 = hf_bert(seed=4).to(torch.bfloat16)
+    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
+    ids, mask, types = padded_batch(4)
+    real = mask.bool()
+    with torch.no_grad():
+        ref = hf32(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[real]
+        theirs = hf16(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[real].float()
+        ours = ours16(ids, attention_mask=mask, token_type_ids=types).last_hidden_state[real].float()
+    ok, ours_err, hf_err = low_precision_bound_ok(ours, theirs, ref)
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+
+
+def test_flash_path_unpads_once_and_matches_hf():
+    """attn_impl='flash' (our Triton kernels; on a CPU through Triton's interpreter): the layers see the
+    packed real tokens only, and the re-padded output stays within HF's own bf16 error."""
+    hf32 = hf_bert(seed=5, num_attention_heads=2)  # head dim 32, which the kernels support
+    hf16 = hf_bert(seed=5, num_attention_heads=2).to(torch.bfloat16)
+    ours = ours_from_hf(hf32, attn_impl="flash", dtype=torch.bfloat16)
+    ids, mask, types = padded_batch(5)
+    seen = []
+    for block in ours.blocks:
+        block.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        out = ours(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        ref = hf32(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        theirs = hf16(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    assert seen == [(1, int(mask.sum()), 64)] * 2
+    real = mask.bool()
+    assert (out[~real] == 0).all()
+    ok, ours_err, hf_err = low_precision_bound_ok(out[real].float(), theirs[real].float(), ref[real])
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+
+
+@pytest.mark.parametrize("architecture", AUTO)
+def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(architecture):
+    assert_round_trip_bit_identical(hf_bert(architecture, seed=6))
+    assert_meta_keys_match_hf(bert_config(architecture), auto_class=AUTO[architecture])
+
+
+def test_untied_mlm_decoder_round_trips():
+    assert_round_trip_bit_identical(hf_bert("BertForMaskedLM", seed=7, tie_word_embeddings=False))
+
+
+def test_old_checkpoint_names_and_pretraining_weights_load_as_masked_lm(tmp_path):
+    """bert-base-uncased style: LayerNorm gamma/beta names, NSP head and pooler saved beside an MLM config."""
+    source = hf_bert("BertForPreTraining", seed=8)
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in source.state_dict().items()}
+    bert_config("BertForMaskedLM").save_pretrained(tmp_path)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    ours = fm.from_pretrained(tmp_path)
+    assert type(ours).__name__ == "BertForMaskedLM"
+    ids, mask, types = padded_batch(8)
+    with torch.no_grad():
+        ref = source(input_ids=ids, attention_mask=mask, token_type_ids=types).prediction_logits
+        out = ours(ids, attention_mask=mask, token_type_ids=types).logits
+    assert max_rel_err(out[mask.bool()], ref[mask.bool()]) < 1e-5
+
+
+@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification"])
+def test_save_pretrained_is_read_by_transformers_with_same_outputs(architecture, tmp_path):
+    hf = hf_bert(architecture, seed=9)
+    ours = ours_from_hf(hf)
+    ours.save_pretrained(tmp_path)
+    reread = getattr(transformers, AUTO[architecture]).from_pretrained(tmp_path).eval()
+    assert type(reread).__name__ == architecture
+    ids, mask, types = padded_batch(9)
+    with torch.no_grad():
+        ref = main_output(hf(input_ids=ids, attention_mask=mask, token_type_ids=types), architecture)
+        again = main_output(reread(input_ids=ids, attention_mask=mask, token_type_ids=types), architecture)
+    assert max_rel_err(again, ref) < 1e-6
+    assert fm.from_pretrained(tmp_path).config == ours.config
+
+
+def test_right_padded_rows_equal_each_sequence_alone():
+    ours = ours_from_hf(hf_bert(seed=10))
+    ids, mask, types = padded_batch(10)
+    with torch.no_grad():
+        padded = ours(ids, attention_mask=mask, token_type_ids=types)
+        alone = ours(ids[1:2, :11], token_type_ids=types[1:2, :11])
+    assert max_rel_err(padded.last_hidden_state[1, :11], alone.last_hidden_state[0]) < 1e-5
+    assert max_rel_err(padded.pooler_output[1], alone.pooler_output[0]) < 1e-5
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(is_decoder=True), "decoder"),
+    (dict(architectures=["BertForQuestionAnswering"]), "BertForQuestionAnswering"),
+    (dict(position_embedding_type="relative_key"), "position_embedding_type"),
+])
+def test_unsupported_configs_raise(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        fm.checkpoint.build_model(bert_config(**overrides))
+
+
+# ---- the embedded real checkpoint: sentence-transformers all-MiniLM-L6-v2 ------------------------------------
+SENTENCES = [
+    "The capital of France is Paris.",
+    "A man is playing a guitar on the street while people walk by.",
+    "Hello!",
+    "Flash attention skips the padding entirely.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    directory = fm.minilm_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    hf = transformers.AutoModel.from_pretrained(directory).eval()
+    with torch.no_grad():
+        ref = hf(**batch)
+    return fm.from_pretrained(directory), batch, ref
+
+
+def mean_pool(hidden, mask):
+    mask = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * mask).sum(1) / mask.sum(1)
+
+
+def test_minilm_loads_as_bert_model_and_matches_hf(minilm):
+    ours, batch, ref = minilm
+    assert type(ours).__name__ == "BertModel"
+    assert batch["attention_mask"].min() == 0, "the batch must contain padding"
+    with torch.no_grad():
+        out = ours(**batch)
+    real = batch["attention_mask"].bool()
+    assert (out.last_hidden_state[real] - ref.last_hidden_state[real]).abs().max() < 1e-4
+    assert (out.pooler_output - ref.pooler_output).abs().max() < 1e-4
+
+
+def test_minilm_sentence_embeddings_match_hf(minilm):
+    ours, batch, ref = minilm
+    with torch.no_grad():
+        out = ours(**batch)
+    mask = batch["attention_mask"]
+    ours_emb = F.normalize(mean_pool(out.last_hidden_state, mask), dim=-1)
+    ref_emb = F.normalize(mean_pool(ref.last_hidden_state, mask), dim=-1)
+    cosine = (ours_emb * ref_emb).sum(-1)
+    assert cosine.min() >= 0.99999, cosine
+    # and the embeddings mean something: a sentence is closer to itself than to the others
+    assert torch.equal((ours_emb @ ref_emb.T).argmax(-1), torch.arange(len(SENTENCES)))
