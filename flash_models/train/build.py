@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from torch import nn
@@ -43,17 +45,47 @@ def build_model(cfg: ExperimentConfig) -> nn.Module:
 
 
 def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
-    """BERT sequence classification / ViT image classification through the registry's task heads."""
-    import flash_models
+    """BERT sequence classification (a BERT checkpoint or preset gets a fresh ``num_labels`` head) or ViT image
+    classification (a registered ViT preset, an HF ViT folder, or a timm model name)."""
+    from ..checkpoint import create_model, from_pretrained, from_timm
+    from ..embedded import resolve_alias
+    from ..registry import list_models
 
     m = cfg.model
-    builder = getattr(flash_models, "for_task", None)
-    if builder is None:
-        raise NotImplementedError(
-            f"model.task={m.task!r} needs a classification head (BertForSequenceClassification / ViT) that "
-            "flash_models does not provide yet"
-        )
-    return builder(m.name, task=m.task, num_labels=m.num_labels, pretrained=m.pretrained).train()
+    kw = dict(attn_impl=m.attn_impl, kernel_backend=m.kernel_backend)
+    if m.task == "sequence_classification":
+        if not m.pretrained:
+            return create_model(m.name, architectures=["BertForSequenceClassification"], num_labels=m.num_labels,
+                                **m.overrides, **kw)
+        return _with_sequence_head(from_pretrained(resolve_alias(m.name), **kw), m.num_labels)
+    if m.name in list_models():
+        return create_model(m.name, architectures=["ViTForImageClassification"], num_labels=m.num_labels, **m.overrides, **kw)
+    if Path(m.name).exists():
+        model = from_pretrained(m.name, **kw)
+        if model.head is None or model.head.out_features != m.num_labels:
+            raise ValueError(f"{m.name} has {0 if model.head is None else model.head.out_features} classes, not "
+                             f"model.num_labels={m.num_labels}; use a timm name or a preset to get a fresh head")
+        return model
+    return from_timm(m.name, pretrained=m.pretrained, num_classes=m.num_labels, **m.overrides, **kw)
+
+
+def _with_sequence_head(base: nn.Module, num_labels: int) -> nn.Module:
+    """A BertForSequenceClassification whose encoder (and pooler) are ``base``'s weights and whose classifier
+    is freshly initialised; a checkpoint that already has the right head is kept as it is."""
+    from ..models.bert import BertForSequenceClassification, BertModel
+
+    if isinstance(base, BertForSequenceClassification) and base.config.num_labels == num_labels:
+        return base
+    encoder = base if isinstance(base, BertModel) else base.bert
+    config = dataclasses.replace(base.config, architecture="BertForSequenceClassification",
+                                 labels=tuple(f"LABEL_{i}" for i in range(num_labels)))
+    model = BertForSequenceClassification(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
+    missing, unexpected = model.bert.load_state_dict(encoder.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("pooler.") for k in missing):
+        raise ValueError(f"the BERT checkpoint does not fit the classifier's encoder: missing {missing}, unexpected {unexpected}")
+    if missing:
+        log.warning("the checkpoint has no pooler weights: the pooler starts from random init")
+    return model
 
 
 def tokenizer_name(cfg: ExperimentConfig) -> str:

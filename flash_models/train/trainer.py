@@ -358,14 +358,14 @@ class Trainer:
 
 
 def _save_pretrained(model: nn.Module, state: dict, directory: Path) -> None:
-    """Write ``state`` (full, canonical rows) through the model family's save_pretrained on a clean copy."""
-    if hasattr(model, "decoder_config"):  # ours: a fresh unwrapped module (no DDP/FSDP/TP/compile wrappers)
+    """Write ``state`` (full, canonical rows) in HF layout: for our models through a fresh, unwrapped copy of
+    the family's class (no DDP/FSDP/TP/compile/checkpoint wrappers); an HF model saves it directly."""
+    if hasattr(model.config, "to_hf"):
         from ..checkpoint.loader import build_model as build_from_hf
 
-        clean = build_from_hf(model.config.to_hf(), device="meta")
-        dtype = next(iter(state.values())).dtype
-        clean.load_state_dict({k: v for k, v in state.items()}, strict=True, assign=True)
-        clean.to(dtype).save_pretrained(directory)
+        clean = build_from_hf(model.config.to_hf(), attn_impl=model.attn_impl, kernel_backend=model.kernel_backend, device="meta")
+        clean.load_state_dict(state, strict=True, assign=True)
+        clean.save_pretrained(directory)
     else:
         model.save_pretrained(directory, state_dict=state)
 

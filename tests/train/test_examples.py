@@ -1,0 +1,49 @@
+"""Every script in examples/ runs for a few steps at a tiny size on the CPU, in-process (runpy), so none rots."""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def run_example(name, *args, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLES / name), *map(str, args)])
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+    return capsys.readouterr().out
+
+
+def test_train_gpt2_then_generate(tmp_path, monkeypatch, capsys):
+    out = run_example("train_gpt2.py", "--tiny", "--max-steps", 4, "--output-dir", tmp_path / "gpt2",
+                      monkeypatch=monkeypatch, capsys=capsys)
+    assert "final loss" in out and (tmp_path / "gpt2" / "final" / "model.safetensors").is_file()
+    metrics = [json.loads(l) for l in (tmp_path / "gpt2" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["summary"] and metrics[-1]["steps"] == 4
+    out = run_example("generate.py", "--model", tmp_path / "gpt2" / "final", "--tokenizer", "bytes",
+                      "--max-new-tokens", 8, "alpha", monkeypatch=monkeypatch, capsys=capsys)
+    assert 1 < len(out) <= 8 + 1  # up to 8 byte tokens of continuation and the newline
+
+
+def test_finetune_bert_classification(tmp_path, monkeypatch, capsys):
+    out = run_example("finetune_bert_classification.py", "--tiny", "--max-steps", 2, "--output-dir", tmp_path / "bert",
+                      monkeypatch=monkeypatch, capsys=capsys)
+    assert "eval accuracy" in out
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "bert" / "final")
+    assert hf.config.num_labels == 2 and hf.config.hidden_size == 384  # the MiniLM encoder with a new head
+
+
+def test_finetune_vit(tmp_path, monkeypatch, capsys):
+    out = run_example("finetune_vit.py", "--tiny", "--max-steps", 2, "--output-dir", tmp_path / "vit",
+                      monkeypatch=monkeypatch, capsys=capsys)
+    assert "EMA accuracy" in out
+
+
+@pytest.mark.slow
+def test_sft_smollm2(tmp_path, monkeypatch, capsys):
+    out = run_example("sft_smollm2.py", "--tiny", "--max-steps", 2, "--output-dir", tmp_path / "sft",
+                      monkeypatch=monkeypatch, capsys=capsys)
+    assert "final loss" in out and "eval loss" in out
