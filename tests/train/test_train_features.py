@@ -1,0 +1,119 @@
+"""Trainer features: activation checkpointing, EMA, TensorBoard + profiler trace, classification data, the CLI,
+the optimizer's parameter groups and schedules, the benchmark helpers and `bench train --dry-run`."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from flash_models.checkpoint import create_model
+from flash_models.train import Trainer
+from flash_models.train.config import OptimSection
+from flash_models.train.data import DataSection, TextClassification, collate_classification
+from flash_models.train.optim import lr_lambda, param_groups
+
+
+def test_activation_checkpointing_gives_the_same_losses(tiny_config, tmp_path):
+    runs = {}
+    for every in (0, 1, 2):
+        trainer = Trainer(tiny_config(train={"max_steps": 3, "activation_checkpointing": every,
+                                             "output_dir": str(tmp_path / str(every))}))
+        trainer.fit()
+        runs[every] = [h["loss"] for h in trainer.history]
+        wrapped = ["CheckpointWrapper" in type(b).__name__ for b in trainer.model.blocks]
+        assert wrapped == [bool(every) and i % every == 0 for i in range(len(wrapped))]
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6) and runs[2] == pytest.approx(runs[0], rel=1e-6)
+
+
+def test_ema_tracks_weights(tiny_config):
+    trainer = Trainer(tiny_config(train={"max_steps": 3, "ema_decay": 0.5}))
+    before = [s.clone() for s in trainer.ema.shadow]
+    trainer.train_step()
+    params = dict(trainer.model.named_parameters())
+    for name, old, new in zip(trainer.ema.names, before, trainer.ema.shadow):
+        assert torch.allclose(new, 0.5 * old + 0.5 * params[name].detach()), name
+
+
+def test_tensorboard_and_profiler_trace(tiny_config, tmp_path):
+    pytest.importorskip("tensorboard")  # in the test extra; importorskip only for a bare install
+    out = tmp_path / "tb"
+    Trainer(tiny_config(train={"max_steps": 4, "tensorboard": True, "profile_steps": 1, "output_dir": str(out),
+                               "log_every": 1})).fit()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((out / "profile").glob("*.json*"))
+
+
+def test_param_groups_skip_biases_norms_embeddings():
+    model = create_model("gpt2", n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    skipped = {names[id(p)] for p in no_decay["params"]}
+    assert {"embed.tokens.weight", "embed.positions.weight", "norm_f.weight", "norm_f.bias", "blocks.0.attn.qkv.bias"} <= skipped
+
+
+def test_schedules():
+    cos = lr_lambda(OptimSection(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1), 110)
+    assert cos(0) == pytest.approx(0.1) and cos(9) == pytest.approx(1.0) and cos(10) == pytest.approx(1.0)
+    assert cos(60) == pytest.approx(0.55) and cos(110) == pytest.approx(0.1)
+    lin = lr_lambda(OptimSection(schedule="linear", warmup_steps=0, min_lr_ratio=0.0), 100)
+    assert lin(50) == pytest.approx(0.5) and lin(100) == 0.0
+
+
+def test_classification_rows_and_string_labels(tmp_path):
+    from flash_models.train.data import ByteTokenizer
+
+    class Tok:  # the HF call convention: tokenizer(texts, pairs, truncation=..., max_length=...)
+        pad_token_id = 0
+
+        def __call__(self, texts, pairs, truncation, max_length):
+            ids = [ByteTokenizer().encode(t)[:max_length] for t in texts]
+            return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"text": "good film", "label": "pos"}, {"text": "bad", "label": "neg"}, {"text": "fine", "label": "pos"}]))
+    cfg = DataSection(format="classification", train=str(tmp_path / "c.jsonl"), seq_len=6)
+    ds = TextClassification(cfg.train, Tok(), cfg)
+    assert ds.label_names == ["neg", "pos"] and ds.labels == [1, 0, 1]
+    batch = collate_classification([ds[0], ds[1]])
+    assert batch["input_ids"].shape == (2, 6) and batch["attention_mask"][1].tolist() == [1, 1, 1, 0, 0, 0]
+    (tmp_path / "v.jsonl").write_text(json.dumps({"text": "x", "label": "meh"}))
+    with pytest.raises(ValueError, match="meh"):
+        TextClassification(str(tmp_path / "v.jsonl"), Tok(), cfg, label_names=ds.label_names)
+
+
+def test_cli_train(tiny_config, tmp_path, capsys):
+    from flash_models.cli import main
+
+    cfg = tiny_config(train={"max_steps": 2}).to_dict()
+    cfg["optim"]["betas"] = list(cfg["optim"]["betas"])
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    main(["train", str(path), "train.max_steps=3", f"train.output_dir={tmp_path / 'cli'}"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == 3 and (tmp_path / "cli" / "metrics.jsonl").is_file()
+    with pytest.raises(SystemExit):
+        main(["train", str(path), "train.max_step=3"])
+    assert "did you mean train.'max_steps'" in capsys.readouterr().err
+
+
+def test_benchmark_helpers():
+    from flash_models.bench.utils import benchmark_all, benchmark_memory
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    x = torch.randn(16, 32, requires_grad=True)
+    timings = benchmark_all(model, x, repeats=3, warmup=1)
+    assert set(timings) == {"forward", "backward", "fwd_bwd"} and all(t.median_ms > 0 for t in timings.values())
+    assert benchmark_memory(model, x) >= 0
+
+
+def test_bench_train_dry_run(tmp_path, capsys):
+    from flash_models.bench.train import main
+
+    result = main(["--dry-run", "--cases", "gpt2", "--out", str(tmp_path / "b.json")])
+    sides = [r["side"] for r in result.rows]
+    assert sides == ["ours", "hf"] and all(r["tokens_per_s"] > 0 for r in result.rows)
+    assert json.loads((tmp_path / "b.json").read_text())["env"]["dry_run"] is True
+    assert "DRY RUN" in capsys.readouterr().out
