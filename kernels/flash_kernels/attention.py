@@ -714,7 +714,7 @@ def _as4d(x):
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
-def _lse_layout(q4, varlen, nseq, max_q):
+def _lse_layout(q4, varlen, max_q):
     """LSE tensor and its (batch, head) strides: (B, Hq, Sq) or, for varlen, (Hq, total_q)."""
     hq = q4.shape[2]
     if varlen:
@@ -733,7 +733,8 @@ def _window_bounds(causal, wl, wr, max_q, max_k):
     return left, right, local
 
 
-def _launch_params(q, k, cu_q, alibi, nseq, max_q, max_k):
+def _launch_params(q, cu_q, alibi):
+    """(varlen, head dim, padded head dim, dummy int pointer, alibi pointer, alibi batch stride)."""
     varlen = cu_q is not None
     d = q.shape[-1]
     dummy = q.new_empty(1, dtype=torch.int32)
@@ -745,11 +746,11 @@ def _launch_params(q, k, cu_q, alibi, nseq, max_q, max_k):
 def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
     q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
     nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
-    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, k4, cu_q, alibi, nseq, max_q, max_k)
+    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
     hq, hkv = q4.shape[2], k4.shape[2]
     out = torch.empty_like(q)
     o4 = _as4d(out)
-    lse, slb, slh = _lse_layout(q4, varlen, nseq, max_q)
+    lse, slb, slh = _lse_layout(q4, varlen, max_q)
     left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
     seed = int(torch.randint(0, 2**30, (1,)).item()) if dropout_p > 0 else 0
     rng_state = torch.tensor([seed, 0], dtype=torch.int64)
@@ -772,7 +773,7 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
 def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p, rng_state):
     q4, k4, v4, o4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(out), _as4d(do.contiguous())
     nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
-    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, k4, cu_q, alibi, nseq, max_q, max_k)
+    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
     hq, hkv = q4.shape[2], k4.shape[2]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dq4, dk4, dv4 = _as4d(dq), _as4d(dk), _as4d(dv)

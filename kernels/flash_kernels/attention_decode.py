@@ -82,11 +82,12 @@ def flash_attn_with_kvcache_ref(
 
 
 # Split-KV schedule. A decode step reads each K/V byte once, so what matters is keeping every SM streaming:
-# about DECODE_PROGRAMS_PER_SM programs per SM in one wave (a second, partial wave would idle most SMs), each
-# over a chunk of at least DECODE_MIN_CHUNK keys. Chunks are multiples of CHUNK_ALIGN so no key tile
-# (BLOCK_N <= CHUNK_ALIGN) straddles two splits. DECODE_TILE = (BLOCK_N, num_warps, num_stages): fixed rather
-# than autotuned, because autotuning re-reads the same cache and so measures L2, not HBM. The values come from
-# the sweep in flash_models/bench/attention.py (--decode-sweep) on an H200; see docs/benchmarks.md.
+# about DECODE_PROGRAMS_PER_SM programs per SM, each over a chunk of at least DECODE_MIN_CHUNK keys. Chunks are
+# multiples of CHUNK_ALIGN so no key tile (BLOCK_N <= CHUNK_ALIGN) straddles two splits.
+# DECODE_TILE = (BLOCK_N, num_warps, num_stages) is fixed, not autotuned: autotuning re-reads one cache and so
+# measures L2, not HBM. Three stages of 64-key K and V tiles (96 KB at head dim 128) leave room for two
+# programs per SM. The two schedule numbers come from `bench attention --decode-sweep` on an H200
+# (2026-11-22): 2 programs per SM was best at batch 1 (the target case); batch 16 preferred 4 (~10% faster).
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 256
 CHUNK_ALIGN = 128
