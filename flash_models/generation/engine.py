@@ -37,9 +37,7 @@ class DecodeRunner:
         self.graph.replay()
         return self.static_logits
 
-    def _eager_step_from_saved(self, saved_lengths: torch.Tensor, saved_bound: int) -> torch.Tensor:
-        self.cache.seqlens.copy_(saved_lengths)
-        self.cache.upper_bound = saved_bound
+    def _step(self) -> torch.Tensor:
         return self.model(self.static_tokens, kv_cache=self.cache).logits[:, -1]
 
     def _capture(self) -> None:
@@ -48,19 +46,25 @@ class DecodeRunner:
             self.rope_tables = model.rotary.tables(cache.max_len, cache.seqlens.device)
         self.static_tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.seqlens.device)
         saved_lengths, saved_bound = cache.seqlens.clone(), cache.upper_bound
+
+        def restore() -> None:  # outside the capture: a copy inside it would replay on every step
+            cache.seqlens.copy_(saved_lengths)
+            cache.upper_bound = saved_bound
+
         # Warm up on a side stream (allocator pools, Triton autotuning), as torch.cuda.graphs asks.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._eager_step_from_saved(saved_lengths, saved_bound)
+                restore()
+                self._step()
         torch.cuda.current_stream().wait_stream(stream)
+        restore()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.static_logits = self._eager_step_from_saved(saved_lengths, saved_bound)
+            self.static_logits = self._step()
         # The warm-up and capture wrote into the slots at the saved lengths; the real steps overwrite them.
-        cache.seqlens.copy_(saved_lengths)
-        cache.upper_bound = saved_bound
+        restore()
 
 
 # model -> {(batch, cache length, dtype): (cache, runner)}: a captured graph is tied to its cache's tensors,
