@@ -94,9 +94,8 @@ def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:
 def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
     """Write config.json and safetensors in HF's canonical layout (fused parameters split back), so that
     ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per file."""
-    ruleset = rules_for(model.config)
-    hf_state = ours_to_hf(model.state_dict(), ruleset)
-    hf_config = model.config.to_hf()
+    hf_config = model.config.to_hf()  # first: it raises for a model HF's layout cannot express
+    hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class
     hf_config.dtype = model.dtype
     write_model_dir(save_directory, hf_state, {"config.json": hf_config.to_json_string()}, max_shard_size=max_shard_size)

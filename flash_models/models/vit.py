@@ -36,6 +36,7 @@ class ViTConfig:
     hidden_act: str = "gelu"
     layer_norm_eps: float = 1e-6
     qkv_bias: bool = True
+    patch_bias: bool = True  # timm drops the patch projection's bias when pre_norm is on
     class_token: bool = True
     reg_tokens: int = 0
     no_embed_class: bool = False  # timm: position embeddings only on patches, not on prefix tokens
@@ -96,7 +97,7 @@ class ViTConfig:
         )
 
     def to_hf(self) -> transformers.ViTConfig:
-        hf_shaped = (self.class_token and not self.reg_tokens and not self.no_embed_class and not self.pre_norm
+        hf_shaped = (self.class_token and self.patch_bias and not self.reg_tokens and not self.no_embed_class and not self.pre_norm
                      and self.final_norm and not self.use_fc_norm and self.global_pool == "token")
         if not hf_shaped or (self.num_classes and self.pooler):
             raise ValueError("this ViT (timm options: registers, avg/max pooling, fc_norm, pre-norm ...) has no HF "
@@ -120,7 +121,7 @@ class ViTConfig:
         checks = {
             "LayerScale (init_values)": not isinstance(block.ls1, nn.Identity),
             "qk_norm": not isinstance(block.attn.q_norm, nn.Identity),
-            "stochastic depth (drop_path_rate)": not isinstance(block.drop_path1, nn.Identity),
+            "stochastic depth (drop_path_rate)": any(not isinstance(b.drop_path1, nn.Identity) for b in model.blocks),
             "attention pooling (global_pool='map')": model.attn_pool is not None,
             "dynamic_img_size": model.dynamic_img_size,
             "a norm in the patch embedding": not isinstance(model.patch_embed.norm, nn.Identity),
@@ -140,7 +141,7 @@ class ViTConfig:
             num_channels=model.patch_embed.proj.in_channels, hidden_size=model.embed_dim,
             num_hidden_layers=len(model.blocks), num_attention_heads=block.attn.num_heads,
             intermediate_size=block.mlp.fc1.out_features, layer_norm_eps=block.norm1.eps,
-            qkv_bias=block.attn.qkv.bias is not None, class_token=model.cls_token is not None,
+            qkv_bias=block.attn.qkv.bias is not None, patch_bias=model.patch_embed.proj.bias is not None, class_token=model.cls_token is not None,
             reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
             pre_norm=not isinstance(model.norm_pre, nn.Identity), final_norm=not isinstance(final, nn.Identity),
             fc_norm=not isinstance(model.fc_norm, nn.Identity), global_pool=model.global_pool,
@@ -168,7 +169,7 @@ class VisionTransformer(nn.Module):
         def norm() -> Norm:
             return Norm(d, kind="layer_norm", eps=c.layer_norm_eps, kernel_backend=kernel_backend)
 
-        self.patch_embed = nn.Conv2d(c.num_channels, d, c.patch_size, stride=c.patch_size)
+        self.patch_embed = nn.Conv2d(c.num_channels, d, c.patch_size, stride=c.patch_size, bias=c.patch_bias)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if c.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.reg_tokens, d)) if c.reg_tokens else None
         embedded = c.num_patches + (0 if c.no_embed_class else c.num_prefix_tokens)

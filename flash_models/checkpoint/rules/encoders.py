@@ -104,7 +104,7 @@ def vit_rules(config) -> RuleSet:
 def timm_vit_rules(config) -> RuleSet:
     """timm's VisionTransformer: its fused qkv has our [q; k; v] row order already."""
     rules = [
-        *_pairs("patch_embed", "patch_embed.proj"),
+        *_pairs("patch_embed", "patch_embed.proj", bias=config.patch_bias),
         Rule("pos_embed", "pos_embed"),
         *_pairs("blocks.{layer}.attn.qkv", "blocks.{layer}.attn.qkv", bias=config.qkv_bias),
         *_pairs("blocks.{layer}.attn.out_proj", "blocks.{layer}.attn.proj"),

@@ -1,0 +1,160 @@
+import pytest
+import timm
+import torch
+import transformers
+from timm.models.vision_transformer import VisionTransformer as TimmViT
+
+import flash_models as fm
+from flash_models.testing import (
+    assert_meta_keys_match_hf, assert_round_trip_bit_identical, low_precision_bound_ok, max_rel_err, ours_from_hf,
+    random_hf_model, randomize_,
+)
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, mlp_ratio=1.75, num_classes=7)
+TIMM_OPTIONS = {
+    "cls_token_pool": dict(),
+    "avg_pool_fc_norm_no_qkv_bias": dict(global_pool="avg", class_token=False, qkv_bias=False),
+    "registers_no_embed_class_pre_norm": dict(reg_tokens=2, no_embed_class=True, pre_norm=True, global_pool="avg", fc_norm=False),
+    "max_pool_token_head_less": dict(global_pool="max", num_classes=0),
+    "avgmax_no_final_norm": dict(global_pool="avgmax", final_norm=False),
+}
+
+
+def timm_vit(seed=0, **options):
+    torch.manual_seed(seed)
+    return randomize_(TimmViT(**{**TINY, **options}), seed=seed).eval()
+
+
+def images(batch=2, seed=0):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", TIMM_OPTIONS)
+def test_from_timm_matches_timm_fp32(name, attn_impl):
+    source = timm_vit(seed=1, **TIMM_OPTIONS[name])
+    ours = fm.from_timm(source, attn_impl=attn_impl)
+    x = images(seed=1)
+    with torch.no_grad():
+        ref, out = source(x), ours(x)
+    got = out.logits if out.logits is not None else out.pooler_output
+    assert got.shape == ref.shape
+    assert max_rel_err(got, ref) < 1e-5
+    with torch.no_grad():
+        features = source.forward_features(x)
+    assert max_rel_err(out.last_hidden_state, features) < 1e-5
+
+
+def test_from_timm_by_name_builds_the_registered_model():
+    ours = fm.from_timm("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=5)
+    c = ours.config
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.patch_size, c.image_size, c.num_classes) == (192, 12, 3, 16, 32, 5)
+    assert ours(images(1)).logits.shape == (1, 5)
+
+
+def test_bf16_error_bounded_by_timm_own_bf16_error():
+    source = timm_vit(seed=2)
+    source16 = timm_vit(seed=2).to(torch.bfloat16)
+    ours16 = fm.from_timm(source, dtype=torch.bfloat16)
+    x = images(4, seed=2)
+    with torch.no_grad():
+        ok, ours_err, timm_err = low_precision_bound_ok(ours16(x).logits.float(), source16(x.bfloat16()).float(), source(x))
+    assert ok, f"ours bf16 error {ours_err:.3g} vs timm's own bf16 error {timm_err:.3g}"
+
+
+def test_training_step_matches_timm_gradients():
+    source = timm_vit(seed=3, global_pool="avg", class_token=False).train()
+    ours = fm.from_timm(source).train()  # no dropout anywhere: both training steps are deterministic
+    x, labels = images(3, seed=3), torch.tensor([0, 6, 2])
+    torch.nn.functional.cross_entropy(source(x), labels).backward()
+    ours(x, labels=labels).loss.backward()
+    assert max_rel_err(ours.blocks[1].attn.qkv.weight.grad, source.blocks[1].attn.qkv.weight.grad) < 1e-4
+    assert max_rel_err(ours.patch_embed.weight.grad, source.patch_embed.proj.weight.grad) < 1e-4
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(init_values=1e-5), "LayerScale"),
+    (dict(qk_norm=True), "qk_norm"),
+    (dict(global_pool="map"), "attention pooling"),
+    (dict(drop_path_rate=0.1), "stochastic depth"),
+])
+def test_unsupported_timm_options_raise(options, match):
+    with pytest.raises(ValueError, match=match):
+        fm.from_timm(TimmViT(**{**TINY, **options}))
+
+
+# ---- HF ViT ----------------------------------------------------------------------------------------------
+def vit_config(architecture="ViTForImageClassification", **overrides):
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=112, image_size=32,
+                patch_size=8, num_labels=5, layer_norm_eps=1e-6, architectures=[architecture])
+    return transformers.ViTConfig(**{**base, **overrides})
+
+
+AUTO = {"ViTForImageClassification": "AutoModelForImageClassification", "ViTModel": "AutoModel"}
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("architecture", AUTO)
+def test_hf_vit_matches_fp32(architecture, attn_impl):
+    hf = random_hf_model(vit_config(architecture, qkv_bias=architecture == "ViTModel"), seed=4, auto_class=AUTO[architecture])
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    x = images(seed=4)
+    with torch.no_grad():
+        ref, out = hf(pixel_values=x), ours(x)
+    if architecture == "ViTModel":
+        assert max_rel_err(out.pooler_output, ref.pooler_output) < 1e-5
+        assert max_rel_err(out.last_hidden_state, ref.last_hidden_state) < 1e-5
+    else:
+        assert max_rel_err(out.logits, ref.logits) < 1e-5
+
+
+@pytest.mark.parametrize("architecture", AUTO)
+def test_hf_round_trip_bit_identical_and_meta_keys_match(architecture):
+    assert_round_trip_bit_identical(random_hf_model(vit_config(architecture), seed=5, auto_class=AUTO[architecture]))
+    assert_meta_keys_match_hf(vit_config(architecture), auto_class=AUTO[architecture])
+
+
+def test_transformers4_checkpoint_names_load(tmp_path):
+    """Hub ViT checkpoints predate transformers 5: encoder.layer.N.attention.attention.query ... names."""
+    hf = random_hf_model(vit_config(), seed=6, auto_class="AutoModelForImageClassification")
+    renames = {"attention.q_proj": "attention.attention.query", "attention.k_proj": "attention.attention.key",
+               "attention.v_proj": "attention.attention.value", "attention.o_proj": "attention.output.dense",
+               "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
+    state = {}
+    for key, value in hf.state_dict().items():
+        key = key.replace("vit.layers.", "vit.encoder.layer.")
+        for new, old in renames.items():
+            key = key.replace(new, old)
+        state[key] = value
+    assert any("attention.attention.query" in k for k in state)
+    hf.config.save_pretrained(tmp_path)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    x = images(seed=6)
+    with torch.no_grad():
+        assert max_rel_err(fm.from_pretrained(tmp_path)(x).logits, hf(pixel_values=x).logits) < 1e-5
+
+
+@pytest.mark.parametrize("architecture", AUTO)
+def test_save_pretrained_is_read_by_transformers_with_same_outputs(architecture, tmp_path):
+    hf = random_hf_model(vit_config(architecture), seed=7, auto_class=AUTO[architecture])
+    ours = ours_from_hf(hf)
+    ours.save_pretrained(tmp_path)
+    reread = getattr(transformers, AUTO[architecture]).from_pretrained(tmp_path).eval()
+    assert type(reread).__name__ == architecture
+    x = images(seed=7)
+    with torch.no_grad():
+        assert max_rel_err(reread(pixel_values=x).last_hidden_state if architecture == "ViTModel" else reread(pixel_values=x).logits,
+                           hf(pixel_values=x).last_hidden_state if architecture == "ViTModel" else hf(pixel_values=x).logits) < 1e-6
+    assert fm.from_pretrained(tmp_path).config == ours.config
+
+
+def test_timm_model_in_hf_shape_saves_for_transformers_and_timm_only_options_refuse(tmp_path):
+    source = timm_vit(seed=8)
+    ours = fm.from_timm(source)
+    ours.save_pretrained(tmp_path)
+    reread = transformers.AutoModelForImageClassification.from_pretrained(tmp_path).eval()
+    x = images(seed=8)
+    with torch.no_grad():
+        assert max_rel_err(reread(pixel_values=x).logits, source(x)) < 1e-5
+    with pytest.raises(ValueError, match="no HF ViT layout"):
+        fm.from_timm(timm_vit(seed=8, global_pool="avg")).save_pretrained(tmp_path / "avg")
