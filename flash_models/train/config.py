@@ -105,6 +105,7 @@ class TrainSection:
     precision: str = "bf16_autocast"  # fp32 | bf16_autocast | bf16 (bf16 weights, fp32 master copy)
     activation_checkpointing: int = 0  # 0: off; k: checkpoint every k-th block (1 = all)
     compile: bool = False
+    compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" traces without generating code
     seed: int = 0
     device: str = "auto"  # auto: cuda when available
     eval_every: int = 0  # steps; 0: only at the end (when there is eval data)

@@ -121,11 +121,12 @@ class Trainer:
         if cfg.train.activation_checkpointing:
             apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
         if cfg.train.compile:
+            backend = cfg.train.compile_backend
             if dist_state.strategy in ("fsdp", "tp"):
                 for block in block_list(model):
-                    block.compile()
+                    block.compile(backend=backend)
             else:
-                model.compile()
+                model.compile(backend=backend)
         master = None
         if dist_state.strategy == "ddp":
             model = D.apply_ddp(model, dist_state, bf16_compress=cfg.distributed.ddp_bf16_compress)

@@ -117,3 +117,15 @@ def test_bench_train_dry_run(tmp_path, capsys):
     assert sides == ["ours", "hf"] and all(r["tokens_per_s"] > 0 for r in result.rows)
     assert json.loads((tmp_path / "b.json").read_text())["env"]["dry_run"] is True
     assert "DRY RUN" in capsys.readouterr().out
+
+
+def test_compiled_training_matches_eager(tiny_config, tmp_path):
+    """torch.compile through dynamo + AOTAutograd ("aot_eager": the same graphs inductor gets, without its C++
+    code generation, which takes minutes on this CPU); the losses equal eager training."""
+    runs = {}
+    for compile_ in (False, True):
+        trainer = Trainer(tiny_config(train={"max_steps": 3, "compile": compile_, "compile_backend": "aot_eager",
+                                             "output_dir": str(tmp_path / str(compile_))}))
+        trainer.fit()
+        runs[compile_] = [h["loss"] for h in trainer.history]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-6)
