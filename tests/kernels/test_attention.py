@@ -47,7 +47,7 @@ def _check_fwd_bwd(q, k, v, dtype, *, varlen_kwargs=None, **kw):
 # (B, Sq, Sk, Hq, Hkv, D, causal, window, softcap, alibi)
 CASES = [
     (2, 17, 17, 2, 2, 32, False, (-1, -1), 0.0, False),
-    (1, 113, 113, 4, 2, 64, True, (-1, -1), 0.0, False),
+    (1, 113, 113, 2, 1, 64, True, (-1, -1), 0.0, False),
     (1, 1, 113, 4, 1, 64, True, (-1, -1), 0.0, False),  # decode-like row, MQA
     (2, 17, 1, 2, 1, 32, False, (-1, -1), 0.0, False),
     (1, 47, 113, 6, 2, 80, True, (-1, -1), 0.0, False),  # Sq < Sk, bottom-right causal, GQA 3
@@ -132,9 +132,9 @@ def _fwd_op(q, k, v, *, causal, dropout_p, cu_q=None, cu_k=None, max_q=None, max
 def test_dropout_matches_reference_with_same_mask(dtype):
     torch.manual_seed(4)
     p = 0.3
-    q, k, v = _qkv(2, 37, 45, 4, 2, 32, dtype)
+    q, k, v = _qkv(1, 37, 45, 4, 2, 32, dtype)
     out, _, rng_state = _fwd_op(q, k, v, causal=True, dropout_p=p)
-    mask = dropout_keep_mask(rng_state, 2, 4, 37, 45, p, device=DEVICE)
+    mask = dropout_keep_mask(rng_state, 1, 4, 37, 45, p, device=DEVICE)
     ref = flash_attn_func_ref(q, k, v, causal=True, dropout_p=p, dropout_mask=mask)
     assert_close(out, ref, dtype, name="out")
     dout = torch.randn_like(out)
@@ -177,9 +177,10 @@ def test_dropout_keep_rate_and_fresh_masks():
     # Heads and rows must not share a stream.
     assert not torch.equal(m1[0, 0], m1[0, 1]) and not torch.equal(m1[0, 0, 0], m1[0, 0, 1])
     # Unbiased: averaging the dropped-out output over many draws approaches the output without dropout.
-    x = torch.stack([flash_attn_func(q, k, v, dropout_p=0.5, backend="triton") for _ in range(200)]).float().mean(0)
+    # 64 draws leave ~1/8 relative noise; a missing 1 / (1 - p) rescale would be off by 1/2.
+    x = torch.stack([flash_attn_func(q, k, v, dropout_p=0.5, backend="triton") for _ in range(64)]).float().mean(0)
     clean = flash_attn_func(q, k, v, backend="triton").float()
-    assert (x - clean).norm() / clean.norm() < 0.2
+    assert (x - clean).norm() / clean.norm() < 0.3
 
 
 # ---- backends, compile, errors -----------------------------------------------------------------------------
@@ -187,7 +188,7 @@ def test_dropout_keep_rate_and_fresh_masks():
 
 def test_reference_matches_sdpa_and_gradcheck():
     torch.manual_seed(7)
-    q, k, v = _qkv(2, 13, 13, 4, 2, 16, torch.float64, device="cpu")
+    q, k, v = _qkv(2, 13, 13, 2, 1, 16, torch.float64, device="cpu")
     ref = flash_attn_func_ref(q, k, v, causal=True)
     sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                                           enable_gqa=True).transpose(1, 2)
@@ -195,7 +196,7 @@ def test_reference_matches_sdpa_and_gradcheck():
     small = [t[:1, :5].detach().requires_grad_() for t in (q, k, v)]
     assert torch.autograd.gradcheck(
         lambda a, b, c: flash_attn_func_ref(a, b, c, causal=True, softcap=2.0, window_size=(2, 1),
-                                            alibi_slopes=torch.tensor([0.3, 0.1, 0.2, 0.5], dtype=torch.float64)),
+                                            alibi_slopes=torch.tensor([0.3, 0.1], dtype=torch.float64)),
         small,
     )
 
