@@ -19,9 +19,17 @@ def main(config_path: str, out_path: str) -> None:
     runs = json.loads(open(config_path).read())
     results = {}
     for name, config in runs.items():
+        check_resume = config.pop("check_resume", False)
         trainer = Trainer(load_config(config))
         trainer.fit()
         results[name] = {"losses": [h["loss"] for h in trainer.history]}
+        if check_resume:  # a fresh trainer from the step-2 checkpoint continues exactly like the first one
+            config["train"]["resume"] = config["train"]["output_dir"] + "/checkpoints/step_00000002"
+            config["train"]["export"] = False
+            resumed = Trainer(load_config(config))
+            assert resumed.step == 2
+            resumed.fit()
+            results[name]["resumed_losses"] = [h["loss"] for h in resumed.history]
         if name.startswith("tp"):
             results[name]["local_qkv_rows"] = trainer.model.blocks[0].attn.qkv.weight.to_local().shape[0]
         if trainer.cfg.train.export and dist.get_rank() == 0:
