@@ -203,6 +203,8 @@ def _check_cu_seqlens(op, name, cu, total, device):
         raise ValueError(f"{op}: {name} must be 1-D with batch + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{op}: {name} is on {cu.device}, q on {device}")
+    if torch.compiler.is_compiling():
+        return None  # the value checks read the tensor (a sync and a graph break); eager calls make them
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{op}: {name}[0] must be 0, got {values[0]}")
@@ -951,7 +953,7 @@ def flash_attn_varlen_func(
         raise ValueError(f"{op}: cu_seqlens_q shape {tuple(cu_seqlens_q.shape)} != cu_seqlens_k shape {tuple(cu_seqlens_k.shape)}")
     longest_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     longest_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-    if longest_q > max_seqlen_q or longest_k > max_seqlen_k:
+    if longest_q is not None and (longest_q > max_seqlen_q or longest_k > max_seqlen_k):
         raise ValueError(
             f"{op}: max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) is smaller than the longest sequence "
             f"({longest_q}, {longest_k})"

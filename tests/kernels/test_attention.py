@@ -224,6 +224,26 @@ def test_torch_compile_fullgraph():
         torch.testing.assert_close(g, rg)
 
 
+def test_varlen_torch_compile_fullgraph():
+    torch.manual_seed(13)
+    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.randn(20, 2, 32, dtype=torch.float16, device=DEVICE, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13,
+                                     causal=True, backend="triton")
+        return out.float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = f(q, k, v)
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(loss, ref_loss)
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg)
+
+
 def test_validation_errors():
     q, k, v = _qkv(1, 8, 8, 4, 2, 32, torch.float16)
     with pytest.raises(ValueError, match="multiple of the number of kv heads"):
