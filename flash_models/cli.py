@@ -29,6 +29,8 @@ BENCH_AREAS = {
     "ops": "flash_models.bench.ops",
     "generate": "flash_models.bench.generate",
     "train": "flash_models.bench.train",
+    "bert": "flash_models.bench.bert",
+    "vit": "flash_models.bench.vit",
 }
 
 

@@ -1,0 +1,125 @@
+"""`flash-models bench vit`: our VisionTransformer vs timm eager and timm + torch.compile, same weights.
+
+Grid: ViT-B/16 and ViT-L/16 at 224 px, bf16, inference (forward under inference_mode) and training (forward +
+backward of cross-entropy on random labels; no optimizer step, the same for all). Reports images/s, speedup
+of ours over each peer, peak memory, and our logits' max difference from timm's.
+
+``--dry-run`` runs the whole script on a tiny ViT (32 px) on the CPU in fp32 with a wall-clock timer; add
+``--compile`` to include the torch.compile peer there too (slow to compile on a CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import from_timm
+from .bert import time_cpu
+from .harness import BenchResult, peak_memory_bytes, time_cuda
+
+log = logging.getLogger(__name__)
+
+MODELS = {"vit-b16": "vit_base_patch16_224", "vit-l16": "vit_large_patch16_224"}
+TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+
+
+def build_models(name: str, *, dtype, device, dry_run: bool, compile_peer: bool):
+    import timm
+
+    torch.manual_seed(0)
+    source = timm.create_model(MODELS[name], pretrained=False, **(TINY if dry_run else {}))
+    ours = from_timm(source, attn_impl="auto")
+    source = source.to(device=device, dtype=dtype)
+    models = {"ours": ours.to(device=device, dtype=dtype), "timm eager": source}
+    if compile_peer:
+        models["timm compile"] = torch.compile(source)
+    return models
+
+
+def _step_fns(model, images, labels, *, ours: bool):
+    def logits():
+        out = model(images)
+        return out.logits if ours else out
+
+    def inference():
+        with torch.inference_mode():
+            return logits()
+
+    def training():
+        loss = F.cross_entropy(logits().float(), labels)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        return loss
+
+    return inference, training
+
+
+def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype, device, dry_run: bool, compile_peer: bool):
+    cuda = device.type == "cuda"
+    for name in names:
+        models = build_models(name, dtype=dtype, device=device, dry_run=dry_run, compile_peer=compile_peer)
+        config = models["ours"].config
+        gen = torch.Generator().manual_seed(0)
+        images = torch.randn(batch, 3, config.image_size, config.image_size, generator=gen).to(device=device, dtype=dtype)
+        labels = torch.randint(0, config.num_classes, (batch,), generator=gen).to(device)
+        with torch.inference_mode():
+            diff = (models["ours"](images).logits.float() - models["timm eager"](images).float()).abs().max().item()
+        for mode in modes:
+            times = {}
+            for impl, model in models.items():
+                model.train(mode == "training")
+                inference, training = _step_fns(model, images, labels, ours=impl == "ours")
+                fn = inference if mode == "inference" else training
+                ms = time_cuda(fn, repeats=repeats).median_ms if cuda else time_cpu(fn, repeats=repeats)
+                times[impl] = ms
+                result.add(model=name, batch=batch, mode=mode, impl=impl, ms=ms, img_s=batch / (ms * 1e-3),
+                           peak_MiB=peak_memory_bytes(fn) / 2**20 if cuda else None,
+                           max_diff=diff if impl == "ours" else None)
+            ours_row = next(r for r in reversed(result.rows) if r["impl"] == "ours")
+            for impl in times:
+                if impl != "ours":
+                    ours_row[f"x_vs_{impl.replace(' ', '_')}"] = times[impl] / times["ours"]
+            log.info("%s %s: %s", name, mode, {k: f"{v:.2f} ms" for k, v in times.items()})
+        del models
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="flash-models bench vit", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench-results", help="directory for vit.json")
+    p.add_argument("--models", default="vit-b16,vit-l16", help=f"any of {sorted(MODELS)}")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--modes", default="inference,training")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--no-compile", action="store_true", help="skip the timm + torch.compile peer")
+    p.add_argument("--dry-run", action="store_true", help="a tiny ViT on the CPU in fp32: checks the code, not speed")
+    p.add_argument("--compile", action="store_true", help="with --dry-run: include the torch.compile peer")
+    args = p.parse_args(argv)
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        raise SystemExit(f"unknown models {sorted(unknown)}; choose from {sorted(MODELS)}")
+    if args.dry_run:
+        device, dtype, batch, repeats, compile_peer = torch.device("cpu"), torch.float32, 4, 2, args.compile
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("bench vit needs a CUDA GPU (or --dry-run to check the script on a CPU)")
+        device, dtype, batch, repeats, compile_peer = torch.device("cuda"), torch.bfloat16, args.batch, args.repeats, not args.no_compile
+    result = BenchResult(area="vit")
+    result.env.update(dtype=str(dtype).removeprefix("torch."), dry_run=args.dry_run, image_size=224 if not args.dry_run else 32)
+    bench(result, names=args.models.split(","), batch=batch, modes=args.modes.split(","), repeats=repeats, dtype=dtype,
+          device=device, dry_run=args.dry_run, compile_peer=compile_peer)
+    result.write_json(Path(args.out) / "vit.json")
+    columns = ["model", "batch", "mode", "impl", "ms", "img_s", "x_vs_timm_eager", "x_vs_timm_compile", "peak_MiB", "max_diff"]
+    print(result.markdown(columns))
+    print(f"\n{result.env}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
