@@ -192,15 +192,14 @@ class Attention(nn.Module):
         """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position."""
         cfg = self.cfg
         B, S, _ = x.shape
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(B, S, cfg.num_heads, cfg.head_dim)  # (B, S, Hq, D)
-        k = k.view(B, S, cfg.num_kv_heads, cfg.head_dim)  # (B, S, Hkv, D)
-        v = v.view(B, S, cfg.num_kv_heads, cfg.head_dim)
-        if self.rope is not None:
+        hq, hkv = cfg.num_heads, cfg.num_kv_heads
+        qkv = self.qkv(x).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
+        qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
+        if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
-            q = flash_kernels.apply_rotary(q, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
-            k = flash_kernels.apply_rotary(k, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
+            qk = flash_kernels.apply_rotary(qk, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
+        q, k = qk[:, :, :hq], qk[:, :, hq:]  # (B, S, Hq, D), (B, S, Hkv, D)
+        q_dim = hq * cfg.head_dim
         if kv_cache is None:
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
         else:
