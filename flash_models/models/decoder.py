@@ -21,7 +21,7 @@ from ..modules.attention import build_cached_attention_mask
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # (B, S, vocab)
+    logits: torch.Tensor | None  # (B, S, vocab); None from a training forward with return_logits=False
     loss: torch.Tensor | None = None
     last_hidden_state: torch.Tensor | None = None
     kv_cache: KVCache | None = None
@@ -130,6 +130,7 @@ class DecoderLM(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutput:
         """input_ids (B, S). attention_mask (B, past + S), 1 = real token, 0 = padding, covering cached tokens
         too. Without position_ids, positions count real tokens (so left padding shifts nothing). labels (B, S)
@@ -137,7 +138,10 @@ class DecoderLM(nn.Module):
 
         Packed training: input_ids (1, total) holding documents back to back, with ``cu_seqlens`` (int32
         offsets, num_docs + 1). Documents never attend across each other and positions restart at each one.
-        Give labels = -100 at each document's first token if the previous document must not predict it."""
+        Give labels = -100 at each document's first token if the previous document must not predict it.
+
+        ``return_logits=False`` with labels (training): the LM head and the loss run fused in vocabulary chunks
+        (flash_kernels.linear_cross_entropy), the (B, S, vocab) logits are never stored and ``logits`` is None."""
         dc = self.decoder_config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
@@ -162,6 +166,8 @@ class DecoderLM(nn.Module):
             hidden = self.project_out(hidden)  # (B, S, embed_dim)
         if kv_cache is not None:
             kv_cache.advance(mask.cache_lengths - kv_cache.seqlens)
+        if labels is not None and not return_logits:
+            return CausalLMOutput(logits=None, loss=self.fused_loss(hidden, labels), last_hidden_state=hidden)
         logits = nn.functional.linear(
             hidden, self.output_embeddings(), self.lm_head.bias if self.lm_head is not None else None
         )
@@ -213,6 +219,23 @@ class DecoderLM(nn.Module):
         shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
         shifted_labels = labels[:, 1:].reshape(-1)
         return flash_kernels.cross_entropy(shifted_logits, shifted_labels, backend=self.kernel_backend)
+
+    def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The shifted LM loss straight from the final hidden states (B, S, H), without the logits."""
+        if labels.shape != hidden.shape[:2]:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids {tuple(hidden.shape[:2])}")
+        weight = self.output_embeddings()
+        bias = self.lm_head.bias if self.lm_head is not None else None
+        if torch.is_autocast_enabled(hidden.device.type):  # a custom op: cast as autocast would for a linear
+            dtype = torch.get_autocast_dtype(hidden.device.type)
+            hidden, weight = hidden.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+        else:
+            hidden = hidden.to(weight.dtype)
+        return flash_kernels.linear_cross_entropy(
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, labels[:, 1:].reshape(-1), bias=bias,
+            backend=self.kernel_backend,
+        )
 
     # ----------------------------------------------------------------------------------------------------
     # Generation and saving live in higher layers (generation/, checkpoint/); these methods are the HF-style

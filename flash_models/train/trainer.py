@@ -75,7 +75,9 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         raw = model if model is not None else build_model(cfg)
         self.task = cfg.model.task
-        vocab = getattr(getattr(raw, "decoder_config", None), "vocab_size", None) or getattr(getattr(raw, "config", None), "vocab_size", None)
+        # Our decoder LMs can skip the logits (fused LM head + loss); HF models and classifiers cannot.
+        self.fused_loss = t.fused_loss and self.task == "causal_lm" and hasattr(raw, "fused_loss")
+        vocab = _vocab_size(raw)
         if data is None:
             if self.dist.is_main:  # one rank tokenizes into the cache, the others open it
                 data = build_data(cfg, vocab_size=vocab)
@@ -165,6 +167,8 @@ class Trainer:
         with self._autocast():
             if self.task == "causal_lm":
                 kwargs = {"cu_seqlens": batch["cu_seqlens"]} if "cu_seqlens" in batch else {}
+                if self.fused_loss:
+                    kwargs["return_logits"] = False
                 out = self.model(batch["input_ids"], labels=batch["labels"], **kwargs)
                 return out.loss.float(), {}
             labels = batch.pop("labels")
@@ -356,6 +360,15 @@ class Trainer:
 
     def close(self) -> None:
         D.teardown(self.dist)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The vocabulary of an LM (ours: the token table; HF: its input embeddings); None for vision models."""
+    if hasattr(model, "decoder_config"):
+        return model.decoder_config.vocab_size
+    if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
+        return model.get_input_embeddings().num_embeddings
+    return None
 
 
 def _save_pretrained(model: nn.Module, state: dict, directory: Path) -> None:

@@ -129,3 +129,31 @@ def test_compiled_training_matches_eager(tiny_config, tmp_path):
         trainer.fit()
         runs[compile_] = [h["loss"] for h in trainer.history]
     assert runs[True] == pytest.approx(runs[False], rel=1e-6)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_fused_lm_loss_equals_logits_path(amp):
+    """return_logits=False (what the trainer uses): same loss and gradients, no logits kept."""
+    import transformers
+
+    from flash_models.testing import ours_from_hf, random_hf_model
+
+    hf_cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = ours_from_hf(random_hf_model(hf_cfg, seed=2))
+    ids = torch.randint(0, 97, (2, 13))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    results = []
+    for return_logits in (True, False):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = model(ids, labels=labels, return_logits=return_logits)
+        out.loss.backward()
+        results.append((out.loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert (out.logits is None) == (not return_logits)
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    tol = 2e-2 if amp else 1e-5
+    assert torch.allclose(loss_a, loss_b, rtol=tol)
+    for a, b in zip(grads_a, grads_b):
+        assert torch.allclose(a, b, rtol=tol, atol=tol * a.abs().max().item())
