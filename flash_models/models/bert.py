@@ -15,14 +15,12 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-import flash_kernels
-
-from ..config import ATTN_IMPLS, AttentionConfig, MLPConfig, check_choice
+from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ..modules.mlp import activation
+from ..modules.padding import PackedBatch
 from ..registry import Family, Preset, register_family, register_preset
-
-PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
+from .common import PROBLEM_TYPES, EncoderOutput, HeadOutput, PretrainedModel, classification_loss, cross_entropy
 
 
 @dataclass(frozen=True)
@@ -88,29 +86,7 @@ class BertConfig:
                                dropout_p=self.attention_probs_dropout_prob, causal=False)
 
 
-@dataclass
-class EncoderOutput:
-    last_hidden_state: torch.Tensor  # (B, S, hidden)
-    pooler_output: torch.Tensor | None = None  # (B, hidden)
-
-
-@dataclass
-class HeadOutput:
-    logits: torch.Tensor | None = None  # MLM (B, S, vocab); sequence (B, labels); token (B, S, labels)
-    loss: torch.Tensor | None = None
-    last_hidden_state: torch.Tensor | None = None
-    prediction_logits: torch.Tensor | None = None  # BertForPreTraining: MLM logits
-    seq_relationship_logits: torch.Tensor | None = None  # BertForPreTraining: next-sentence logits (B, 2)
-
-
-class BertPreTrainedModel(nn.Module):
-    """What every BERT class shares: init, device/dtype, save_pretrained."""
-
-    def _setup(self, config: BertConfig, attn_impl: str, kernel_backend: str) -> None:
-        check_choice("attn_impl", attn_impl, ATTN_IMPLS)
-        flash_kernels._backend.check_backend_name(kernel_backend)
-        self.config, self.attn_impl, self.kernel_backend = config, attn_impl, kernel_backend
-
+class BertPreTrainedModel(PretrainedModel):
     def init_weights(self) -> None:
         """BERT practice: N(0, initializer_range) for linears and embeddings, zero biases, unit norms."""
         std = self.config.initializer_range
@@ -124,19 +100,6 @@ class BertPreTrainedModel(nn.Module):
             if isinstance(module, MaskedLMHead):
                 nn.init.zeros_(module.bias)
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
-    def save_pretrained(self, save_directory, **kwargs) -> None:
-        from ..checkpoint import save_pretrained
-
-        save_pretrained(self, save_directory, **kwargs)
-
 
 class BertModel(BertPreTrainedModel):
     def __init__(self, config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto",
@@ -149,7 +112,7 @@ class BertModel(BertPreTrainedModel):
             return Norm(c.hidden_size, kind="layer_norm", eps=c.layer_norm_eps, kernel_backend=kernel_backend)
 
         self.embed = Embeddings(c.vocab_size, c.hidden_size, max_positions=c.max_position_embeddings,
-                                type_vocab_size=c.type_vocab_size)
+                                type_vocab_size=c.type_vocab_size, padding_idx=c.pad_token_id)  # as HF: no gradient to the pad row
         self.embed_norm = norm()
         mlp = MLPConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, activation=c.hidden_act)
         self.blocks = nn.ModuleList(
@@ -177,14 +140,12 @@ class BertModel(BertPreTrainedModel):
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        unpad = attention_mask is not None and self.blocks[0].attn.backend_for(self.embed.tokens.weight) == "flash"
-        if unpad:  # pack the real tokens of every row into one (1, total) row, once for all layers
-            index = attention_mask.flatten().nonzero().squeeze(1)
-            counts = attention_mask.sum(1, dtype=torch.int32)
-            cu_seqlens = F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
-            input_ids, position_ids, token_type_ids = (t.flatten()[index].unsqueeze(0) for t in (input_ids, position_ids, token_type_ids))
-            mask = build_attention_mask(None, q_len=index.numel(), past_len=0, causal=False, sliding_window=None,
-                                        cu_seqlens=cu_seqlens)
+        packed = None
+        if attention_mask is not None and self.blocks[0].attn.backend_for(self.embed.tokens.weight) == "flash":
+            packed = PackedBatch.from_mask(attention_mask)  # every layer runs on the real tokens only
+            input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
+            mask = build_attention_mask(None, q_len=packed.total, past_len=0, causal=False, sliding_window=None,
+                                        cu_seqlens=packed.cu_seqlens)
         else:
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
         hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids))  # (B, S, hidden) or (1, total, hidden)
@@ -192,10 +153,8 @@ class BertModel(BertPreTrainedModel):
         residual = None
         for block in self.blocks:
             hidden, residual = block(hidden, residual, mask=mask, position_ids=position_ids)
-        if unpad:
-            padded = hidden.new_zeros(B * S, hidden.shape[-1])
-            padded[index] = hidden[0]
-            hidden = padded.view(B, S, -1)
+        if packed is not None:
+            hidden = packed.unpack(hidden)
         pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
         return EncoderOutput(last_hidden_state=hidden, pooler_output=pooled)
 
@@ -217,24 +176,17 @@ class MaskedLMHead(nn.Module):
         return F.linear(hidden, weight, self.bias)
 
 
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels shape {tuple(labels.shape)} must be {tuple(logits.shape[:-1])}")
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
-
-
 class _BertWithHead(BertPreTrainedModel):
+    """self.bert plus the head each subclass adds in ``head()``; weights initialized once everything exists."""
+
     pooler = False
 
     def __init__(self, config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
         super().__init__()
         self._setup(config, attn_impl, kernel_backend)
         self.bert = BertModel(config, attn_impl=attn_impl, kernel_backend=kernel_backend, add_pooling_layer=self.pooler)
-        self.build_head(config)
+        self.head(config)
         self.init_weights()
-
-    def build_head(self, config: BertConfig) -> None:
-        raise NotImplementedError
 
     def classifier_dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.classifier_dropout if self.config.classifier_dropout is not None else self.config.hidden_dropout_prob
@@ -242,20 +194,20 @@ class _BertWithHead(BertPreTrainedModel):
 
 
 class BertForMaskedLM(_BertWithHead):
-    def build_head(self, config):
+    def head(self, config):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
         logits = self.mlm(hidden, self.bert.embed.tokens.weight)
-        loss = _cross_entropy(logits, labels) if labels is not None else None
+        loss = cross_entropy(logits, labels) if labels is not None else None
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 
 
 class BertForPreTraining(_BertWithHead):
     pooler = True
 
-    def build_head(self, config):
+    def head(self, config):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
         self.nsp = nn.Linear(config.hidden_size, 2)
 
@@ -266,7 +218,7 @@ class BertForPreTraining(_BertWithHead):
         nsp_logits = self.nsp(out.pooler_output)
         loss = None
         if labels is not None and next_sentence_label is not None:  # HF: the sum, only when both are given
-            loss = _cross_entropy(mlm_logits, labels) + _cross_entropy(nsp_logits, next_sentence_label)
+            loss = cross_entropy(mlm_logits, labels) + cross_entropy(nsp_logits, next_sentence_label)
         return HeadOutput(prediction_logits=mlm_logits, seq_relationship_logits=nsp_logits, loss=loss,
                           last_hidden_state=out.last_hidden_state)
 
@@ -274,40 +226,24 @@ class BertForPreTraining(_BertWithHead):
 class BertForSequenceClassification(_BertWithHead):
     pooler = True
 
-    def build_head(self, config):
+    def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
         logits = self.classifier(self.classifier_dropout(out.pooler_output))  # (B, num_labels)
-        return HeadOutput(logits=logits, loss=None if labels is None else self.loss(logits, labels),
-                          last_hidden_state=out.last_hidden_state)
-
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """HF's rule: regression for one label, else single-label (integer labels) or multi-label (float)."""
-        problem = self.config.problem_type
-        if problem is None:
-            if self.config.num_labels == 1:
-                problem = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
-            else:
-                problem = "multi_label_classification"
-        if problem == "regression":
-            return F.mse_loss(logits.squeeze(-1).float(), labels.float().reshape(logits.shape[:-1]))
-        if problem == "single_label_classification":
-            return _cross_entropy(logits, labels)
-        return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        loss = None if labels is None else classification_loss(logits, labels, problem_type=self.config.problem_type)
+        return HeadOutput(logits=logits, loss=loss, last_hidden_state=out.last_hidden_state)
 
 
 class BertForTokenClassification(_BertWithHead):
-    def build_head(self, config):
+    def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
         logits = self.classifier(self.classifier_dropout(hidden))  # (B, S, num_labels)
-        loss = _cross_entropy(logits, labels) if labels is not None else None
+        loss = cross_entropy(logits, labels) if labels is not None else None
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 
 

@@ -2,8 +2,8 @@
 register) tokens, learned position embedding, pre-norm blocks on the shared modules, pooling and a head.
 
 One config covers both sources: HF's ViT is the timm options class_token=True, global_pool="token", no
-pre-norm, no fc_norm. ``ViTConfig.from_timm`` reads a timm model and raises for options we do not build
-(LayerScale, qk-norm, attention pooling, stochastic depth, other norms or activations)."""
+pre-norm, no fc_norm. ``checkpoint.timm.vit_config_from_timm`` reads a timm model and raises for options we do
+not build (LayerScale, qk-norm, attention pooling, stochastic depth, other norms or activations)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,10 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-import flash_kernels
-
-from ..config import ATTN_IMPLS, AttentionConfig, MLPConfig, check_choice
+from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
 from ..registry import Family, Preset, register_family, register_preset
+from .common import PretrainedModel
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "")
 ARCHITECTURES = (None, "ViTModel", "ViTForImageClassification")  # None: built from timm
@@ -114,40 +113,6 @@ class ViTConfig:
         hf.architectures = ["ViTForImageClassification" if self.num_classes else "ViTModel"]
         return hf
 
-    @classmethod
-    def from_timm(cls, model: nn.Module) -> ViTConfig:
-        """Read a timm ``VisionTransformer`` (its modules are the source of truth for its options)."""
-        block = model.blocks[0]
-        checks = {
-            "LayerScale (init_values)": not isinstance(block.ls1, nn.Identity),
-            "qk_norm": not isinstance(block.attn.q_norm, nn.Identity),
-            "stochastic depth (drop_path_rate)": any(not isinstance(b.drop_path1, nn.Identity) for b in model.blocks),
-            "attention pooling (global_pool='map')": model.attn_pool is not None,
-            "dynamic_img_size": model.dynamic_img_size,
-            "a norm in the patch embedding": not isinstance(model.patch_embed.norm, nn.Identity),
-            "a norm layer other than LayerNorm": not isinstance(block.norm1, nn.LayerNorm),
-            "an activation other than exact GELU": not (isinstance(block.mlp.act, nn.GELU) and block.mlp.act.approximate == "none"),
-            "an MLP other than fc1 -> act -> fc2": not isinstance(block.mlp.norm, nn.Identity),
-            "no position embedding": model.pos_embed is None,
-            "non-square images or patches": len(set(model.patch_embed.img_size)) > 1 or len(set(model.patch_embed.patch_size)) > 1,
-            "pool_include_prefix": getattr(model, "pool_include_prefix", False),  # attribute only in newer timm
-        }
-        unsupported = [name for name, found in checks.items() if found]
-        if unsupported:
-            raise ValueError(f"timm VisionTransformer with {', '.join(unsupported)} is not supported")
-        final = model.norm if not isinstance(model.norm, nn.Identity) else model.fc_norm
-        return cls(
-            image_size=model.patch_embed.img_size[0], patch_size=model.patch_embed.patch_size[0],
-            num_channels=model.patch_embed.proj.in_channels, hidden_size=model.embed_dim,
-            num_hidden_layers=len(model.blocks), num_attention_heads=block.attn.num_heads,
-            intermediate_size=block.mlp.fc1.out_features, layer_norm_eps=block.norm1.eps,
-            qkv_bias=block.attn.qkv.bias is not None, patch_bias=model.patch_embed.proj.bias is not None, class_token=model.cls_token is not None,
-            reg_tokens=model.num_reg_tokens, no_embed_class=model.no_embed_class,
-            pre_norm=not isinstance(model.norm_pre, nn.Identity), final_norm=not isinstance(final, nn.Identity),
-            fc_norm=not isinstance(model.fc_norm, nn.Identity), global_pool=model.global_pool,
-            num_classes=model.num_classes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=block.attn.attn_drop.p,
-        )
-
 
 @dataclass
 class VisionOutput:
@@ -157,13 +122,11 @@ class VisionOutput:
     pooler_output: torch.Tensor | None = None  # pooled features (HF ViTModel: its tanh pooler)
 
 
-class VisionTransformer(nn.Module):
+class VisionTransformer(PretrainedModel):
     def __init__(self, config: ViTConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
         super().__init__()
-        check_choice("attn_impl", attn_impl, ATTN_IMPLS)
-        flash_kernels._backend.check_backend_name(kernel_backend)
-        c = self.config = config
-        self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
+        self._setup(config, attn_impl, kernel_backend)
+        c = config
         d = c.hidden_size
 
         def norm() -> Norm:
@@ -205,14 +168,6 @@ class VisionTransformer(nn.Module):
         for param in (self.cls_token, self.reg_token, self.pos_embed):
             if param is not None:
                 nn.init.trunc_normal_(param, std=std)
-
-    @property
-    def device(self) -> torch.device:
-        return self.pos_embed.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pos_embed.dtype
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> VisionOutput:
         """pixel_values (B, C, H, W) at the config's image size; labels (B,) class ids for a cross-entropy loss."""
@@ -261,11 +216,6 @@ class VisionTransformer(nn.Module):
         if kind == "avgmax":
             return 0.5 * (patches.mean(1) + patches.amax(1))
         return x  # "": no pooling, the head sees every token
-
-    def save_pretrained(self, save_directory, **kwargs) -> None:
-        from ..checkpoint import save_pretrained
-
-        save_pretrained(self, save_directory, **kwargs)
 
 
 register_family(Family("vit", ViTConfig, VisionTransformer, hf_auto_class="AutoModelForImageClassification"))

@@ -1,0 +1,41 @@
+"""Unpadding: the real tokens of a right- or left-padded batch packed into one row, and back.
+
+Models that run every layer on packed tokens (BERT on the flash path) pack once before the embeddings and
+scatter back once at the end, so no layer spends work on padding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PackedBatch:
+    index: torch.Tensor  # (total,) flat positions of the real tokens in the (B * S) batch
+    cu_seqlens: torch.Tensor  # (B + 1,) int32 offsets of each row's tokens in the packed row
+    batch_size: int
+    seq_len: int
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor) -> PackedBatch:
+        """attention_mask (B, S): 1 for real tokens, 0 for padding."""
+        counts = attention_mask.sum(1, dtype=torch.int32)
+        return cls(index=attention_mask.flatten().nonzero().squeeze(1),
+                   cu_seqlens=F.pad(counts.cumsum(0, dtype=torch.int32), (1, 0)),
+                   batch_size=attention_mask.shape[0], seq_len=attention_mask.shape[1])
+
+    @property
+    def total(self) -> int:
+        return self.index.numel()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (1, total, ...)."""
+        return t.flatten(0, 1)[self.index].unsqueeze(0)
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(1, total, ...) -> (B, S, ...), zeros at the padding."""
+        out = t.new_zeros(self.batch_size * self.seq_len, *t.shape[2:])
+        out[self.index] = t[0]
+        return out.view(self.batch_size, self.seq_len, *t.shape[2:])
