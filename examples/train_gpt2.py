@@ -39,7 +39,7 @@ def main() -> None:
         data = tiny_corpus(Path(tempfile.mkdtemp()))
         overrides += [
             "model.overrides={n_layer: 2, n_embd: 64, n_head: 4, n_positions: 128, vocab_size: 257, bos_token_id: 256, eos_token_id: 256}",
-            f"data.format=text", f"data.train={data}", f"data.eval={data}", "data.tokenizer=bytes", "data.seq_len=64",
+            "data.format=text", f"data.train={data}", f"data.eval={data}", "data.tokenizer=bytes", "data.seq_len=64",
             f"data.cache_dir={data.parent / 'cache'}", "train.global_batch_size=8", "train.micro_batch_size=4",
             "train.precision=fp32", "train.compile=false", "train.device=cpu", "train.eval_batches=2", "optim.warmup_steps=2",
             "optim.lr=3e-3", "train.save_every=0",

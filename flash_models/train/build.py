@@ -11,10 +11,8 @@ from typing import Callable
 from torch import nn
 
 from .config import ExperimentConfig
-from .data import (
-    ImageFolderData, LMWindows, PackedExamples, TextClassification, build_token_store, collate_classification,
-    collate_images, collate_lm, load_tokenizer, synthetic_store,
-)
+from .classification import ImageFolderData, TextClassification, collate_classification, collate_images
+from .data import LMWindows, PackedExamples, build_token_store, collate_lm, load_tokenizer, synthetic_store
 
 log = logging.getLogger(__name__)
 

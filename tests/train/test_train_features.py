@@ -10,7 +10,8 @@ import yaml
 from flash_models.checkpoint import create_model
 from flash_models.train import Trainer
 from flash_models.train.config import OptimSection
-from flash_models.train.data import DataSection, TextClassification, collate_classification
+from flash_models.train.classification import TextClassification, collate_classification
+from flash_models.train.config import DataSection
 from flash_models.train.optim import lr_lambda, param_groups
 
 
