@@ -210,15 +210,15 @@ class Attention(nn.Module):
         """Store the new keys/values in the cache and attend over everything cached so far."""
         layer = self.layer_idx
         backend = self.backend_for(q)
+        cache.write(layer, k, v, mask.cache_slots, mask.query_real)
         if backend == "flash" and not mask.cache_was_empty and mask.query_real is None:
-            # Decoding (or an unpadded chunk): append and attend in one split-KV kernel, no mask needed.
+            # Decoding (or an unpadded chunk): the split-KV kernel over each row's cached keys, no mask needed.
             window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
             return flash_kernels.flash_attn_with_kvcache(
-                q, cache.k[layer], cache.v[layer], cache_seqlens=cache.seqlens, k=k, v=v, causal=True,
+                q, cache.k[layer], cache.v[layer], cache_seqlens=mask.cache_lengths, causal=True,
                 softmax_scale=self.softmax_scale, window_size=window,
                 backend="triton" if self.attn_impl == "flash" else "auto",
             )
-        cache.write(layer, k, v, mask.cache_slots, mask.query_real)
         if mask.cache_was_empty:  # prefill: the new tokens are all there is, attend among them directly
             return self.attend(q, k, v, mask)
         dense = mask.cache_dense(cache.max_len, q.device)  # (B, 1, Sq, max_len)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+import flash_kernels
+
 
 class KVCache:
     def __init__(
@@ -47,9 +49,11 @@ class KVCache:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> None:
         """Store k, v (B, S, Hkv, D) of the new tokens at their cache positions (B, S); skip padding (``real``
         False). Positions are per row: seqlens[b] + index among the row's real new tokens."""
+        if real is None:  # every new token is real (decoding): one fused launch for k and v on CUDA
+            flash_kernels.kv_append(self.k[layer_idx], self.v[layer_idx], k, v, positions)
+            return
         rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(positions)
-        if real is not None:
-            rows, positions, k, v = rows[real], positions[real], k[real], v[real]
+        rows, positions, k, v = rows[real], positions[real], k[real], v[real]
         self.k[layer_idx][rows, positions] = k.to(self.k[layer_idx].dtype)
         self.v[layer_idx][rows, positions] = v.to(self.v[layer_idx].dtype)
 

@@ -9,6 +9,7 @@ from .activations import gelu, geglu, swiglu
 from .attention import flash_attn_func, flash_attn_varlen_func
 from .attention_decode import flash_attn_with_kvcache
 from .cross_entropy import cross_entropy
+from .kv_append import kv_append
 from .fused_dense import fused_dense, fused_dense_gelu_dense
 from .layer_norm import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
 from .linear_cross_entropy import linear_cross_entropy
@@ -26,6 +27,7 @@ __all__ = [
     "fused_dense_gelu_dense",
     "geglu",
     "gelu",
+    "kv_append",
     "layer_norm",
     "layer_norm_dual",
     "linear_cross_entropy",

@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from flash_kernels.kv_append import kv_append, kv_append_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,S,H,D", [(3, 1, 2, 32), (2, 5, 3, 80), (1, 7, 1, 17)])
+def test_triton_append_equals_reference(B, S, H, D, dtype):
+    L = 23
+    caches = [torch.randn(B, L, H, D, dtype=dtype) for _ in range(2)]
+    k, v = torch.randn(B, S, H, D, dtype=dtype), torch.randn(B, S, H, D, dtype=dtype)
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # strided over (S, H): the kernel reads strides
+    slots = torch.stack([torch.randperm(L)[:S] for _ in range(B)])
+    ref = [c.clone() for c in caches]
+    kv_append_ref(*ref, k, v, slots)
+    kv_append(*caches, k, v, slots.int(), backend="triton")
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+def test_bad_shapes_are_named():
+    cache = torch.zeros(2, 8, 2, 16)
+    with pytest.raises(ValueError, match="slots must be integer"):
+        kv_append(cache, cache.clone(), torch.zeros(2, 1, 2, 16), torch.zeros(2, 1, 2, 16), torch.zeros(2, 1))
+    with pytest.raises(ValueError, match=r"must be \(B, S, Hkv, D\)"):
+        kv_append(cache, cache.clone(), torch.zeros(2, 1, 3, 16), torch.zeros(2, 1, 3, 16), torch.zeros(2, 1, dtype=torch.long))
