@@ -38,8 +38,26 @@ def build_model(cfg: ExperimentConfig) -> nn.Module:
             raise ValueError("model.overrides apply to random-init presets; a pretrained checkpoint keeps its config")
         model = from_pretrained(resolve_alias(m.name), attn_impl=m.attn_impl, kernel_backend=m.kernel_backend)
     else:
+        check_overrides(m.name, m.overrides)
         model = create_model(m.name, attn_impl=m.attn_impl, kernel_backend=m.kernel_backend, **m.overrides)
     return model.train()
+
+
+def check_overrides(preset: str, overrides: dict) -> None:
+    """transformers configs accept any keyword silently; name an override the family's HF config lacks."""
+    import difflib
+
+    import transformers
+
+    from ..registry import get_preset
+
+    hf = transformers.AutoConfig.for_model(get_preset(preset).model_type)
+    known = set(hf.to_dict()) | set(hf.attribute_map) | {"num_labels"}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"model.overrides.{key} is not a field of {type(hf).__name__}{hint}")
 
 
 def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
@@ -53,10 +71,12 @@ def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
     kw = dict(attn_impl=m.attn_impl, kernel_backend=m.kernel_backend)
     if m.task == "sequence_classification":
         if not m.pretrained:
+            check_overrides(m.name, m.overrides)
             return create_model(m.name, architectures=["BertForSequenceClassification"], num_labels=m.num_labels,
                                 **m.overrides, **kw)
         return _with_sequence_head(from_pretrained(resolve_alias(m.name), **kw), m.num_labels)
     if m.name in list_models():
+        check_overrides(m.name, m.overrides)
         return create_model(m.name, architectures=["ViTForImageClassification"], num_labels=m.num_labels, **m.overrides, **kw)
     if Path(m.name).exists():
         model = from_pretrained(m.name, **kw)

@@ -158,6 +158,10 @@ class ExperimentConfig:
         if self.model.task != "causal_lm" and self.data.format not in ("classification", "image_folder", "synthetic"):
             raise ConfigError(f"model.task={self.model.task!r} needs data.format 'classification' or 'image_folder'")
 
+        if (self.data.mixup_alpha or self.data.cutmix_alpha) and self.train.micro_batch_size % 2:
+            raise ConfigError("data.mixup_alpha / data.cutmix_alpha need an even train.micro_batch_size "
+                              f"(timm's Mixup mixes rows in pairs), got {self.train.micro_batch_size}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

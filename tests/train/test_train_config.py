@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from flash_models.train import ConfigError, load_config
+from flash_models.train.build import check_overrides
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
@@ -72,3 +73,10 @@ def test_presets_exist():
 def test_every_preset_validates(path):
     cfg = load_config(path)
     assert cfg.train.max_steps > 0
+    if not cfg.model.pretrained:  # a registered preset, with overrides its HF config knows
+        check_overrides(cfg.model.name, cfg.model.overrides)
+
+
+def test_model_override_typo_is_named():
+    with pytest.raises(ValueError, match="model.overrides.n_layers is not a field of GPT2Config; did you mean 'n_layer'"):
+        check_overrides("gpt2", {"n_layers": 2})
