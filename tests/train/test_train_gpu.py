@@ -1,0 +1,58 @@
+"""The trainer on CUDA (skipped without a GPU; run on the device machine): packed documents through our flash
+varlen attention, fused AdamW, bf16 autocast and pure bf16, torch.compile (inductor), and ours vs HF."""
+
+import copy
+import math
+
+import pytest
+import torch
+import transformers
+
+from flash_models.testing import ours_from_hf, random_hf_model
+from flash_models.train import Trainer
+
+pytestmark = pytest.mark.gpu
+
+FLASH_GPT2 = {"n_layer": 2, "n_embd": 128, "n_head": 2, "vocab_size": 257, "n_positions": 128, "resid_pdrop": 0.0,
+              "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 256, "eos_token_id": 256}
+
+
+def gpu_config(tiny_config, **train):
+    return tiny_config(model={"overrides": dict(FLASH_GPT2), "attn_impl": "flash"},
+                       data={"packing": "documents", "seq_len": 64},
+                       train={"device": "cuda", "max_steps": 8, "precision": "bf16_autocast", **train})
+
+
+@pytest.mark.parametrize("precision", ["bf16_autocast", "bf16"])
+def test_packed_flash_training(tiny_config, precision):
+    trainer = Trainer(gpu_config(tiny_config, precision=precision))
+    summary = trainer.fit()
+    losses = [h["loss"] for h in trainer.history]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    assert trainer.optimizer.defaults["fused"] is True
+    assert summary["peak_memory_bytes"] > 0 and 0 < summary["mfu"] < 1
+
+
+def test_compiled_training_close_to_eager(tiny_config, tmp_path):
+    runs = {}
+    for compile_ in (False, True):
+        trainer = Trainer(gpu_config(tiny_config, compile=compile_, output_dir=str(tmp_path / str(compile_))))
+        trainer.fit()
+        runs[compile_] = [h["loss"] for h in trainer.history]
+    assert runs[True] == pytest.approx(runs[False], rel=2e-2)
+
+
+def test_ours_tracks_hf_in_bf16(tiny_config, tmp_path):
+    hf = random_hf_model(transformers.LlamaConfig(
+        vocab_size=257, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=256, eos_token_id=256), seed=3)
+    ours = ours_from_hf(hf)
+    hf = copy.deepcopy(hf)
+    losses = {}
+    for name, model in (("ours", ours), ("hf", hf)):
+        trainer = Trainer(tiny_config(data={"packing": "stream", "seq_len": 64},
+                                      train={"device": "cuda", "max_steps": 10, "precision": "bf16_autocast",
+                                             "output_dir": str(tmp_path / name)}), model=model)
+        trainer.fit()
+        losses[name] = [h["loss"] for h in trainer.history]
+    assert losses["ours"] == pytest.approx(losses["hf"], rel=2e-2)
