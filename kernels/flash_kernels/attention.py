@@ -312,10 +312,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
         s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap,
                        slope_log2, SOFTCAP, ALIBI, MASK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
         if MASK:
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)  # row sees nothing yet: keep exp2 finite
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+            # A row that has seen no key yet keeps m = -inf (so its first real maximum still counts); only
+            # the exponent uses 0 then, which keeps exp2 finite: p = 0 and alpha = 0 for that row.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:

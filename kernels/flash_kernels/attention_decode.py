@@ -141,9 +141,9 @@ def _decode_split_kernel(
         s, _ = _scores(qk, i[:, None], offs_n[None, :], seqlen_q, len_k, left, right, scale_log2, softcap, 0.0,
                        SOFTCAP, False, True)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: keep m = -inf, exp2 finite
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], DOT_F32)
         m_i = m_new

@@ -91,6 +91,19 @@ def test_fully_masked_rows_are_zero():
     assert (q.grad[:, :31] == 0).all()
 
 
+def test_very_negative_scores_after_an_invisible_tile():
+    """All logits about -290: a row whose first key tile was fully masked must still normalise by its own
+    maximum (not by a placeholder 0, which would underflow every exp to 0 and output zeros)."""
+    torch.manual_seed(14)
+    q = torch.full((1, 40, 1, 32), 3.0, dtype=torch.float16, device=DEVICE)
+    k = (-3.0 + 0.1 * torch.randn(1, 40, 1, 32, device=DEVICE)).half()
+    v = torch.randn(1, 40, 1, 32, dtype=torch.float16, device=DEVICE)
+    for window in ((5, 0), (3, 7)):
+        out = flash_attn_func(q, k, v, softmax_scale=1.0, window_size=window, backend="triton")
+        ref = flash_attn_func_ref(q, k, v, softmax_scale=1.0, window_size=window)
+        assert_close(out, ref, torch.float16, name=f"window {window}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_with_empty_sequences(causal, dtype):

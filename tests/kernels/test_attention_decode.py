@@ -84,6 +84,19 @@ def test_decode_steps_equal_full_attention():
         seqlens += 1
 
 
+def test_very_negative_scores_with_window():
+    """Logits about -290 and a left window: rows whose first key tile is invisible must still normalise."""
+    torch.manual_seed(5)
+    q = torch.full((1, 40, 2, 32), 3.0, dtype=torch.float16, device=DEVICE)  # late rows start far right
+    kc = (-3.0 + 0.1 * torch.randn(1, 64, 2, 32, device=DEVICE)).half()
+    vc = torch.randn(1, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    lens = torch.tensor([60], dtype=torch.int32, device=DEVICE)
+    kw = dict(cache_seqlens=lens, softmax_scale=1.0, window_size=(5, 0))
+    out = flash_attn_with_kvcache(q, kc, vc, **kw, backend="triton")
+    ref = flash_attn_with_kvcache_ref(q, kc.clone(), vc.clone(), **kw)
+    assert_close(out, ref, torch.float16, name="out")
+
+
 def test_empty_cache_row_gives_zeros():
     torch.manual_seed(2)
     q = torch.randn(2, 1, 2, 32, dtype=torch.float16, device=DEVICE)
