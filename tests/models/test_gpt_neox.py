@@ -92,3 +92,23 @@ def test_greedy_generation_equals_hf_on_left_padded_batch():
     ref = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
     assert torch.equal(out, ref)
+
+
+def test_our_kernels_on_a_padded_batch_stay_within_hf_bf16_error():
+    """attn_impl='flash' and kernel_backend='triton' (on a CPU through Triton's interpreter): the fused dual
+    LayerNorm of the parallel block, partial rotary and varlen attention over the unpadded rows."""
+    cfg = neox_config(num_hidden_layers=2, num_attention_heads=2, rotary_pct=0.5)  # head dim 32 for the kernels
+    hf32 = random_hf_model(cfg, seed=8)
+    hf16 = random_hf_model(cfg, seed=8).to(torch.bfloat16)
+    ours = ours_from_hf(hf32, attn_impl="flash", kernel_backend="triton", dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 19))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    real = mask.bool()
+    with torch.no_grad():
+        out = ours(ids, attention_mask=mask).logits[real].float()
+        theirs = hf16(ids, attention_mask=mask, position_ids=positions).logits[real].float()
+        ref = hf32(ids, attention_mask=mask, position_ids=positions).logits[real]
+    ok, ours_err, hf_err = low_precision_bound_ok(out, theirs, ref)
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"

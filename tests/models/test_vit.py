@@ -62,6 +62,17 @@ def test_bf16_error_bounded_by_timm_own_bf16_error():
     assert ok, f"ours bf16 error {ours_err:.3g} vs timm's own bf16 error {timm_err:.3g}"
 
 
+def test_our_kernels_stay_within_timm_bf16_error():
+    """attn_impl='flash' and kernel_backend='triton' (on a CPU through Triton's interpreter)."""
+    source = timm_vit(seed=9, num_heads=2)  # head dim 32 for the kernels
+    source16 = timm_vit(seed=9, num_heads=2).to(torch.bfloat16)
+    ours = fm.from_timm(source, attn_impl="flash", kernel_backend="triton", dtype=torch.bfloat16)
+    x = images(2, seed=9)
+    with torch.no_grad():
+        ok, ours_err, timm_err = low_precision_bound_ok(ours(x).logits.float(), source16(x.bfloat16()).float(), source(x))
+    assert ok, f"ours bf16 error {ours_err:.3g} vs timm's own bf16 error {timm_err:.3g}"
+
+
 def test_training_step_matches_timm_gradients():
     source = timm_vit(seed=3, global_pool="avg", class_token=False).train()
     ours = fm.from_timm(source).train()  # no dropout anywhere: both training steps are deterministic
