@@ -6,14 +6,17 @@ Dispatch is an exact lookup of the checkpoint's HF ``config.model_type``; no nam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
 
 
 @dataclass(frozen=True)
 class Family:
     model_type: str
     config_cls: type  # our frozen config, with from_hf / to_hf
-    model_cls: type  # our nn.Module
-    hf_auto_class: str = "AutoModelForCausalLM"  # the transformers class that reads what we save
+    model_cls: Callable[..., nn.Module]  # our nn.Module class, or a function of our config picking one (BERT heads)
+    hf_auto_class: str = "AutoModelForCausalLM"  # the transformers class that reads what we save (presets)
 
 
 @dataclass(frozen=True)
