@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
             row["x_vs_hf_compile"] = row["tokens_per_s"] / base["hf+compile"] if "hf+compile" in base else float("nan")
             result.add(**row)
     print(result.markdown(COLUMNS))
-    print(f"device: {result.env['device']}; matmul peak {peak / 1e12:.1f} TFLOP/s" + ("; DRY RUN: not a measurement" if args.dry_run else ""))
+    print(f"device: {result.env['device']}; matmul peak {peak / 1e12:.3g} TFLOP/s" + ("; DRY RUN: not a measurement" if args.dry_run else ""))
     result.write_json(args.out)
     return result
 

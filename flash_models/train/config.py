@@ -113,6 +113,7 @@ class TrainSection:
     eval_batches: int = 20
     log_every: int = 10
     save_every: int = 0  # steps; 0: no intermediate checkpoints
+    keep_checkpoints: int = 0  # the newest N checkpoints are kept; 0: all
     output_dir: str = "runs/default"
     resume: str | None = None  # "auto": latest checkpoint in output_dir; or a checkpoint folder
     export: bool = True  # save_pretrained the final model into output_dir/final

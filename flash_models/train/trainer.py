@@ -263,7 +263,8 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self.output_dir / "checkpoints", step=self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, sampler=self.sampler, dist_state=self.dist, ema=self.ema,
-                               master=self.master, extra={"config": self.cfg.to_dict()})
+                               master=self.master, extra={"config": self.cfg.to_dict()},
+                               keep=self.cfg.train.keep_checkpoints or None)
 
     def export(self, directory: Path | None = None) -> Path | None:
         """save_pretrained the trained model (and the EMA weights into ``final_ema``) in HF layout."""

@@ -35,11 +35,12 @@ def test_stopped_and_resumed_run_reproduces_losses_bit_for_bit(tiny_config, tmp_
 
 
 def test_checkpoint_is_atomic_and_latest_points_to_complete_one(tiny_config, tmp_path):
-    trainer = Trainer(tiny_config(train={"max_steps": 2, "save_every": 1, "output_dir": str(tmp_path / "r")}))
+    trainer = Trainer(tiny_config(train={"max_steps": 3, "save_every": 1, "keep_checkpoints": 2,
+                                         "output_dir": str(tmp_path / "r")}))
     trainer.fit()
     ckpts = tmp_path / "r" / "checkpoints"
-    assert (ckpts / "latest").read_text() == "step_00000002"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000001", "step_00000002"]  # no temp dirs
+    assert (ckpts / "latest").read_text() == "step_00000003"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002", "step_00000003"]  # no temp dirs
     state = torch.load(ckpts / "step_00000002" / "train_state.pt", weights_only=False)
     assert {"model", "optimizer", "scheduler", "sampler", "step"} <= set(state) and state["sampler"]["cursor"] > 0
     assert (ckpts / "step_00000002" / "rng_rank0.pt").is_file()
