@@ -108,8 +108,8 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_state: DistState, ema=None, master=None) -> int:
-    """Restore everything ``save_checkpoint`` wrote; returns the step to continue after."""
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_state: DistState, ema=None, master=None) -> tuple[int, dict]:
+    """Restore everything ``save_checkpoint`` wrote; returns the step to continue after and the ``extra`` dict."""
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     if dist_state.strategy == "none":
         model.load_state_dict(state["model"])
@@ -136,4 +136,4 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_st
         set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
     else:
         log.warning("%s has no RNG state for rank %d (different world size?): continuing with fresh generators", path, dist_state.rank)
-    return int(state["step"])
+    return int(state["step"]), state["extra"]

@@ -102,12 +102,14 @@ class Trainer:
         self.ema = EMA(self.model, t.ema_decay) if t.ema_decay is not None else None
         self.mixup = self._mixup()
         self.step = 0
+        self.tokens_seen = 0  # over all ranks, since the start of the run (kept across resumes)
         self.history: list[dict] = []
         if t.resume is not None:
             path = find_checkpoint(t.resume, self.output_dir)
             if path is not None:
-                self.step = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                self.step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                             sampler=self.sampler, dist_state=self.dist, ema=self.ema, master=self.master)
+                self.tokens_seen = int(extra.get("tokens_seen", 0))
                 log.info("resumed from %s at step %d", path, self.step)
         self.metrics = MetricsLog(self.output_dir, enabled=self.dist.is_main, tensorboard=t.tensorboard)
 
@@ -216,8 +218,9 @@ class Trainer:
             self.ema.update(self.model)
         self.step += 1
         tokens = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dp_world if "input_ids" in batches[0] else 0
+        self.tokens_seen += tokens
         return {"step": self.step, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": tokens,
-                "rows": len(indices) * self.dist.dp_world}
+                "tokens_seen": self.tokens_seen, "rows": len(indices) * self.dist.dp_world}
 
     # --------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -263,7 +266,7 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self.output_dir / "checkpoints", step=self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, sampler=self.sampler, dist_state=self.dist, ema=self.ema,
-                               master=self.master, extra={"config": self.cfg.to_dict()},
+                               master=self.master, extra={"config": self.cfg.to_dict(), "tokens_seen": self.tokens_seen},
                                keep=self.cfg.train.keep_checkpoints or None)
 
     def export(self, directory: Path | None = None) -> Path | None:
@@ -353,7 +356,8 @@ class Trainer:
         else:
             peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process RSS high-water mark
         return {
-            "steps": self.step, "final_loss": self.history[-1]["loss"] if self.history else None,
+            "steps": self.step, "tokens_seen": self.tokens_seen,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
             "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak / self.dist.world if peak else 0.0,
             "flops_per_token": fpt, "peak_flops": peak, "peak_memory_bytes": peak_mem, **final_eval,
             "exported": str(exported) if exported else None,

@@ -28,6 +28,7 @@ def test_stopped_and_resumed_run_reproduces_losses_bit_for_bit(tiny_config, tmp_
     assert resumed.step == 3
     resumed.fit()
     assert losses(resumed) == losses(full)[3:]  # exact float equality
+    assert resumed.history[-1]["tokens_seen"] == full.history[-1]["tokens_seen"] == 6 * 4 * 32
     for a, b in zip(full.ema.shadow, resumed.ema.shadow):
         assert torch.equal(a, b)
     for (n, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
