@@ -189,7 +189,9 @@ class Trainer:
         indices = self.sampler.next_step()
         batches = micro_batches(self.data.train, indices, t.micro_batch_size, self.data.collate)
         units = [self.loss_units(b, self.task) for b in batches]
-        total = D.all_reduce_sum(torch.tensor(float(sum(units)), device=self.device), self.dist).item()
+        total = float(sum(units))  # counted on the host: no device sync unless ranks must agree
+        if self.dist.dp_world > 1:
+            total = D.all_reduce_sum(torch.tensor(total, device=self.device), self.dist).item()
         for p in self.model.parameters():
             p.grad = None
         loss_sum = torch.zeros((), device=self.device)
@@ -202,7 +204,7 @@ class Trainer:
                 loss, _ = self.forward(batch, train=True)
                 (loss * (n * self.dist.dp_world / max(total, 1.0))).backward()
             loss_sum += loss.detach() * n
-        loss_value = D.all_reduce_sum(loss_sum, self.dist).item() / max(total, 1.0)
+        loss_sum = D.all_reduce_sum(loss_sum, self.dist)  # read after the optimizer step is queued
         if self.master is not None:
             self.master.grads_to_master()
             params = self.master.masters()
@@ -219,6 +221,7 @@ class Trainer:
         self.step += 1
         tokens = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dp_world if "input_ids" in batches[0] else 0
         self.tokens_seen += tokens
+        loss_value = loss_sum.item() / max(total, 1.0)
         return {"step": self.step, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": tokens,
                 "tokens_seen": self.tokens_seen, "rows": len(indices) * self.dist.dp_world}
 
