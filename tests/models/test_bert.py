@@ -180,6 +180,11 @@ def test_right_padded_rows_equal_each_sequence_alone():
     assert max_rel_err(padded.pooler_output[1], alone.pooler_output[0]) < 1e-5
 
 
+def test_config_without_architectures_builds_bert_model():
+    model = fm.checkpoint.build_model(bert_config(architectures=None), device="meta")
+    assert type(model).__name__ == "BertModel" and model.pooler is not None
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(is_decoder=True), "decoder"),
     (dict(architectures=["BertForQuestionAnswering"]), "BertForQuestionAnswering"),
