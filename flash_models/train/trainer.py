@@ -69,7 +69,7 @@ class Trainer:
         t = cfg.train
         self.dist = D.setup(cfg.distributed.strategy, t.device)
         self.device = self.dist.device
-        if t.deterministic:
+        if t.deterministic:  # on CUDA this also needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment
             torch.use_deterministic_algorithms(True)
         seed_everything(t.seed)  # same on every rank: identical initial weights
         self.output_dir = Path(t.output_dir)
@@ -112,6 +112,7 @@ class Trainer:
                 self.tokens_seen = int(extra.get("tokens_seen", 0))
                 log.info("resumed from %s at step %d", path, self.step)
         self.metrics = MetricsLog(self.output_dir, enabled=self.dist.is_main, tensorboard=t.tensorboard)
+        self.model.train()
 
     # --------------------------------------------------------------------------------------------------------
     def _wrap(self, model: nn.Module) -> tuple[nn.Module, MasterWeights | None]:
