@@ -129,6 +129,12 @@ def _iter_hf_disk(spec: str) -> Iterator[dict]:
     yield from ds
 
 
+def _is_saved_dataset(spec: str) -> bool:
+    """A folder written by ``datasets.save_to_disk`` (a Dataset or a DatasetDict), optionally with ``:split``."""
+    path = Path(spec if Path(spec).exists() else spec.rpartition(":")[0] or spec)
+    return path.is_dir() and any((path / name).is_file() for name in ("dataset_dict.json", "dataset_info.json", "state.json"))
+
+
 def _field(record: dict, name: str, where: str):
     if name not in record:
         raise ValueError(f"{where}: record has no field {name!r} (fields: {sorted(record)}); set the data.*_field key")
@@ -188,7 +194,9 @@ def _sft_example(tokenizer, record: dict, cfg: DataSection, eos: int | None) -> 
 def build_token_store(spec: str, tokenizer, cfg: DataSection, *, sft: bool = False) -> TokenStore:
     """Tokenize every document once and cache it under ``cfg.cache_dir``, keyed by the files (size, mtime),
     the tokenizer and the settings; a later run (or another rank) opens the memmap directly."""
-    fmt = "jsonl" if sft and cfg.format == "sft" else cfg.format
+    fmt = cfg.format
+    if sft:  # SFT rows come from JSONL files or from a saved HF dataset (``path`` or ``path:split``)
+        fmt = "hf_disk" if _is_saved_dataset(spec) else "jsonl"
     sources = [spec] if fmt == "hf_disk" else [f"{p.resolve()}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in resolve_files(spec)]
     key_text = json.dumps([fmt, sources, _tokenizer_fingerprint(tokenizer), cfg.append_eos, cfg.text_field,
                            cfg.messages_field, cfg.prompt_field, cfg.response_field, sft])

@@ -142,3 +142,14 @@ def test_hf_dataset_on_disk(tmp_path):
     cfg = DataSection(format="hf_disk", train=f"{tmp_path / 'hf'}:train", text_field="body", cache_dir=str(tmp_path / "c"))
     store = build_token_store(cfg.train, ByteTokenizer(), cfg)
     assert store.tokens.tolist() == [97, 98, 99, 256, 100, 101, 256]
+
+
+def test_sft_from_saved_hf_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")  # in the test extra; importorskip only for a bare install
+    rows = {"prompt": ["1+1?", "2+2?"], "response": ["2", "4"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "sft"))
+    cfg = DataSection(format="sft", train=f"{tmp_path / 'sft'}:train", cache_dir=str(tmp_path / "c"), seq_len=64)
+    store = build_token_store(cfg.train, ByteTokenizer(), cfg, sft=True)
+    item = PackedExamples(store, 64, pad_id=256)[0]
+    trained = [int(i) for i, l in zip(item["input_ids"], item["labels"]) if l != IGNORE]
+    assert ByteTokenizer().decode(trained) == "24" and store.num_docs == 2

@@ -5,7 +5,6 @@ import copy
 import math
 
 import pytest
-import torch
 import transformers
 
 from flash_models.testing import ours_from_hf, random_hf_model
