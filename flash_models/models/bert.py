@@ -93,6 +93,8 @@ class BertPreTrainedModel(PretrainedModel):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                nn.init.zeros_(module.weight[module.padding_idx])
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, Norm):
