@@ -6,6 +6,7 @@
 """
 
 from .checkpoint import CheckpointKeyError, create_model, from_pretrained, from_timm, save_pretrained
+from . import generation
 from .embedded import minilm_dir, smollm2_gguf
 from .registry import families, list_models
 
