@@ -13,6 +13,6 @@ from .registry import families, list_models
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointKeyError", "create_model", "families", "from_pretrained", "from_timm", "list_models", "minilm_dir",
-    "save_pretrained", "smollm2_gguf",
+    "CheckpointKeyError", "create_model", "families", "from_pretrained", "from_timm", "generation", "list_models",
+    "minilm_dir", "save_pretrained", "smollm2_gguf",
 ]

@@ -72,33 +72,35 @@ def _bound_ms(model, batch: int, prompt: int, new_tokens: int, bandwidth: float)
     return (weights + batch * mean_len * kv_per_token) / bandwidth * 1e3
 
 
+def _bench_model(result: BenchResult, name: str, *, batches, prompts, new_tokens: int, repeats: int, peers, bandwidth: float) -> None:
+    preset, overrides = MODELS[name]
+    torch.manual_seed(0)
+    ours = create_model(preset, dtype=torch.bfloat16, device="cuda", **overrides).eval()
+    hf = _hf_twin(ours) if peers else None
+    sides = {"ours": lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[])}
+    if "hf" in peers:
+        sides["hf"] = lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False)
+    if "hf_static" in peers:
+        sides["hf_static"] = lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+    for batch in batches:
+        for prompt in prompts:
+            ids = torch.randint(100, 20000, (batch, prompt), device="cuda")
+            bound = _bound_ms(ours, batch, prompt, new_tokens, bandwidth)
+            times = {side: _per_step_ms(lambda n, fn=fn: fn(ids, n), new_tokens, repeats) for side, fn in sides.items()}
+            for impl, ms in times.items():
+                result.add(model=name, batch=batch, prompt=prompt, impl=impl, ms_per_step=ms, tokens_per_s=batch / ms * 1e3,
+                           bound_ms=bound, frac_of_bound=bound / ms, x_vs_hf=times.get("hf", float("nan")) / ms,
+                           x_vs_hf_static=times.get("hf_static", float("nan")) / ms)
+            log.info("%s b%d p%d: %s", name, batch, prompt, {k: round(v, 3) for k, v in times.items()})
+
+
 def run(models: list[str], batches: list[int], prompts: list[int], new_tokens: int, repeats: int, peers: list[str]) -> BenchResult:
     result = BenchResult("generate")
     bandwidth = measure_copy_bandwidth()
     result.env["copy_bandwidth_GBps"] = bandwidth / 1e9
     for name in models:
-        preset, overrides = MODELS[name]
-        torch.manual_seed(0)
-        ours = create_model(preset, dtype=torch.bfloat16, device="cuda", **overrides).eval()
-        hf = _hf_twin(ours) if peers else None
-        for batch in batches:
-            for prompt in prompts:
-                ids = torch.randint(100, 20000, (batch, prompt), device="cuda")
-                bound = _bound_ms(ours, batch, prompt, new_tokens, bandwidth)
-                row = dict(model=name, batch=batch, prompt=prompt, bound_ms=bound)
-                times = {}
-                times["ours"] = _per_step_ms(lambda n: ours.generate(ids, max_new_tokens=n, eos_token_id=[]), new_tokens, repeats)
-                if "hf" in peers:
-                    times["hf"] = _per_step_ms(lambda n: hf.generate(ids, max_new_tokens=n, do_sample=False), new_tokens, repeats)
-                if "hf_static" in peers:
-                    times["hf_static"] = _per_step_ms(
-                        lambda n: hf.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static"), new_tokens, repeats)
-                for impl, ms in times.items():
-                    result.add(**row, impl=impl, ms_per_step=ms, tokens_per_s=batch / ms * 1e3,
-                               frac_of_bound=bound / ms, x_vs_hf=times.get("hf", float("nan")) / ms,
-                               x_vs_hf_static=times.get("hf_static", float("nan")) / ms)
-                log.info("%s b%d p%d: %s", name, batch, prompt, {k: round(v, 3) for k, v in times.items()})
-        del ours, hf
+        _bench_model(result, name, batches=batches, prompts=prompts, new_tokens=new_tokens, repeats=repeats,
+                     peers=peers, bandwidth=bandwidth)
         torch.cuda.empty_cache()
     return result
 
