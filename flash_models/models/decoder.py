@@ -27,11 +27,9 @@ class CausalLMOutput:
     kv_cache: KVCache | None = None
 
 
-def positions_from_mask(attention_mask: torch.Tensor, past_len: int, q_len: int) -> torch.Tensor:
-    """Position of each new token = number of real tokens before it, so padding never shifts positions."""
-    positions = attention_mask.long().cumsum(-1) - 1
-    positions = positions.clamp(min=0)
-    return positions[:, past_len:past_len + q_len]
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of each token = number of real tokens before it, so padding never shifts positions."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -132,9 +130,11 @@ class DecoderLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
     ) -> CausalLMOutput:
-        """input_ids (B, S). attention_mask (B, past + S), 1 = real token, 0 = padding, covering cached tokens
-        too. Without position_ids, positions count real tokens (so left padding shifts nothing). labels (B, S)
-        are shifted inside, as in HF: the loss at position t predicts labels[t + 1]; -100 is ignored.
+        """input_ids (B, S). attention_mask (B, S), 1 = real token, 0 = padding; with a KV cache HF's (B,
+        past + S) mask is accepted too, and only its last S columns count, since the cache keeps each row's
+        earlier real tokens compacted. Without position_ids, positions count real tokens (so left padding
+        shifts nothing). labels (B, S) are shifted inside, as in HF: the loss at position t predicts
+        labels[t + 1]; -100 is ignored.
 
         Packed training: input_ids (1, total) holding documents back to back, with ``cu_seqlens`` (int32
         offsets, num_docs + 1). Documents never attend across each other and positions restart at each one.
@@ -196,7 +196,7 @@ class DecoderLM(nn.Module):
             if cu_seqlens is not None:
                 derived = positions_in_documents(cu_seqlens, S).unsqueeze(0)
             elif attention_mask is not None:
-                derived = positions_from_mask(attention_mask, 0, S)
+                derived = positions_from_mask(attention_mask)
             else:
                 derived = torch.arange(S, device=input_ids.device).expand(B, S)
             needed = S
