@@ -96,8 +96,8 @@ class Generation:
             scores = process_logits(logits, s, seen=seen, step=step)
             token = choose(scores, do_sample=s.do_sample, generator=self.generator)
             token = torch.where(finished, torch.full_like(token, s.pad_id), token)
-            if s.output_scores:
-                self.scores.append(scores)
+            if s.output_scores:  # a copy: the scores may be the decode graph's static output buffer
+                self.scores.append(scores.clone())
                 self.logprobs.append(scores.log_softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
             self.tokens.append(token)
             yield token
