@@ -3,10 +3,12 @@ port a family): random HF models with non-trivial weights, our twin of an HF mod
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
 
-from .checkpoint.loader import build_model
+from .checkpoint.loader import build_model, from_pretrained
 from .checkpoint.remap import hf_to_ours
 from .checkpoint.rules import rules_for
 
@@ -109,3 +111,137 @@ def assert_padded_rows_equal_alone(model, vocab_size: int, *, side: str, seed: i
             real = mask[row].bool()
             alone = model(ids[row:row + 1, real]).logits[0]
             assert max_rel_err(padded[row, real], alone) < tol, f"{side}-padded row {row} differs from the row alone"
+
+
+def random_input_ids(vocab_size: int, shape: tuple[int, ...], *, low: int = 0):
+    """Inputs for the helpers below: a callable drawing ``input_ids`` of ``shape`` in ``[low, vocab_size)`` from
+    torch's global RNG when called, i.e. after the helper has built its seeded models."""
+    return lambda: {"input_ids": torch.randint(low, vocab_size, shape)}
+
+
+def _resolve(inputs):
+    return dict(inputs() if callable(inputs) else inputs)
+
+
+def _real_tokens(tensor: torch.Tensor, inputs: dict) -> torch.Tensor:
+    mask = inputs.get("attention_mask")
+    return tensor if mask is None else tensor[mask.bool()]
+
+
+def assert_fp32_parity(hf_model, ours, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                       tol: float = 1e-5):
+    """In fp32 our logits are within ``tol`` (max relative error) of HF's, and with ``labels`` our loss equals
+    HF's to ``rtol=tol``. Returns our output, for checks a family adds on top."""
+    with torch.no_grad():
+        ref, out = hf_model(input_ids, labels=labels), ours(input_ids, labels=labels)
+    err = max_rel_err(out.logits, ref.logits)
+    assert err < tol, f"logits differ from HF's: {err:.3g}"
+    if labels is not None:
+        assert torch.allclose(out.loss, ref.loss, rtol=tol), f"loss {out.loss.item()} vs HF's {ref.loss.item()}"
+    return out
+
+
+def assert_bf16_error_bounded(hf_config, inputs, *, seed: int, output: str = "logits",
+                              auto_class: str = "AutoModelForCausalLM", attn_implementation: str = "sdpa",
+                              k: float = 2.0, atol: float = 1e-3) -> None:
+    """Our bf16 twin of a random fp32 HF model of ``hf_config`` (weights from ``seed``) has an error against
+    that fp32 model within ``low_precision_bound_ok`` of HF's own bf16 model's error, on ``output``.
+
+    ``inputs`` are the forward's keyword arguments (``input_ids=...``), or a callable returning them, called
+    once the models are built (so ids drawn from torch's global RNG follow the seed). With an
+    ``attention_mask`` the outputs are compared on the real tokens only."""
+    hf32 = random_hf_model(hf_config, seed=seed, auto_class=auto_class, attn_implementation=attn_implementation)
+    hf16 = random_hf_model(hf_config, seed=seed, auto_class=auto_class, attn_implementation=attn_implementation)
+    hf16 = hf16.to(torch.bfloat16)
+    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
+    inputs = _resolve(inputs)
+    with torch.no_grad():
+        ref = _real_tokens(getattr(hf32(**inputs), output), inputs)
+        theirs = _real_tokens(getattr(hf16(**inputs), output), inputs).float()
+        got = _real_tokens(getattr(ours16(**inputs), output), inputs).float()
+    ok, ours_err, hf_err = low_precision_bound_ok(got, theirs, ref, k=k, atol=atol)
+    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+
+
+def assert_saved_model_read_by_transformers(hf_model, directory, inputs, *, auto_class: str = "AutoModelForCausalLM",
+                                            output: str = "logits", tol: float = 1e-6):
+    """Our twin of ``hf_model``, written with ``save_pretrained`` to ``directory``, is read by transformers'
+    ``auto_class`` as the same HF class, whose ``output`` is within ``tol`` (max relative error, every
+    position) of ``hf_model``'s; and ``flash_models.from_pretrained`` reads back our config unchanged.
+
+    ``inputs`` are keyword arguments or a callable returning them, called once the models are built and
+    read. Returns the model ``from_pretrained`` read, for checks a family adds on top."""
+    ours = ours_from_hf(hf_model)
+    ours.save_pretrained(directory)
+    reread = getattr(transformers, auto_class).from_pretrained(directory).eval()
+    assert type(reread).__name__ == type(hf_model).__name__, type(reread).__name__
+    inputs = _resolve(inputs)
+    with torch.no_grad():
+        err = max_rel_err(getattr(reread(**inputs), output), getattr(hf_model(**inputs), output))
+    assert err < tol, f"transformers' reading of our checkpoint differs: {err:.3g}"
+    again = from_pretrained(directory)
+    assert again.config == ours.config
+    return again
+
+
+def assert_greedy_generation_equals_hf(hf_model, ours, *, vocab_size: int, shape: tuple[int, int],
+                                       max_new_tokens: int, left_pad: tuple[int, int] | None = None,
+                                       pad_token_id: int = 0, low: int = 2) -> None:
+    """Greedy decoding gives exactly HF's tokens (EOS off) on prompts of ``shape`` drawn from torch's
+    global RNG in ``[low, vocab_size)``; ``left_pad=(row, n)`` left-pads that row with ``n`` pad tokens
+    (masked out), so HF and we must both derive positions from the mask."""
+    ids = torch.randint(low, vocab_size, shape)
+    masked = {}
+    if left_pad is not None:
+        row, n = left_pad
+        mask = torch.ones_like(ids)
+        mask[row, :n] = 0
+        ids[row, :n] = pad_token_id
+        masked = {"attention_mask": mask}
+    ref = hf_model.generate(ids, **masked, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                            pad_token_id=pad_token_id)
+    out = ours.generate(ids, **masked, max_new_tokens=max_new_tokens, eos_token_id=[])
+    where = (out != ref).nonzero()[:1].tolist() if out.shape == ref.shape else f"shape {tuple(out.shape)}"
+    assert torch.equal(out, ref), f"generation differs from HF's at {where}"
+
+
+def assert_left_padded_logits_match_hf(hf_model, ours, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                                       hf_position_ids: bool = True, tol: float = 1e-5) -> None:
+    """On a padded batch our logits (positions derived from the mask) are within ``tol`` of HF's on the real
+    tokens, and finite everywhere. ``hf_position_ids`` gives HF the same positions explicitly (positions
+    counted from each row's first real token); without it HF derives them itself (OPT)."""
+    positions = {"position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)} if hf_position_ids else {}
+    with torch.no_grad():
+        ref = hf_model(input_ids, attention_mask=attention_mask, **positions).logits
+        out = ours(input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    err = max_rel_err(out[real], ref[real])
+    assert err < tol, f"real tokens differ from HF's: {err:.3g}"
+    assert torch.isfinite(out).all(), "padded positions must not produce NaN"
+
+
+def assert_kv_cache_decode_equals_full_forward(model, input_ids: torch.Tensor, *, prefill: int, cache_len: int,
+                                               tol: float = 1e-5) -> None:
+    """A prefill of the first ``prefill`` tokens into a fresh KV cache of ``cache_len`` positions, then one token
+    at a time, gives the logits of one full forward (within ``tol``)."""
+    batch, length = input_ids.shape
+    with torch.no_grad():
+        full = model(input_ids).logits
+        cache = model.new_kv_cache(batch, cache_len)
+        steps = [model(input_ids[:, :prefill], kv_cache=cache).logits]
+        steps += [model(input_ids[:, t:t + 1], kv_cache=cache).logits for t in range(prefill, length)]
+    assert max_rel_err(torch.cat(steps, dim=1), full) < tol
+
+
+def assert_checkpoint_file_loads(hf_model, state: dict, directory, inputs, *, output: str = "logits",
+                                 tol: float = 1e-5) -> None:
+    """``state`` (a state dict as some released checkpoint names it), written with ``hf_model``'s config to
+    ``directory`` as ``pytorch_model.bin``, loads through ``flash_models.from_pretrained`` into a model whose
+    ``output`` is within ``tol`` of ``hf_model``'s. ``inputs`` are keyword arguments or a callable returning
+    them (called before loading)."""
+    hf_model.config.save_pretrained(directory)
+    torch.save(state, Path(directory) / "pytorch_model.bin")
+    inputs = _resolve(inputs)
+    with torch.no_grad():
+        err = max_rel_err(getattr(from_pretrained(directory)(**inputs), output), getattr(hf_model(**inputs), output))
+    assert err < tol, f"the loaded checkpoint differs from HF's model: {err:.3g}"

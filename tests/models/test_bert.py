@@ -5,8 +5,8 @@ import transformers
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_meta_keys_match_hf, assert_round_trip_bit_identical, low_precision_bound_ok, max_rel_err, ours_from_hf,
-    random_hf_model,
+    assert_bf16_error_bounded, assert_meta_keys_match_hf, assert_round_trip_bit_identical,
+    assert_saved_model_read_by_transformers, low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model,
 )
 
 VOCAB = 151
@@ -37,6 +37,11 @@ def padded_batch(seed=0):
     mask[1, 11:] = 0  # right padding
     mask[2, :5] = 0  # left padding
     return ids, mask, torch.randint(0, 3, ids.shape, generator=gen)
+
+
+def padded_inputs(seed=0):
+    """padded_batch as forward keyword arguments."""
+    return dict(zip(("input_ids", "attention_mask", "token_type_ids"), padded_batch(seed)))
 
 
 def main_output(out, architecture):
@@ -95,17 +100,9 @@ def test_pretraining_loss_matches_hf():
 
 
 def test_bf16_error_bounded_by_hf_own_bf16_error():
-    hf32 = hf_bert(seed=4)
-    hf16 = hf_bert(seed=4).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids, mask, types = padded_batch(4)
-    real = mask.bool()
-    with torch.no_grad():
-        ref = hf32(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[real]
-        theirs = hf16(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state[real].float()
-        ours = ours16(ids, attention_mask=mask, token_type_ids=types).last_hidden_state[real].float()
-    ok, ours_err, hf_err = low_precision_bound_ok(ours, theirs, ref)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    # compared on the real tokens of the padded batch, as hf_bert(seed=4) builds the model
+    assert_bf16_error_bounded(bert_config(), padded_inputs(4), seed=4, output="last_hidden_state",
+                              auto_class="AutoModel")
 
 
 def test_flash_path_unpads_once_and_matches_hf():
@@ -158,16 +155,10 @@ def test_old_checkpoint_names_and_pretraining_weights_load_as_masked_lm(tmp_path
 @pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification"])
 def test_save_pretrained_is_read_by_transformers_with_same_outputs(architecture, tmp_path):
     hf = hf_bert(architecture, seed=9)
-    ours = ours_from_hf(hf)
-    ours.save_pretrained(tmp_path)
-    reread = getattr(transformers, AUTO[architecture]).from_pretrained(tmp_path).eval()
-    assert type(reread).__name__ == architecture
-    ids, mask, types = padded_batch(9)
-    with torch.no_grad():
-        ref = main_output(hf(input_ids=ids, attention_mask=mask, token_type_ids=types), architecture)
-        again = main_output(reread(input_ids=ids, attention_mask=mask, token_type_ids=types), architecture)
-    assert max_rel_err(again, ref) < 1e-6
-    assert fm.from_pretrained(tmp_path).config == ours.config
+    assert type(hf).__name__ == architecture  # and the helper checks transformers reads back the same class
+    output = "last_hidden_state" if architecture == "BertModel" else "logits"  # main_output of these three
+    assert_saved_model_read_by_transformers(hf, tmp_path, padded_inputs(9), auto_class=AUTO[architecture],
+                                            output=output, tol=1e-6)
 
 
 def test_right_padded_rows_equal_each_sequence_alone():

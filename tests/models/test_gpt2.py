@@ -2,7 +2,10 @@ import pytest
 import torch
 import transformers
 
-from flash_models.testing import low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model
+from flash_models.testing import (
+    assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf,
+    assert_left_padded_logits_match_hf, max_rel_err, ours_from_hf, random_hf_model, random_input_ids,
+)
 
 
 def gpt2_config(**overrides):
@@ -26,11 +29,7 @@ def test_fp32_logits_match_hf(name, attn_impl):
     ids = torch.randint(0, 211, (3, 29))
     labels = ids.clone()
     labels[0, :5] = -100
-    with torch.no_grad():
-        ref = hf(ids, labels=labels)
-        out = ours(ids, labels=labels)
-    assert max_rel_err(out.logits, ref.logits) < 1e-5
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert_fp32_parity(hf, ours, ids, labels=labels, tol=1e-5)
 
 
 def test_left_padded_batch_matches_hf_with_same_positions():
@@ -40,13 +39,7 @@ def test_left_padded_batch_matches_hf_with_same_positions():
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
     mask[1, :1] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, position_ids=positions).logits
-        out = ours(ids, attention_mask=mask).logits  # positions derived from the mask
-    real = mask.bool()
-    assert max_rel_err(out[real], ref[real]) < 1e-5
-    assert torch.isfinite(out).all()
+    assert_left_padded_logits_match_hf(hf, ours, ids, mask, tol=1e-5)  # ours derives the positions from the mask
 
 
 def test_padded_rows_equal_unpadded_sequences():
@@ -63,15 +56,7 @@ def test_padded_rows_equal_unpadded_sequences():
 
 
 def test_bf16_error_bounded_by_hf_own_bf16_error():
-    cfg = gpt2_config()
-    hf32 = random_hf_model(cfg, seed=4)
-    hf16 = random_hf_model(cfg, seed=4).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids = torch.randint(0, 211, (2, 31))
-    with torch.no_grad():
-        ref = hf32(ids).logits
-        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), ref)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    assert_bf16_error_bounded(gpt2_config(), random_input_ids(211, (2, 31)), seed=4)
 
 
 def test_backward_matches_hf_gradients():
@@ -88,7 +73,4 @@ def test_backward_matches_hf_gradients():
 def test_greedy_generation_equals_hf():
     hf = random_hf_model(gpt2_config(), seed=6)
     ours = ours_from_hf(hf)
-    ids = torch.randint(2, 211, (1, 9))
-    ref = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = ours.generate(ids, max_new_tokens=24, eos_token_id=[])
-    assert torch.equal(out, ref)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=211, shape=(1, 9), max_new_tokens=24)

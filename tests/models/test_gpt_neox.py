@@ -2,10 +2,11 @@ import pytest
 import torch
 import transformers
 
-import flash_models as fm
 from flash_models.testing import (
-    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
-    max_rel_err, ours_from_hf, random_hf_model,
+    assert_bf16_error_bounded, assert_checkpoint_file_loads, assert_fp32_parity, assert_greedy_generation_equals_hf,
+    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical,
+    assert_saved_model_read_by_transformers, low_precision_bound_ok, ours_from_hf, random_hf_model,
+    random_input_ids,
 )
 
 VOCAB = 193
@@ -30,21 +31,11 @@ def test_fp32_logits_and_loss_match_hf(name, attn_impl):
     hf = random_hf_model(neox_config(**CONFIGS[name]), seed=1)
     ours = ours_from_hf(hf, attn_impl=attn_impl)
     ids = torch.randint(0, VOCAB, (3, 23))
-    with torch.no_grad():
-        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
-    assert max_rel_err(out.logits, ref.logits) < 1e-5
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
 
 
 def test_bf16_error_bounded_by_hf_own_bf16_error():
-    cfg = neox_config(**CONFIGS["parallel_half_rotary"])
-    hf32 = random_hf_model(cfg, seed=2)
-    hf16 = random_hf_model(cfg, seed=2).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids = torch.randint(0, VOCAB, (2, 31))
-    with torch.no_grad():
-        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    assert_bf16_error_bounded(neox_config(**CONFIGS["parallel_half_rotary"]), random_input_ids(VOCAB, (2, 31)), seed=2)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -57,23 +48,13 @@ def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(name):
 def test_checkpoint_with_transformers4_head_name_loads(tmp_path):
     hf = random_hf_model(neox_config(), seed=4)
     state = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in hf.state_dict().items()}
-    hf.config.save_pretrained(tmp_path)
-    torch.save(state, tmp_path / "pytorch_model.bin")
-    ids = torch.randint(0, VOCAB, (1, 9))
-    with torch.no_grad():
-        assert max_rel_err(fm.from_pretrained(tmp_path)(ids).logits, hf(ids).logits) < 1e-5
+    assert_checkpoint_file_loads(hf, state, tmp_path, random_input_ids(VOCAB, (1, 9)), tol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["parallel_half_rotary", "sequential_no_bias"])
 def test_save_pretrained_is_read_by_transformers_with_same_logits(name, tmp_path):
     hf = random_hf_model(neox_config(**CONFIGS[name]), seed=5)
-    ours = ours_from_hf(hf)
-    ours.save_pretrained(tmp_path)
-    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
-    assert fm.from_pretrained(tmp_path).config == ours.config
+    assert_saved_model_read_by_transformers(hf, tmp_path, random_input_ids(VOCAB, (2, 12)), tol=1e-6)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -85,13 +66,7 @@ def test_padded_batch_equals_each_sequence_alone(side):
 def test_greedy_generation_equals_hf_on_left_padded_batch():
     hf = random_hf_model(neox_config(**CONFIGS["parallel_half_rotary"]), seed=7)
     ours = ours_from_hf(hf)
-    ids = torch.randint(2, VOCAB, (2, 9))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    ids[1, :3] = 0
-    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
-    assert torch.equal(out, ref)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=VOCAB, shape=(2, 9), left_pad=(1, 3), max_new_tokens=24)
 
 
 def test_our_kernels_on_a_padded_batch_stay_within_hf_bf16_error():

@@ -4,8 +4,9 @@ import transformers
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
-    max_rel_err, ours_from_hf, random_hf_model,
+    assert_bf16_error_bounded, assert_fp32_parity, assert_meta_keys_match_hf, assert_padded_rows_equal_alone,
+    assert_round_trip_bit_identical, assert_saved_model_read_by_transformers, ours_from_hf, random_hf_model,
+    random_input_ids,
 )
 
 VOCAB = 181
@@ -33,21 +34,12 @@ def test_fp32_logits_and_loss_match_hf(name, attn_impl):
     hf = hf_gptj(gptj_config(**CONFIGS[name]), seed=1)
     ours = ours_from_hf(hf, attn_impl=attn_impl)
     ids = torch.randint(0, VOCAB, (3, 21))
-    with torch.no_grad():
-        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
-    assert max_rel_err(out.logits, ref.logits) < 1e-5
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
 
 
 def test_bf16_error_bounded_by_hf_own_bf16_error():
-    cfg = gptj_config()
-    hf32 = hf_gptj(cfg, seed=2)
-    hf16 = hf_gptj(cfg, seed=2).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids = torch.randint(0, VOCAB, (2, 29))
-    with torch.no_grad():
-        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    # eager, as hf_gptj builds it
+    assert_bf16_error_bounded(gptj_config(), random_input_ids(VOCAB, (2, 29)), seed=2, attn_implementation="eager")
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -59,13 +51,7 @@ def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(name):
 
 def test_save_pretrained_is_read_by_transformers_with_same_logits(tmp_path):
     hf = hf_gptj(gptj_config(), seed=4)
-    ours = ours_from_hf(hf)
-    ours.save_pretrained(tmp_path)
-    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
-    assert fm.from_pretrained(tmp_path).config == ours.config
+    assert_saved_model_read_by_transformers(hf, tmp_path, random_input_ids(VOCAB, (2, 12)), tol=1e-6)
 
 
 def test_tied_gptj_is_refused():

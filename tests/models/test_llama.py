@@ -2,7 +2,11 @@ import pytest
 import torch
 import transformers
 
-from flash_models.testing import low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model
+from flash_models.testing import (
+    assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf,
+    assert_kv_cache_decode_equals_full_forward, assert_left_padded_logits_match_hf, max_rel_err, ours_from_hf,
+    random_hf_model, random_input_ids,
+)
 
 
 def llama_config(**overrides):
@@ -32,18 +36,13 @@ CONFIGS = {
 def test_fp32_logits_match_hf_for_each_rope_scaling(rope):
     hf = random_hf_model(llama_config(rope_parameters=ROPE[rope]), seed=1)
     ours = ours_from_hf(hf)
-    ids = torch.randint(0, 257, (2, 40))
-    with torch.no_grad():
-        ref, out = hf(ids).logits, ours(ids).logits
-    assert max_rel_err(out, ref) < 1e-5
+    assert_fp32_parity(hf, ours, torch.randint(0, 257, (2, 40)), tol=1e-5)
 
 
 def test_dynamic_rope_past_the_position_limit_matches_hf():
     hf = random_hf_model(llama_config(rope_parameters=ROPE["dynamic"], max_position_embeddings=16), seed=7)
     ours = ours_from_hf(hf)
-    ids = torch.randint(0, 257, (1, 40))  # 40 > 16: the NTK base is rescaled for this length
-    with torch.no_grad():
-        assert max_rel_err(ours(ids).logits, hf(ids).logits) < 1e-5
+    assert_fp32_parity(hf, ours, torch.randint(0, 257, (1, 40)), tol=1e-5)  # 40 > 16: the NTK base is rescaled
 
 
 @pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
@@ -52,10 +51,7 @@ def test_fp32_logits_and_loss_match_hf(name, attn_impl):
     hf = random_hf_model(llama_config(**CONFIGS[name]), seed=2)
     ours = ours_from_hf(hf, attn_impl=attn_impl)
     ids = torch.randint(0, 257, (3, 23))
-    with torch.no_grad():
-        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
-    assert max_rel_err(out.logits, ref.logits) < 1e-5
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
 
 
 def test_left_padded_batch_matches_hf():
@@ -65,13 +61,7 @@ def test_left_padded_batch_matches_hf():
     mask = torch.ones_like(ids)
     mask[0, :9] = 0
     mask[2, :20] = 0  # a single real token
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        ref = hf(ids, attention_mask=mask, position_ids=positions).logits
-        out = ours(ids, attention_mask=mask).logits
-    real = mask.bool()
-    assert max_rel_err(out[real], ref[real]) < 1e-5
-    assert torch.isfinite(out).all(), "padded rows must not be NaN"
+    assert_left_padded_logits_match_hf(hf, ours, ids, mask, tol=1e-5)
 
 
 def test_right_padding_leaves_real_tokens_unchanged():
@@ -86,38 +76,19 @@ def test_right_padding_leaves_real_tokens_unchanged():
 
 
 def test_bf16_error_bounded_by_hf_own_bf16_error():
-    cfg = llama_config()
-    hf32 = random_hf_model(cfg, seed=5)
-    hf16 = random_hf_model(cfg, seed=5).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids = torch.randint(0, 257, (2, 33))
-    with torch.no_grad():
-        ref = hf32(ids).logits
-        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), ref)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    assert_bf16_error_bounded(llama_config(), random_input_ids(257, (2, 33)), seed=5)
 
 
 def test_kv_cache_decode_equals_full_forward():
     ours = ours_from_hf(random_hf_model(llama_config(), seed=6))
     ids = torch.randint(0, 257, (2, 19))
-    with torch.no_grad():
-        full = ours(ids).logits
-        cache = ours.new_kv_cache(2, 32)
-        steps = [ours(ids[:, :11], kv_cache=cache).logits]
-        steps += [ours(ids[:, t:t + 1], kv_cache=cache).logits for t in range(11, 19)]
-    assert max_rel_err(torch.cat(steps, dim=1), full) < 1e-5
+    assert_kv_cache_decode_equals_full_forward(ours, ids, prefill=11, cache_len=32, tol=1e-5)
 
 
 def test_greedy_generation_equals_hf_on_left_padded_batch():
     hf = random_hf_model(llama_config(), seed=8)
     ours = ours_from_hf(hf)
-    ids = torch.randint(2, 257, (2, 10))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ids[1, :4] = 0
-    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = ours.generate(ids, attention_mask=mask, max_new_tokens=32, eos_token_id=[])
-    assert torch.equal(out, ref)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=257, shape=(2, 10), left_pad=(1, 4), max_new_tokens=32)
 
 
 def test_generation_stops_rows_at_eos_and_pads_them():

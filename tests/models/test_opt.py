@@ -4,8 +4,10 @@ import transformers
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
-    max_rel_err, ours_from_hf, random_hf_model,
+    assert_bf16_error_bounded, assert_checkpoint_file_loads, assert_fp32_parity, assert_greedy_generation_equals_hf,
+    assert_left_padded_logits_match_hf, assert_meta_keys_match_hf, assert_padded_rows_equal_alone,
+    assert_round_trip_bit_identical, assert_saved_model_read_by_transformers, ours_from_hf, random_hf_model,
+    random_input_ids,
 )
 
 VOCAB = 167
@@ -30,10 +32,7 @@ def test_fp32_logits_and_loss_match_hf(name, attn_impl):
     hf = random_hf_model(opt_config(**CONFIGS[name]), seed=1)
     ours = ours_from_hf(hf, attn_impl=attn_impl)
     ids = torch.randint(0, VOCAB, (3, 22))
-    with torch.no_grad():
-        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
-    assert max_rel_err(out.logits, ref.logits) < 1e-5
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["pre_norm", "post_norm_projected"])
@@ -45,21 +44,12 @@ def test_left_padded_batch_matches_hf_positions_with_offset(name):
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
     mask[2, :18] = 0
-    with torch.no_grad():
-        ref, out = hf(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
-    assert max_rel_err(out[mask.bool()], ref[mask.bool()]) < 1e-5
+    assert_left_padded_logits_match_hf(hf, ours, ids, mask, hf_position_ids=False, tol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["pre_norm", "post_norm_projected"])
 def test_bf16_error_bounded_by_hf_own_bf16_error(name):
-    cfg = opt_config(**CONFIGS[name])
-    hf32 = random_hf_model(cfg, seed=3)
-    hf16 = random_hf_model(cfg, seed=3).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids = torch.randint(0, VOCAB, (2, 27))
-    with torch.no_grad():
-        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    assert_bf16_error_bounded(opt_config(**CONFIGS[name]), random_input_ids(VOCAB, (2, 27)), seed=3)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -73,23 +63,13 @@ def test_opt_model_keys_without_prefix_load(tmp_path):
     """facebook/opt-* files were written from OPTModel: keys start at "decoder.", and carry a tied lm_head."""
     hf = random_hf_model(opt_config(**CONFIGS["post_norm_projected"]), seed=5)
     state = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
-    hf.config.save_pretrained(tmp_path)
-    torch.save(state, tmp_path / "pytorch_model.bin")
-    ids = torch.randint(0, VOCAB, (1, 9))
-    with torch.no_grad():
-        assert max_rel_err(fm.from_pretrained(tmp_path)(ids).logits, hf(ids).logits) < 1e-5
+    assert_checkpoint_file_loads(hf, state, tmp_path, random_input_ids(VOCAB, (1, 9)), tol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["pre_norm", "post_norm_projected"])
 def test_save_pretrained_is_read_by_transformers_with_same_logits(name, tmp_path):
     hf = random_hf_model(opt_config(**CONFIGS[name]), seed=6)
-    ours = ours_from_hf(hf)
-    ours.save_pretrained(tmp_path)
-    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
-    assert fm.from_pretrained(tmp_path).config == ours.config
+    assert_saved_model_read_by_transformers(hf, tmp_path, random_input_ids(VOCAB, (2, 12)), tol=1e-6)
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -103,13 +83,8 @@ def test_padded_batch_equals_each_sequence_alone(name, side):
 def test_greedy_generation_equals_hf_on_left_padded_batch(name):
     hf = random_hf_model(opt_config(**CONFIGS[name]), seed=8)
     ours = ours_from_hf(hf)
-    ids = torch.randint(3, VOCAB, (2, 8))
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    ids[0, :2] = 1
-    ref = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=1)
-    out = ours.generate(ids, attention_mask=mask, max_new_tokens=24, eos_token_id=[])
-    assert torch.equal(out, ref)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=VOCAB, shape=(2, 8), left_pad=(0, 2), pad_token_id=1, low=3,
+                                       max_new_tokens=24)
 
 
 @pytest.mark.parametrize("field, value", [("layerdrop", 0.1), ("layer_norm_elementwise_affine", False), ("_remove_final_layer_norm", True)])

@@ -4,8 +4,9 @@ import transformers
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_meta_keys_match_hf, assert_padded_rows_equal_alone, assert_round_trip_bit_identical, low_precision_bound_ok,
-    max_rel_err, ours_from_hf, random_hf_model,
+    assert_bf16_error_bounded, assert_fp32_parity, assert_meta_keys_match_hf, assert_padded_rows_equal_alone,
+    assert_round_trip_bit_identical, assert_saved_model_read_by_transformers, max_rel_err, ours_from_hf,
+    random_hf_model, random_input_ids,
 )
 
 VOCAB = 199
@@ -25,21 +26,11 @@ def test_fp32_logits_and_loss_match_hf(tied, attn_impl):
     ours = ours_from_hf(hf, attn_impl=attn_impl)
     assert ours.blocks[0].attn.qkv.bias is not None and ours.blocks[0].attn.out_proj.bias is None
     ids = torch.randint(0, VOCAB, (3, 19))
-    with torch.no_grad():
-        ref, out = hf(ids, labels=ids), ours(ids, labels=ids)
-    assert max_rel_err(out.logits, ref.logits) < 1e-5
-    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
 
 
 def test_bf16_error_bounded_by_hf_own_bf16_error():
-    cfg = qwen2_config()
-    hf32 = random_hf_model(cfg, seed=2)
-    hf16 = random_hf_model(cfg, seed=2).to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
-    ids = torch.randint(0, VOCAB, (2, 30))
-    with torch.no_grad():
-        ok, ours_err, hf_err = low_precision_bound_ok(ours16(ids).logits.float(), hf16(ids).logits.float(), hf32(ids).logits)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    assert_bf16_error_bounded(qwen2_config(), random_input_ids(VOCAB, (2, 30)), seed=2)
 
 
 def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match():
@@ -50,13 +41,7 @@ def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match():
 
 def test_save_pretrained_is_read_by_transformers_with_same_logits(tmp_path):
     hf = random_hf_model(qwen2_config(), seed=4)
-    ours = ours_from_hf(hf)
-    ours.save_pretrained(tmp_path)
-    reread = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    ids = torch.randint(0, VOCAB, (2, 13))
-    with torch.no_grad():
-        assert max_rel_err(reread(ids).logits, hf(ids).logits) < 1e-6
-    assert fm.from_pretrained(tmp_path).config == ours.config
+    assert_saved_model_read_by_transformers(hf, tmp_path, random_input_ids(VOCAB, (2, 13)), tol=1e-6)
 
 
 def test_sliding_window_fields_without_use_sliding_window_load_as_full_attention():

@@ -6,8 +6,9 @@ from timm.models.vision_transformer import VisionTransformer as TimmViT
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_meta_keys_match_hf, assert_round_trip_bit_identical, low_precision_bound_ok, max_rel_err, ours_from_hf,
-    random_hf_model, randomize_,
+    assert_checkpoint_file_loads, assert_meta_keys_match_hf, assert_round_trip_bit_identical,
+    assert_saved_model_read_by_transformers, low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model,
+    randomize_,
 )
 
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, mlp_ratio=1.75, num_classes=7)
@@ -138,25 +139,16 @@ def test_transformers4_checkpoint_names_load(tmp_path):
             key = key.replace(new, old)
         state[key] = value
     assert any("attention.attention.query" in k for k in state)
-    hf.config.save_pretrained(tmp_path)
-    torch.save(state, tmp_path / "pytorch_model.bin")
-    x = images(seed=6)
-    with torch.no_grad():
-        assert max_rel_err(fm.from_pretrained(tmp_path)(x).logits, hf(pixel_values=x).logits) < 1e-5
+    assert_checkpoint_file_loads(hf, state, tmp_path, dict(pixel_values=images(seed=6)), tol=1e-5)
 
 
 @pytest.mark.parametrize("architecture", AUTO)
 def test_save_pretrained_is_read_by_transformers_with_same_outputs(architecture, tmp_path):
     hf = random_hf_model(vit_config(architecture), seed=7, auto_class=AUTO[architecture])
-    ours = ours_from_hf(hf)
-    ours.save_pretrained(tmp_path)
-    reread = getattr(transformers, AUTO[architecture]).from_pretrained(tmp_path).eval()
-    assert type(reread).__name__ == architecture
-    x = images(seed=7)
-    with torch.no_grad():
-        assert max_rel_err(reread(pixel_values=x).last_hidden_state if architecture == "ViTModel" else reread(pixel_values=x).logits,
-                           hf(pixel_values=x).last_hidden_state if architecture == "ViTModel" else hf(pixel_values=x).logits) < 1e-6
-    assert fm.from_pretrained(tmp_path).config == ours.config
+    assert type(hf).__name__ == architecture  # and the helper checks transformers reads back the same class
+    output = "last_hidden_state" if architecture == "ViTModel" else "logits"
+    assert_saved_model_read_by_transformers(hf, tmp_path, dict(pixel_values=images(seed=7)),
+                                            auto_class=AUTO[architecture], output=output, tol=1e-6)
 
 
 def test_timm_model_in_hf_shape_saves_for_transformers_and_timm_only_options_refuse(tmp_path):
