@@ -1,5 +1,4 @@
 import pytest
-import timm
 import torch
 import transformers
 from timm.models.vision_transformer import VisionTransformer as TimmViT
