@@ -74,7 +74,9 @@ _POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def cache_and_runner(model, batch_size: int, needed_len: int, *, use_cuda_graph: bool) -> tuple[KVCache, DecodeRunner]:
     """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with
-    graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh."""
+    graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh. A pooled pair
+    serves one generation at a time: interleaving two unfinished generations of one model and shape (two
+    live ``stream`` iterators, say) would share the cache; pass use_cuda_graph=False to either of them."""
     pooled = use_cuda_graph and model.device.type == "cuda"
     if not pooled:
         cache = model.new_kv_cache(batch_size, needed_len)
