@@ -75,8 +75,8 @@ _POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def cache_and_runner(model, batch_size: int, needed_len: int, *, use_cuda_graph: bool) -> tuple[KVCache, DecodeRunner]:
     """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with
     graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh. A pooled pair
-    serves one generation at a time: interleaving two unfinished generations of one model and shape (two
-    live ``stream`` iterators, say) would share the cache; pass use_cuda_graph=False to either of them."""
+    serves one generation at a time: while it is busy (two live ``stream`` iterators of one shape, say), a
+    second caller gets a pair of its own. The caller calls ``runner.release()`` when its generation ends."""
     pooled = use_cuda_graph and model.device.type == "cuda"
     if not pooled:
         cache = model.new_kv_cache(batch_size, needed_len)
@@ -88,6 +88,10 @@ def cache_and_runner(model, batch_size: int, needed_len: int, *, use_cuda_graph:
         cache = model.new_kv_cache(batch_size, length)
         entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True))
     cache, runner = entries[key]
+    if runner.busy:
+        cache = model.new_kv_cache(batch_size, length)
+        runner = _LazyRunner(model, cache, use_cuda_graph=True)
+    runner.busy = True
     cache.reset()
     return cache, runner
 
@@ -104,6 +108,10 @@ class _LazyRunner:
     def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool):
         self.model, self.cache, self.use_cuda_graph = model, cache, use_cuda_graph
         self.runner: DecodeRunner | None = None
+        self.busy = False
+
+    def release(self) -> None:
+        self.busy = False
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.runner is None:

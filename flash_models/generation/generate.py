@@ -81,8 +81,16 @@ class Generation:
         if s.max_new_tokens == 0:
             return
         B, S = self.input_ids.shape
-        device = self.input_ids.device
         cache, runner = cache_and_runner(model, B, S + s.max_new_tokens, use_cuda_graph=s.use_cuda_graph)
+        try:
+            yield from self._steps(cache, runner)
+        finally:  # also when a caller abandons the iterator: the pooled cache is free again
+            runner.release()
+
+    def _steps(self, cache, runner) -> Iterator[torch.Tensor]:
+        s, model = self.settings, self.model
+        B = self.input_ids.shape[0]
+        device = self.input_ids.device
         logits = model(self.input_ids, attention_mask=self.attention_mask, kv_cache=cache).logits[:, -1]
         seen = None
         if s.repetition_penalty != 1.0:  # which tokens each row holds already (padding excluded)

@@ -1,5 +1,7 @@
 """The generation engine on the CPU: parity with HF generate, sampling, stops, streaming, speculative."""
 
+import itertools
+
 import pytest
 import torch
 import transformers
@@ -208,3 +210,14 @@ def test_embedded_smollm2_greedy_equals_hf_over_32_tokens_batched():
     kwargs = dict(attention_mask=batch.attention_mask, max_new_tokens=32, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or 0)
     ref = hf.generate(batch.input_ids, do_sample=False, **kwargs)
     assert torch.equal(ours.generate(batch.input_ids, **kwargs), ref)
+
+
+def test_two_interleaved_streams_do_not_share_state():
+    ours = ours_from_hf(llama_hf(seed=13, vocab_size=258))
+    tok = CharTokenizer()
+    a, b = torch.tensor([[ord("a") + 2, ord("b") + 2]]), torch.tensor([[ord("x") + 2, ord("y") + 2]])
+    alone_a = "".join(stream(ours, tok, a, max_new_tokens=12, eos_token_id=[]))
+    alone_b = "".join(stream(ours, tok, b, max_new_tokens=12, eos_token_id=[]))
+    it_a, it_b = stream(ours, tok, a, max_new_tokens=12, eos_token_id=[]), stream(ours, tok, b, max_new_tokens=12, eos_token_id=[])
+    pieces = list(itertools.zip_longest(it_a, it_b, fillvalue=""))  # both live at once, stepped in turn
+    assert "".join(p for p, _ in pieces) == alone_a and "".join(p for _, p in pieces) == alone_b

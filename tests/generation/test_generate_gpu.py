@@ -57,3 +57,19 @@ def test_speculative_equals_greedy_on_gpu():
     greedy = target.generate(prompt, max_new_tokens=48, eos_token_id=[], use_cuda_graph=False)
     spec = target.generate(prompt, max_new_tokens=48, eos_token_id=[], draft_model=draft, num_draft_tokens=4)
     assert torch.equal(spec, greedy)
+
+
+def test_interleaved_generations_of_one_shape_get_separate_pooled_caches():
+    from flash_models.generation import Generation, resolve_settings
+
+    model = small("gpt2")
+    prompts = [torch.randint(0, 1000, (1, 12), device="cuda") for _ in range(2)]
+    alone = [model.generate(p, max_new_tokens=20, eos_token_id=[]) for p in prompts]
+    settings = resolve_settings(model.config, 1000, max_new_tokens=20, eos_token_id=[])
+    runs = [Generation(model, p, settings=settings) for p in prompts]
+    iters = [iter(r) for r in runs]
+    for _ in range(20):  # step the two generations in turn
+        for it in iters:
+            next(it)
+    for run, ref in zip(runs, alone):
+        assert torch.equal(run.output(), ref)
