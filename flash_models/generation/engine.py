@@ -83,6 +83,7 @@ def cache_and_runner(model, batch_size: int, needed_len: int, *, use_cuda_graph:
         return cache, _LazyRunner(model, cache, use_cuda_graph=False)
     length = -(-needed_len // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
     entries = _POOL.setdefault(model, {})
+    model = weakref.proxy(model)  # pooled runners must not keep their (weakly keyed) model alive
     key = (batch_size, length, model.dtype)
     if key not in entries:
         cache = model.new_kv_cache(batch_size, length)
