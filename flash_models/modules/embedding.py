@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flash_kernels._backend import capturing_cuda_graph
+from flash_kernels._backend import check_ids_in_range
 
 
 class Embeddings(nn.Module):
@@ -28,11 +28,7 @@ class Embeddings(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         vocab = self.tokens.num_embeddings
-        # The range check syncs with the device; a CUDA-graph capture (decode steps) cannot, and its tokens
-        # come from the model's own vocabulary.
-        checkable = input_ids.numel() and not capturing_cuda_graph()
-        if checkable and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
-            raise ValueError(f"input_ids must lie in [0, {vocab}); got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
+        check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model")
         hidden = self.tokens(input_ids)  # (B, S, token_dim)
         if self.project_in is not None:
             hidden = self.project_in(hidden)  # (B, S, hidden)
@@ -41,10 +37,12 @@ class Embeddings(nn.Module):
         if self.token_types is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)
-            elif token_type_ids.shape != input_ids.shape or int(token_type_ids.max()) >= self.token_types.num_embeddings:
+            elif token_type_ids.shape != input_ids.shape:
                 raise ValueError(
-                    f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)} and values below "
-                    f"{self.token_types.num_embeddings}; got shape {tuple(token_type_ids.shape)}"
+                    f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(token_type_ids.shape)}"
                 )
+            else:
+                types = self.token_types.num_embeddings
+                check_ids_in_range(token_type_ids, types, message=f"token_type_ids must lie in [0, {types})")
             hidden = hidden + self.token_types(token_type_ids)
         return hidden

@@ -69,3 +69,21 @@ def capturing_cuda_graph() -> bool:
     """True while the current CUDA stream is being captured into a graph (host syncs are illegal then).
     Never initializes CUDA: without it initialized, nothing can be capturing."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: int | None = None) -> None:
+    """Every id in [0, high) (or equal to ``ignore``); ``message`` names the problem and the fix.
+
+    On the CPU a ValueError says so, naming the first bad id. On CUDA the check is an asynchronous device
+    assert: reading the answer on the host would stall the launch queue once per forward, and an
+    out-of-range id must still never index silently out of bounds.
+    """
+    valid = (ids >= 0) & (ids < high)
+    if ignore is not None:
+        valid |= ids == ignore
+    if ids.is_cuda:
+        if not capturing_cuda_graph():
+            torch._assert_async(valid.all(), message)
+        return
+    if not bool(valid.all()):
+        raise ValueError(f"{message} (first bad value: {int(ids[~valid][0])})")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._backend import use_triton
+from ._backend import check_ids_in_range, use_triton
 from ._triton_utils import as_rows, eager_function, next_power_of_2, pick, warps_for_block
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -49,13 +49,11 @@ def cross_entropy_ref(
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: str) -> None:
     """Labels must lie in [0, vocab) or equal ignore_index; a silent out-of-range label corrupts the loss."""
-    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab_size))
-    if bad.any():
-        first = labels[bad][0].item()
-        raise ValueError(
-            f"{op}: label {first} is outside the vocabulary [0, {vocab_size}); use ignore_index={ignore_index} "
-            "for positions that carry no loss"
-        )
+    check_ids_in_range(
+        labels, vocab_size, ignore=ignore_index,
+        message=f"{op}: a label is outside the vocabulary [0, {vocab_size}); use ignore_index={ignore_index} for "
+        "positions that carry no loss",
+    )
 
 
 

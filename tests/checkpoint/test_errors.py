@@ -81,7 +81,7 @@ def test_token_ids_outside_vocab():
     model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97, n_positions=16)
     with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 97\)"):
         model(torch.tensor([[1, 97]]))
-    with pytest.raises(ValueError, match="label 500 is outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"a label is outside the vocabulary \[0, 97\).*first bad value: 500"):
         model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 500]]))
 
 

@@ -110,3 +110,18 @@ def test_gpu_large_vocab(vocab):
     assert_close(loss, ref, torch.float32, scale=10)
     assert_close(lse, ref_lse, torch.float32, scale=10)
     assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(ref, logits)[0], torch.bfloat16)
+
+
+def test_label_range_check_never_syncs_on_cuda(monkeypatch):
+    """On CUDA the range check must be an asynchronous device assert, not a host read."""
+    import flash_kernels._backend as backend
+
+    calls = []
+    monkeypatch.setattr(backend.torch, "_assert_async", lambda cond, msg: calls.append(msg))
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = True
+
+    labels = torch.tensor([1, 2, -100]).as_subclass(FakeCuda)
+    backend.check_ids_in_range(labels, 5, ignore=-100, message="labels out of range")
+    assert calls == ["labels out of range"]
