@@ -100,9 +100,19 @@ class Generation:
         eos = torch.tensor(s.eos_ids, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stoppable = bool(s.eos_ids) or bool(s.stop_strings)
+        # Rows still sampling, refreshed at each stop check (None: all). Filtering and drawing (sorts over the
+        # vocabulary) then skip finished rows; greedy argmax is too cheap to be worth the gather.
+        active: torch.Tensor | None = None
+        compact = s.do_sample and not s.output_scores
         for step in range(s.max_new_tokens):
-            scores = process_logits(logits, s, seen=seen, step=step)
-            token = choose(scores, do_sample=s.do_sample, generator=self.generator)
+            if active is None:
+                scores = process_logits(logits, s, seen=seen, step=step)
+                token = choose(scores, do_sample=s.do_sample, generator=self.generator)
+            else:
+                rows_seen = seen[active] if seen is not None else None
+                scores = process_logits(logits[active], s, seen=rows_seen, step=step)
+                token = torch.full((B,), s.pad_id, dtype=torch.long, device=device)
+                token[active] = choose(scores, do_sample=True, generator=self.generator)
             token = torch.where(finished, torch.full_like(token, s.pad_id), token)
             if s.output_scores:  # a copy: the scores may be the decode graph's static output buffer
                 self.scores.append(scores.clone())
@@ -117,8 +127,11 @@ class Generation:
                 newly = done & ~finished
                 self.finish_step = torch.where(newly, torch.full_like(self.finish_step, step), self.finish_step)
                 finished |= newly
-                if (step + 1) % self._stop_interval() == 0 and bool(finished.all()):  # the batched stop check
-                    return
+                if (step + 1) % self._stop_interval() == 0:  # the batched stop check
+                    if bool(finished.all()):
+                        return
+                    if compact and bool(finished.any()):
+                        active = (~finished).nonzero().squeeze(1)
             if step + 1 == s.max_new_tokens:
                 return
             if seen is not None:

@@ -1,5 +1,6 @@
 """The generation engine on the CPU: parity with HF generate, sampling, stops, streaming, speculative."""
 
+import importlib
 import itertools
 
 import pytest
@@ -221,3 +222,27 @@ def test_two_interleaved_streams_do_not_share_state():
     it_a, it_b = stream(ours, tok, a, max_new_tokens=12, eos_token_id=[]), stream(ours, tok, b, max_new_tokens=12, eos_token_id=[])
     pieces = list(itertools.zip_longest(it_a, it_b, fillvalue=""))  # both live at once, stepped in turn
     assert "".join(p for p, _ in pieces) == alone_a and "".join(p for _, p in pieces) == alone_b
+
+
+def test_finished_rows_leave_the_sampling_work(monkeypatch):
+    gen = importlib.import_module("flash_models.generation.generate")  # the module, not the function it exports
+
+    ours = ours_from_hf(llama_hf(seed=14))
+    ids = torch.randint(2, VOCAB, (3, 5))
+    sampled_rows = []
+    original = gen.process_logits
+
+    def spy(logits, settings, **kwargs):
+        sampled_rows.append(logits.shape[0])
+        return original(logits, settings, **kwargs)
+
+    monkeypatch.setattr(gen, "process_logits", spy)
+    # Row 0 finishes at once: its first token is made the only allowed EOS by a top-k of 1 on its logits.
+    first = ours.generate(ids, max_new_tokens=1, do_sample=True, top_k=1, eos_token_id=[])[:, -1]
+    eos = int(first[0])
+    sampled_rows.clear()
+    out = ours.generate(ids, max_new_tokens=10, do_sample=True, top_k=1, eos_token_id=eos, pad_token_id=0,
+                        generator=torch.Generator().manual_seed(0))
+    assert out[0, 5] == eos and (out[0, 6:] == 0).all()
+    assert not bool((out[1:, 5:] == eos).any()), "setup: only row 0 may finish"
+    assert sampled_rows[0] == 3 and sampled_rows[-1] == 2  # row 0 stopped costing sampling work
