@@ -196,7 +196,7 @@ def _triton_unsupported(q) -> str | None:
     return None
 
 
-def _check_cu_seqlens(op, name, cu, total, device):
+def _check_cu_seqlens(op, name, cu, total, device, max_seqlen):
     if cu.dtype != torch.int32:
         raise ValueError(f"{op}: {name} must be int32, got {cu.dtype}")
     if cu.dim() != 1 or cu.numel() < 2:
@@ -205,6 +205,13 @@ def _check_cu_seqlens(op, name, cu, total, device):
         raise ValueError(f"{op}: {name} is on {cu.device}, q on {device}")
     if torch.compiler.is_compiling():
         return None  # the value checks read the tensor (a sync and a graph break); eager calls make them
+    if cu.is_cuda:
+        # Reading the offsets on the host would stall the launch queue in every layer: assert on the device.
+        lengths = cu.diff()
+        valid = (cu[0] == 0) & (cu[-1] == total) & (lengths >= 0).all() & (lengths.max() <= max_seqlen)
+        torch._assert_async(valid, f"{op}: {name} must start at 0, not decrease, end at {total} and have no "
+                                   f"sequence longer than max_seqlen ({max_seqlen})")
+        return None
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{op}: {name}[0] must be 0, got {values[0]}")
@@ -954,8 +961,8 @@ def flash_attn_varlen_func(
     _check_qkv(op, q, k, v, 3)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"{op}: cu_seqlens_q shape {tuple(cu_seqlens_q.shape)} != cu_seqlens_k shape {tuple(cu_seqlens_k.shape)}")
-    longest_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    longest_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    longest_q = _check_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, max_seqlen_q)
+    longest_k = _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, max_seqlen_k)
     if longest_q is not None and (longest_q > max_seqlen_q or longest_k > max_seqlen_k):
         raise ValueError(
             f"{op}: max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) is smaller than the longest sequence "
