@@ -72,25 +72,27 @@ class DecodeRunner:
 _POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def cache_and_runner(model, batch_size: int, needed_len: int, *, use_cuda_graph: bool) -> tuple[KVCache, DecodeRunner]:
+def cache_and_runner(
+    model, batch_size: int, needed_len: int, *, use_cuda_graph: bool, block_size: int | None = None,
+) -> tuple[KVCache, DecodeRunner]:
     """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with
     graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh. A pooled pair
     serves one generation at a time: while it is busy (two live ``stream`` iterators of one shape, say), a
     second caller gets a pair of its own. The caller calls ``runner.release()`` when its generation ends."""
     pooled = use_cuda_graph and model.device.type == "cuda"
     if not pooled:
-        cache = model.new_kv_cache(batch_size, needed_len)
+        cache = model.new_kv_cache(batch_size, needed_len, block_size=block_size)
         return cache, _LazyRunner(model, cache, use_cuda_graph=False)
     length = -(-needed_len // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
     entries = _POOL.setdefault(model, {})
     model = weakref.proxy(model)  # pooled runners must not keep their (weakly keyed) model alive
-    key = (batch_size, length, model.dtype)
+    key = (batch_size, length, model.dtype, block_size)
     if key not in entries:
-        cache = model.new_kv_cache(batch_size, length)
+        cache = model.new_kv_cache(batch_size, length, block_size=block_size)
         entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True))
     cache, runner = entries[key]
     if runner.busy:
-        cache = model.new_kv_cache(batch_size, length)
+        cache = model.new_kv_cache(batch_size, length, block_size=block_size)
         runner = _LazyRunner(model, cache, use_cuda_graph=True)
     runner.busy = True
     cache.reset()

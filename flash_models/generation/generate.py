@@ -81,7 +81,8 @@ class Generation:
         if s.max_new_tokens == 0:
             return
         B, S = self.input_ids.shape
-        cache, runner = cache_and_runner(model, B, S + s.max_new_tokens, use_cuda_graph=s.use_cuda_graph)
+        cache, runner = cache_and_runner(model, B, S + s.max_new_tokens, use_cuda_graph=s.use_cuda_graph,
+                                         block_size=s.kv_block_size)
         try:
             yield from self._steps(cache, runner)
         finally:  # also when a caller abandons the iterator: the pooled cache is free again

@@ -27,6 +27,7 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     num_draft_tokens: int = 4  # speculative decoding with a draft model
     use_cuda_graph: bool = True  # capture the decode step on CUDA
+    kv_block_size: int | None = None  # a paged KV cache with blocks of this many tokens (None: one static block per row)
 
     def check(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:
@@ -49,6 +50,8 @@ class GenerationSettings:
             raise ValueError(f"eos_token_id {bad} outside the vocabulary [0, {vocab_size})")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < vocab_size:
             raise ValueError(f"pad_token_id {self.pad_token_id} outside the vocabulary [0, {vocab_size})")
+        if self.kv_block_size is not None and self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1 (or None for a static cache), got {self.kv_block_size}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
 

@@ -17,6 +17,7 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask
+from ..modules.paged_kv_cache import PagedKVCache
 
 
 @dataclass
@@ -111,12 +112,18 @@ class DecoderLM(nn.Module):
     def output_embeddings(self) -> torch.Tensor:
         return self.embed.tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_kv_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> KVCache:
+    def new_kv_cache(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, block_size: int | None = None,
+        num_blocks: int | None = None,
+    ) -> KVCache:
+        """A static KV cache for ``batch_size`` rows of up to ``max_len`` tokens; with ``block_size`` a paged
+        one whose blocks (``num_blocks`` in all, default enough for every row) are handed out as it grows."""
         att = self.decoder_config.attention
-        return KVCache(
-            num_layers=len(self.blocks), batch_size=batch_size, max_len=max_len, num_kv_heads=att.num_kv_heads,
-            head_dim=att.head_dim, dtype=dtype or self.dtype, device=self.device,
-        )
+        shape = dict(num_layers=len(self.blocks), batch_size=batch_size, max_len=max_len, num_kv_heads=att.num_kv_heads,
+                     head_dim=att.head_dim, dtype=dtype or self.dtype, device=self.device)
+        if block_size is None:
+            return KVCache(**shape)
+        return PagedKVCache(**shape, block_size=block_size, num_blocks=num_blocks)
 
     # ----------------------------------------------------------------------------------------------------
     def forward(

@@ -216,13 +216,14 @@ class Attention(nn.Module):
             window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
             return flash_kernels.flash_attn_with_kvcache(
                 q, cache.k[layer], cache.v[layer], cache_seqlens=mask.cache_lengths, causal=True,
-                softmax_scale=self.softmax_scale, window_size=window,
+                softmax_scale=self.softmax_scale, window_size=window, block_table=cache.block_table,
                 backend="triton" if self.attn_impl == "flash" else "auto",
             )
         if mask.cache_was_empty:  # prefill: the new tokens are all there is, attend among them directly
             return self.attend(q, k, v, mask)
         dense = mask.cache_dense(cache.max_len, q.device)  # (B, 1, Sq, max_len)
-        return self._masked_attention(q, cache.k[layer], cache.v[layer], dense, "eager" if backend == "eager" else "sdpa", 0.0)
+        keys, values = cache.layer_kv(layer)
+        return self._masked_attention(q, keys, values, dense, "eager" if backend == "eager" else "sdpa", 0.0)
 
     def backend_for(self, x: torch.Tensor) -> str:
         """The backend for inputs on x's device and dtype (x: q, or the hidden states about to come in)."""

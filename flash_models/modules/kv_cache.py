@@ -24,6 +24,7 @@ class KVCache:
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)  # real tokens per row
         self.max_len = max_len
         self.upper_bound = 0  # host-side bound on seqlens.max() (no device sync needed to check room)
+        self.block_table: torch.Tensor | None = None  # paged caches only (see paged_kv_cache.py)
 
     @property
     def batch_size(self) -> int:
@@ -56,6 +57,10 @@ class KVCache:
         rows, positions, k, v = rows[real], positions[real], k[real], v[real]
         self.k[layer_idx][rows, positions] = k.to(self.k[layer_idx].dtype)
         self.v[layer_idx][rows, positions] = v.to(self.v[layer_idx].dtype)
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one layer as (B, max_len, Hkv, D), for attention that masks the whole cache."""
+        return self.k[layer_idx], self.v[layer_idx]
 
     def advance(self, new_counts: torch.Tensor | int) -> None:
         self.seqlens += new_counts

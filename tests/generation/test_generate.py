@@ -246,3 +246,24 @@ def test_finished_rows_leave_the_sampling_work(monkeypatch):
     assert out[0, 5] == eos and (out[0, 6:] == 0).all()
     assert not bool((out[1:, 5:] == eos).any()), "setup: only row 0 may finish"
     assert sampled_rows[0] == 3 and sampled_rows[-1] == 2  # row 0 stopped costing sampling work
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_paged_kv_cache_generates_what_the_static_cache_does(block_size):
+    ours = ours_from_hf(llama_hf(seed=15))
+    ids, mask = left_padded_batch()
+    static = ours.generate(ids, attention_mask=mask, max_new_tokens=21, eos_token_id=[])
+    paged = ours.generate(ids, attention_mask=mask, max_new_tokens=21, eos_token_id=[], kv_block_size=block_size)
+    assert torch.equal(paged, static)
+
+
+def test_paged_kv_cache_hands_out_blocks_as_it_grows_and_says_when_the_pool_is_dry():
+    ours = ours_from_hf(llama_hf(seed=16))
+    cache = ours.new_kv_cache(2, 40, block_size=8, num_blocks=6)  # room for 3 blocks per row, not 5
+    with torch.no_grad():
+        ours(torch.randint(2, VOCAB, (2, 9)), kv_cache=cache)
+        assert len(cache.free_blocks) == 6 - 2 * 2  # 9 tokens -> 2 blocks per row
+        assert len(set(cache.block_table[:, :2].flatten().tolist())) == 4  # no block shared between rows
+        ours(torch.randint(2, VOCAB, (2, 15)), kv_cache=cache)  # 24 tokens -> 3 blocks per row
+        with pytest.raises(ValueError, match="paged KV cache pool exhausted"):
+            ours(torch.randint(2, VOCAB, (2, 1)), kv_cache=cache)
