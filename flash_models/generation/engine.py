@@ -17,33 +17,42 @@ CACHE_LEN_BUCKET = 256  # cache lengths are rounded up to this, so a captured gr
 
 
 class DecodeRunner:
-    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True):
+    """Runs ``model.decode_step`` against one cache: eagerly, compiled (``compile``: True for inductor, or a
+    torch.compile backend name), and on CUDA replayed from a captured graph (``use_cuda_graph``)."""
+
+    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False):
         self.model, self.cache = model, cache
         self.graph: torch.cuda.CUDAGraph | None = None
-        if use_cuda_graph and cache.seqlens.is_cuda and self._graph_safe():
+        self.fast = self._tables_fixed()
+        if not self.fast:
+            return
+        # The tables every step reads (and a graph keeps pointing at): kept alive as long as the runner.
+        self.rope_tables = model.rotary.tables(cache.max_len, cache.seqlens.device) if model.rotary is not None else None
+        self.step = model.decode_step
+        if compile:
+            self.step = torch.compile(model.decode_step, fullgraph=True, backend="inductor" if compile is True else compile)
+        if use_cuda_graph and cache.seqlens.is_cuda:
             self._capture()
 
-    def _graph_safe(self) -> bool:
-        """Dynamic-NTK rotary rebuilds its tables past the trained length; a graph would keep stale ones."""
+    def _tables_fixed(self) -> bool:
+        """Dynamic-NTK rotary rebuilds its tables past the trained length, per length: such a model decodes
+        through the plain forward, step by step."""
         rope = self.model.decoder_config.rope
         return rope is None or rope.rope_type != "dynamic" or self.cache.max_len <= rope.max_position_embeddings
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B,) -> next-token logits (B, V); the cache advances by one token per row."""
-        if self.graph is None:
+        if not self.fast:
             return self.model(tokens.unsqueeze(1), kv_cache=self.cache).logits[:, -1]
-        self.cache.reserve(1)  # host-side bookkeeping the replay does not run
+        self.cache.reserve(1)
+        if self.graph is None:
+            return self.step(tokens.unsqueeze(1), self.cache, self.rope_tables)
         self.static_tokens.copy_(tokens.unsqueeze(1))
         self.graph.replay()
         return self.static_logits
 
-    def _step(self) -> torch.Tensor:
-        return self.model(self.static_tokens, kv_cache=self.cache).logits[:, -1]
-
     def _capture(self) -> None:
-        cache, model = self.cache, self.model
-        if model.rotary is not None:  # the tables the graph reads: keep them alive as long as the graph
-            self.rope_tables = model.rotary.tables(cache.max_len, cache.seqlens.device)
+        cache = self.cache
         self.static_tokens = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.seqlens.device)
         saved_lengths, saved_bound = cache.seqlens.clone(), cache.upper_bound
 
@@ -51,18 +60,22 @@ class DecodeRunner:
             cache.seqlens.copy_(saved_lengths)
             cache.upper_bound = saved_bound
 
-        # Warm up on a side stream (allocator pools, Triton autotuning), as torch.cuda.graphs asks.
+        def step() -> torch.Tensor:
+            cache.reserve(1)
+            return self.step(self.static_tokens, cache, self.rope_tables)
+
+        # Warm up on a side stream (allocator pools, Triton autotuning, compilation), as torch.cuda.graphs asks.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 restore()
-                self._step()
+                step()
         torch.cuda.current_stream().wait_stream(stream)
         restore()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.static_logits = self._step()
+            self.static_logits = step()
         # The warm-up and capture wrote into the slots at the saved lengths; the real steps overwrite them.
         restore()
 
@@ -74,6 +87,7 @@ _POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def cache_and_runner(
     model, batch_size: int, needed_len: int, *, use_cuda_graph: bool, block_size: int | None = None,
+    compile: bool | str = False,
 ) -> tuple[KVCache, DecodeRunner]:
     """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with
     graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh. A pooled pair
@@ -82,18 +96,18 @@ def cache_and_runner(
     pooled = use_cuda_graph and model.device.type == "cuda"
     if not pooled:
         cache = model.new_kv_cache(batch_size, needed_len, block_size=block_size)
-        return cache, _LazyRunner(model, cache, use_cuda_graph=False)
+        return cache, _LazyRunner(model, cache, use_cuda_graph=False, compile=compile)
     length = -(-needed_len // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
     entries = _POOL.setdefault(model, {})
     model = weakref.proxy(model)  # pooled runners must not keep their (weakly keyed) model alive
-    key = (batch_size, length, model.dtype, block_size)
+    key = (batch_size, length, model.dtype, block_size, compile)
     if key not in entries:
         cache = model.new_kv_cache(batch_size, length, block_size=block_size)
-        entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True))
+        entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True, compile=compile))
     cache, runner = entries[key]
     if runner.busy:
         cache = model.new_kv_cache(batch_size, length, block_size=block_size)
-        runner = _LazyRunner(model, cache, use_cuda_graph=True)
+        runner = _LazyRunner(model, cache, use_cuda_graph=True, compile=compile)
     runner.busy = True
     cache.reset()
     return cache, runner
@@ -108,8 +122,8 @@ class _LazyRunner:
     """Builds (and on CUDA captures) the DecodeRunner at the first decode step, after the prefill has
     filled the cache: the capture replays from the cache state it sees."""
 
-    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool):
-        self.model, self.cache, self.use_cuda_graph = model, cache, use_cuda_graph
+    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool, compile: bool | str = False):
+        self.model, self.cache, self.use_cuda_graph, self.compile = model, cache, use_cuda_graph, compile
         self.runner: DecodeRunner | None = None
         self.busy = False
 
@@ -118,5 +132,5 @@ class _LazyRunner:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.runner is None:
-            self.runner = DecodeRunner(self.model, self.cache, use_cuda_graph=self.use_cuda_graph)
+            self.runner = DecodeRunner(self.model, self.cache, use_cuda_graph=self.use_cuda_graph, compile=self.compile)
         return self.runner(tokens)

@@ -27,6 +27,7 @@ class GenerationSettings:
     return_dict_in_generate: bool = False
     num_draft_tokens: int = 4  # speculative decoding with a draft model
     use_cuda_graph: bool = True  # capture the decode step on CUDA
+    compile_decode: bool | str = False  # torch.compile the decode step (True: inductor; or a backend name)
     kv_block_size: int | None = None  # a paged KV cache with blocks of this many tokens (None: one static block per row)
 
     def check(self, vocab_size: int) -> None:

@@ -149,7 +149,6 @@ class DecoderLM(nn.Module):
 
         ``return_logits=False`` with labels (training): the LM head and the loss run fused in vocabulary chunks
         (flash_kernels.linear_cross_entropy), the (B, S, vocab) logits are never stored and ``logits`` is None."""
-        dc = self.decoder_config
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
@@ -160,8 +159,30 @@ class DecoderLM(nn.Module):
         position_ids, mask, positions_needed = self._positions_and_mask(
             input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens
         )
+        rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
+        hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
+        if labels is not None and not return_logits:
+            return CausalLMOutput(logits=None, loss=self.fused_loss(hidden, labels), last_hidden_state=hidden)
+        logits = self._logits(hidden)
+        loss = self.loss(logits, labels) if labels is not None else None
+        return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
+
+    def decode_step(self, tokens: torch.Tensor, cache: KVCache, rope_tables) -> torch.Tensor:
+        """One token per row (tokens (B, 1)) against a filled ``cache`` -> next-token logits (B, V).
+
+        It reads only tensors and fixed sizes, so the generation engine can capture it in a CUDA graph or
+        compile it: the caller has checked the positions, reserved the room (``cache.reserve(1)``) and gives
+        rotary tables that cover the whole cache."""
+        mask = build_cached_attention_mask(
+            None, cache, q_len=1, sliding_window=self.decoder_config.attention.sliding_window, cache_was_empty=False
+        )
+        hidden = self._backbone(tokens, mask.cache_slots, mask, rope_tables, cache)
+        return self._logits(hidden)[:, -1]
+
+    def _backbone(self, input_ids, position_ids, mask, rope_tables, kv_cache) -> torch.Tensor:
+        """Embeddings, every block, the final norm: the residual stream, (B, S) ids -> (B, S, hidden)."""
+        dc = self.decoder_config
         hidden = self.embed(input_ids, position_ids)  # (B, S, hidden)
-        rope_tables = self.rotary.tables(positions_needed, hidden.device) if self.rotary is not None else None
         residual = None
         for block in self.blocks:
             hidden, residual = block(
@@ -173,13 +194,10 @@ class DecoderLM(nn.Module):
             hidden = self.project_out(hidden)  # (B, S, embed_dim)
         if kv_cache is not None:
             kv_cache.advance(mask.cache_lengths - kv_cache.seqlens)
-        if labels is not None and not return_logits:
-            return CausalLMOutput(logits=None, loss=self.fused_loss(hidden, labels), last_hidden_state=hidden)
-        logits = nn.functional.linear(
-            hidden, self.output_embeddings(), self.lm_head.bias if self.lm_head is not None else None
-        )
-        loss = self.loss(logits, labels) if labels is not None else None
-        return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.output_embeddings(), self.lm_head.bias if self.lm_head is not None else None)
 
     def _positions_and_mask(self, input_ids, attention_mask, position_ids, *, kv_cache, cu_seqlens):
         """Position ids (B, S), the shared AttentionMask, and how many rotary positions the tables must cover.

@@ -141,9 +141,12 @@ def build_attention_mask(
 
 def build_cached_attention_mask(
     new_mask: torch.Tensor | None, cache: KVCache, *, q_len: int, sliding_window: int | None,
+    cache_was_empty: bool | None = None,
 ) -> AttentionMask:
     """The mask for ``q_len`` new tokens going into ``cache``. ``new_mask`` (B, q_len) marks the real new
-    tokens (None: all real). Real tokens take the next free slots of their row; padding takes none."""
+    tokens (None: all real). Real tokens take the next free slots of their row; padding takes none.
+    ``cache_was_empty`` defaults to the cache's own host-side state; a decode step that must not read it (a
+    compiled one) says False."""
     if new_mask is None:
         slots = cache.seqlens.long().unsqueeze(1) + torch.arange(q_len, device=cache.seqlens.device)  # (B, S)
         new_counts = torch.full_like(cache.seqlens, q_len)
@@ -155,7 +158,7 @@ def build_cached_attention_mask(
     return AttentionMask(
         q_len=q_len, past_len=0, causal=True, sliding_window=sliding_window, key_padding=query_real,
         cache_slots=slots, query_real=query_real, cache_lengths=cache.seqlens + new_counts,
-        cache_was_empty=cache.empty,
+        cache_was_empty=cache.empty if cache_was_empty is None else cache_was_empty,
     )
 
 

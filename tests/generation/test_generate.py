@@ -267,3 +267,19 @@ def test_paged_kv_cache_hands_out_blocks_as_it_grows_and_says_when_the_pool_is_d
         ours(torch.randint(2, VOCAB, (2, 15)), kv_cache=cache)  # 24 tokens -> 3 blocks per row
         with pytest.raises(ValueError, match="paged KV cache pool exhausted"):
             ours(torch.randint(2, VOCAB, (2, 1)), kv_cache=cache)
+
+
+@pytest.mark.parametrize("make_hf", [llama_hf, gpt2_hf])
+def test_compiled_decode_step_traces_as_one_graph_and_generates_the_same(make_hf):
+    """torch.compile(fullgraph=True) of the decode step (the 'eager' backend: dynamo's tracing without code
+    generation, fast enough for CI) raises on any graph break."""
+    import torch._dynamo
+
+    ours = ours_from_hf(make_hf(seed=17))
+    ids, mask = left_padded_batch()
+    plain = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], compile_decode="eager")
+    assert torch.equal(compiled, plain)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation from step to step

@@ -73,3 +73,19 @@ def test_interleaved_generations_of_one_shape_get_separate_pooled_caches():
             next(it)
     for run, ref in zip(runs, alone):
         assert torch.equal(run.output(), ref)
+
+
+def test_compiled_and_graphed_decode_generates_what_eager_does():
+    model = small("llama-1b")
+    prompt = torch.randint(0, 1000, (2, 19), device="cuda")
+    eager = model.generate(prompt, max_new_tokens=24, eos_token_id=[], use_cuda_graph=False)
+    compiled = model.generate(prompt, max_new_tokens=24, eos_token_id=[], compile_decode=True)
+    assert torch.equal(compiled, eager)
+
+
+def test_paged_cache_with_graphs_generates_what_the_static_cache_does():
+    model = small("llama-1b")
+    prompt = torch.randint(0, 1000, (3, 21), device="cuda")
+    static = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    paged = model.generate(prompt, max_new_tokens=40, eos_token_id=[], kv_block_size=16)
+    assert torch.equal(paged, static)
