@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import flash_kernels
+from flash_kernels.kv_append import cache_locations
 
 
 class KVCache:
@@ -50,13 +51,13 @@ class KVCache:
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> None:
         """Store k, v (B, S, Hkv, D) of the new tokens at their cache positions (B, S); skip padding (``real``
         False). Positions are per row: seqlens[b] + index among the row's real new tokens."""
+        kc, vc = self.k[layer_idx], self.v[layer_idx]
         if real is None:  # every new token is real (decoding): one fused launch for k and v on CUDA
-            flash_kernels.kv_append(self.k[layer_idx], self.v[layer_idx], k, v, positions)
+            flash_kernels.kv_append(kc, vc, k, v, positions, block_table=self.block_table)
             return
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(positions)
-        rows, positions, k, v = rows[real], positions[real], k[real], v[real]
-        self.k[layer_idx][rows, positions] = k.to(self.k[layer_idx].dtype)
-        self.v[layer_idx][rows, positions] = v.to(self.v[layer_idx].dtype)
+        first, second = cache_locations(positions, self.block_table, kc.shape[1])
+        kc[first[real], second[real]] = k[real].to(kc.dtype)
+        vc[first[real], second[real]] = v[real].to(vc.dtype)
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one layer as (B, max_len, Hkv, D), for attention that masks the whole cache."""

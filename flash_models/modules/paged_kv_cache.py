@@ -59,18 +59,6 @@ class PagedKVCache(KVCache):
         self.block_table[:, self.blocks_per_row_in_use:needed] = new.to(self.block_table.device)
         self.blocks_per_row_in_use = needed
 
-    def _physical(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logical (B, S) positions -> (block ids, offsets in the block)."""
-        blocks = self.block_table.long().gather(1, slots.long() // self.block_size)
-        return blocks, slots.long() % self.block_size
-
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> None:
-        blocks, offsets = self._physical(positions)
-        if real is not None:
-            blocks, offsets, k, v = blocks[real], offsets[real], k[real], v[real]
-        self.k[layer_idx][blocks, offsets] = k.to(self.k[layer_idx].dtype)
-        self.v[layer_idx][blocks, offsets] = v.to(self.v[layer_idx].dtype)
-
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row-contiguous (B, max_len, Hkv, D) copies gathered through the block table."""
         B = self.batch_size

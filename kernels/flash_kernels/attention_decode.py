@@ -24,6 +24,7 @@ from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_trit
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
 )
+from .kv_append import kv_append
 
 # ----------------------------------------------------------------------------------------------------------
 # Reference
@@ -34,17 +35,8 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
     """Write k/v (B, S_new, Hkv, D) into the caches at positions cache_seqlens[b] + t, in place."""
     if k is None:
         return
-    bsz, s_new = k.shape[:2]
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)  # (B, S_new)
-    if block_table is None:
-        rows = torch.arange(bsz, device=k.device)[:, None].expand(bsz, s_new)
-        k_cache[rows, pos] = k.to(k_cache.dtype)
-        v_cache[rows, pos] = v.to(v_cache.dtype)
-    else:
-        page_size = k_cache.shape[1]
-        pages = block_table.long().gather(1, pos // page_size)  # (B, S_new)
-        k_cache[pages, pos % page_size] = k.to(k_cache.dtype)
-        v_cache[pages, pos % page_size] = v.to(v_cache.dtype)
+    slots = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (B, S_new)
+    kv_append(k_cache, v_cache, k, v, slots, block_table=block_table)
 
 
 def _gather_cache(cache, b, length, block_table):

@@ -3,6 +3,10 @@
 A decode step stores one token's k and v per row and layer. Done with indexing ops that is several
 launches per layer (slot arithmetic, two index_puts); in a CUDA-graph decode step, launches are the cost,
 so one Triton program per (token, kv head) copies both rows.
+
+Caches are either per row, (B, L, Hkv, D), or paged: a pool (num_blocks, block_size, Hkv, D) with a
+``block_table`` (B, max_blocks) int32 mapping row b's logical slot s to block ``table[b, s // block_size]``,
+offset ``s % block_size``.
 """
 
 from __future__ import annotations
@@ -14,65 +18,92 @@ import triton.language as tl
 from ._backend import use_triton
 
 
-def kv_append_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """k_cache/v_cache (B, L, Hkv, D); k/v (B, S, Hkv, D); slots (B, S): cache position of each new token."""
-    rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1).expand_as(slots)
-    k_cache[rows, slots] = k.to(k_cache.dtype)
-    v_cache[rows, slots] = v.to(v_cache.dtype)
+def cache_locations(slots: torch.Tensor, block_table: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first index, second index) into the cache for logical ``slots`` (B, S): (row, slot) for a per-row
+    cache, (block, offset) for a paged one."""
+    if block_table is None:
+        return torch.arange(slots.shape[0], device=slots.device).unsqueeze(1).expand_as(slots), slots.long()
+    blocks = block_table.long().gather(1, slots.long() // block_size)
+    return blocks, slots.long() % block_size
+
+
+def kv_append_ref(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+) -> None:
+    """k/v (B, S, Hkv, D) stored at logical ``slots`` (B, S) of the caches, in place."""
+    first, second = cache_locations(slots, block_table, k_cache.shape[1])
+    k_cache[first, second] = k.to(k_cache.dtype)
+    v_cache[first, second] = v.to(v_cache.dtype)
 
 
 @triton.jit
 def _kv_append_kernel(
-    KC, VC, K, V, SLOTS, seqlen, n_heads, head_dim,
-    s_kcb, s_kcl, s_kch, s_vcb, s_vcl, s_vch, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_slb, s_sls,
-    BLOCK_D: tl.constexpr,
+    KC, VC, K, V, SLOTS, TABLE, seqlen, head_dim, block_size,
+    s_kc0, s_kc1, s_kch, s_vc0, s_vc1, s_vch, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_slb, s_sls, s_tb,
+    PAGED: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)  # b * seqlen + s
     h = tl.program_id(1)
     b, s = token // seqlen, token % seqlen
     slot = tl.load(SLOTS + b * s_slb + s * s_sls)
+    if PAGED:
+        first = tl.load(TABLE + b * s_tb + slot // block_size).to(tl.int64)
+        second = slot % block_size
+    else:
+        first = b.to(tl.int64)
+        second = slot
     d = tl.arange(0, BLOCK_D)
     m = d < head_dim
     k = tl.load(K + b * s_kb + s * s_ks + h * s_kh + d, mask=m)
     v = tl.load(V + b * s_vb + s * s_vs + h * s_vh + d, mask=m)
-    tl.store(KC + b * s_kcb + slot * s_kcl + h * s_kch + d, k.to(KC.dtype.element_ty), mask=m)
-    tl.store(VC + b * s_vcb + slot * s_vcl + h * s_vch + d, v.to(VC.dtype.element_ty), mask=m)
+    tl.store(KC + first * s_kc0 + second * s_kc1 + h * s_kch + d, k.to(KC.dtype.element_ty), mask=m)
+    tl.store(VC + first * s_vc0 + second * s_vc1 + h * s_vch + d, v.to(VC.dtype.element_ty), mask=m)
 
 
-def _kv_append_triton(k_cache, v_cache, k, v, slots) -> None:
+def _kv_append_triton(k_cache, v_cache, k, v, slots, block_table) -> None:
     B, S, H, D = k.shape
+    table = block_table if block_table is not None else slots  # a stand-in pointer, never read
     _kv_append_kernel[(B * S, H)](
-        k_cache, v_cache, k, v, slots, S, H, D,
+        k_cache, v_cache, k, v, slots, table, S, D, k_cache.shape[1],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3], *slots.stride(),
-        BLOCK_D=triton.next_power_of_2(D),
+        table.stride(0), PAGED=block_table is not None, BLOCK_D=triton.next_power_of_2(D),
     )
 
 
 @torch.library.custom_op("flash_kernels::kv_append", mutates_args=("k_cache", "v_cache"))
-def _kv_append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    _kv_append_triton(k_cache, v_cache, k, v, slots)
+def _kv_append_op(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+    block_table: torch.Tensor | None,
+) -> None:
+    _kv_append_triton(k_cache, v_cache, k, v, slots, block_table)
 
 
-def _check(k_cache, v_cache, k, v, slots) -> None:
+def _check(k_cache, v_cache, k, v, slots, block_table) -> None:
     if k_cache.shape != v_cache.shape or k.shape != v.shape:
         raise ValueError(f"kv_append: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} and new k/v "
                          f"{tuple(k.shape)}/{tuple(v.shape)} must match in pairs")
-    if k.dim() != 4 or k_cache.dim() != 4 or k.shape[0] != k_cache.shape[0] or k.shape[2:] != k_cache.shape[2:]:
+    rows_match = block_table is not None or k.shape[0] == k_cache.shape[0]
+    if k.dim() != 4 or k_cache.dim() != 4 or not rows_match or k.shape[2:] != k_cache.shape[2:]:
         raise ValueError(f"kv_append: k {tuple(k.shape)} must be (B, S, Hkv, D) for a cache {tuple(k_cache.shape)}")
     if slots.shape != k.shape[:2] or slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_append: slots must be integer (B, S) = {tuple(k.shape[:2])}, got {slots.dtype} {tuple(slots.shape)}")
+    if block_table is not None and (block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != k.shape[0]):
+        raise ValueError(f"kv_append: block_table must be int32 (B={k.shape[0]}, max_blocks), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("kv_append: the head dim must be contiguous in k, v and the caches")
 
 
 def kv_append(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-    *, backend: str | None = None,
+    *, block_table: torch.Tensor | None = None, backend: str | None = None,
 ) -> None:
-    """Store k, v (B, S, Hkv, D) into k_cache, v_cache (B, L, Hkv, D) at positions ``slots`` (B, S), in place.
-    Slots are not bounds-checked on the device (that would sync): the caller keeps them below L."""
-    _check(k_cache, v_cache, k, v, slots)
+    """Store k, v (B, S, Hkv, D) at logical positions ``slots`` (B, S) of k_cache, v_cache, in place: per-row
+    caches (B, L, Hkv, D), or paged pools with ``block_table`` (see the module docstring). Slots are not
+    bounds-checked on the device (that would sync): the caller keeps them inside the cache."""
+    _check(k_cache, v_cache, k, v, slots, block_table)
     if use_triton(backend, k, op="kv_append"):
-        _kv_append_op(k_cache, v_cache, k, v, slots)
+        _kv_append_op(k_cache, v_cache, k, v, slots, block_table)
     else:
-        kv_append_ref(k_cache, v_cache, k, v, slots)
+        kv_append_ref(k_cache, v_cache, k, v, slots, block_table)

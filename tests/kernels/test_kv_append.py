@@ -24,3 +24,19 @@ def test_bad_shapes_are_named():
         kv_append(cache, cache.clone(), torch.zeros(2, 1, 2, 16), torch.zeros(2, 1, 2, 16), torch.zeros(2, 1))
     with pytest.raises(ValueError, match=r"must be \(B, S, Hkv, D\)"):
         kv_append(cache, cache.clone(), torch.zeros(2, 1, 3, 16), torch.zeros(2, 1, 3, 16), torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_triton_append_equals_reference(dtype):
+    B, S, H, D, block_size, blocks = 3, 4, 2, 24, 5, 12
+    pools = [torch.randn(blocks, block_size, H, D, dtype=dtype) for _ in range(2)]
+    table = torch.randperm(blocks)[: B * 4].view(B, 4).int()  # 4 blocks per row, no block shared
+    k, v = torch.randn(B, S, H, D, dtype=dtype), torch.randn(B, S, H, D, dtype=dtype)
+    slots = torch.stack([torch.randperm(4 * block_size)[:S] for _ in range(B)])
+    ref = [p.clone() for p in pools]
+    kv_append_ref(*ref, k, v, slots, table)
+    kv_append(*pools, k, v, slots.int(), block_table=table, backend="triton")
+    assert torch.equal(pools[0], ref[0]) and torch.equal(pools[1], ref[1])
+    # and the reference itself puts row b's slot s at (table[b, s // block_size], s % block_size)
+    b, s = 1, int(slots[1, 2])
+    assert torch.equal(ref[0][table[b, s // block_size], s % block_size], k[1, 2])
