@@ -11,7 +11,7 @@ import transformers
 
 from .checkpoint import from_pretrained
 from .checkpoint.hub import is_gguf, resolve_model_dir
-from .checkpoint.loader import _dtype
+from .checkpoint.loader import resolve_dtype
 from .checkpoint.tokenizer import load_tokenizer
 
 
@@ -40,7 +40,7 @@ def _median_seconds(fn, repeats: int = 5) -> float:
 
 @torch.inference_mode()
 def compare(source: str, *, prompt: str, new_tokens: int = 32, dtype=None, device=None) -> dict:
-    dtype, device = _dtype(dtype), device or "cpu"
+    dtype, device = resolve_dtype(dtype), device or "cpu"
     tokenizer = load_tokenizer(source)
     ours = from_pretrained(source, dtype=dtype, device=device)
     hf = load_hf(source, dtype=dtype, device=device)

@@ -20,7 +20,7 @@ from .rules import rules_for
 log = logging.getLogger(__name__)
 
 
-def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype is None:
         return torch.float32
     if isinstance(dtype, str):
@@ -64,7 +64,7 @@ def from_pretrained(
     ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops ("reference", "triton", "auto").
     The model comes back in eval mode, as in transformers.
     """
-    dtype, device = _dtype(dtype), torch.device(device or "cpu")
+    dtype, device = resolve_dtype(dtype), torch.device(device or "cpu")
     if is_gguf(name_or_path) or gguf_file is not None:
         config_dict, hf_state = load_gguf(resolve_gguf(name_or_path, gguf_file=gguf_file, revision=revision))
         model_type = config_dict.pop("model_type")
@@ -107,4 +107,4 @@ def create_model(preset: str, *, dtype=None, device=None, attn_impl: str = "auto
     spec = get_preset(preset)
     hf_config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.hf_config, **overrides})
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device or "cpu")
-    return model.to(dtype=_dtype(dtype))
+    return model.to(dtype=resolve_dtype(dtype))
