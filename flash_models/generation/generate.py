@@ -76,6 +76,9 @@ class Generation:
     def _stop_interval(self) -> int:
         return 4 if self.input_ids.is_cuda else 1
 
+    # torch runs a decorated generator's every step in inference mode and leaves it at each yield: the pooled
+    # caches and graphs hold inference tensors, which only inference mode may update in place.
+    @torch.inference_mode()
     def __iter__(self) -> Iterator[torch.Tensor]:
         s, model = self.settings, self.model
         if s.max_new_tokens == 0:

@@ -122,12 +122,14 @@ def build_attention_mask(
     if cu_seqlens is not None:
         if attention_mask is not None or past_len:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with attention_mask or a KV cache")
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != q_len:
+        offsets = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else []  # one host read per forward
+        lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        if cu_seqlens.dtype != torch.int32 or not offsets or offsets[0] != 0 or offsets[-1] != q_len or min(lengths, default=0) < 0:
             raise ValueError(
-                f"cu_seqlens must be int32 offsets starting at 0 and ending at the packed length {q_len}, "
-                f"got {cu_seqlens.tolist() if cu_seqlens.numel() < 20 else tuple(cu_seqlens.shape)}"
+                f"cu_seqlens must be non-decreasing int32 offsets starting at 0 and ending at the packed length "
+                f"{q_len}, got {offsets if 0 < len(offsets) < 20 else tuple(cu_seqlens.shape)} ({cu_seqlens.dtype})"
             )
-        max_seqlen = int(cu_seqlens.diff().max()) if cu_seqlens.numel() > 1 else 0
+        max_seqlen = max(lengths, default=0)
         return AttentionMask(q_len=q_len, past_len=0, causal=causal, sliding_window=sliding_window, key_padding=None,
                              cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
     if attention_mask is not None and attention_mask.shape[-1] != k_len:

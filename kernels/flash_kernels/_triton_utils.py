@@ -33,6 +33,18 @@ def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> tor
     return torch.empty(0, device=device, dtype=dtype)
 
 
+_DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def dummy_pointer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor passed where a kernel takes a pointer it never reads (an absent optional input),
+    made once per device and dtype: allocating one per launch costs more host time than the launch itself."""
+    key = (device, dtype)
+    if key not in _DUMMIES:
+        _DUMMIES[key] = torch.empty(1, device=device, dtype=dtype)
+    return _DUMMIES[key]
+
+
 def dropout_seed(device: torch.device) -> torch.Tensor:
     """A fresh Philox seed drawn from torch's generator, kept on the device so that no host sync is needed.
 
@@ -46,7 +58,8 @@ def eager_function(name: str, forward_impl, setup_context, backward):
 
     Eager calls use it instead of the torch.library custom op: the dispatcher costs tens of microseconds per
     call in Python, as much as a memory-bound kernel takes on the GPU. Under torch.compile the public functions
-    call the custom op, which the compiler traces as one opaque node.
+    call the custom op, which the compiler traces as one opaque node. With grad mode off, ``forward_impl`` is
+    called directly.
     """
 
     def forward(ctx, *args):
@@ -56,7 +69,12 @@ def eager_function(name: str, forward_impl, setup_context, backward):
         return out
 
     fn = type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    return fn.apply
+
+    def apply(*args):
+        # Without grad mode (inference, no_grad) nothing is recorded: skip autograd.Function's own host cost.
+        return fn.apply(*args) if torch.is_grad_enabled() else forward_impl(*args)
+
+    return apply
 
 
 def pick(custom_op, eager):

@@ -30,8 +30,10 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._backend import triton_interpreter_enabled, use_triton
+from ._triton_utils import dummy_pointer, eager_function, pick
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -196,6 +198,10 @@ def _triton_unsupported(q) -> str | None:
     return None
 
 
+# cu_seqlens tensors already checked on the device -> (version, total, max_seqlen) they were checked against.
+_CHECKED_OFFSETS = WeakIdKeyDictionary()
+
+
 def _check_cu_seqlens(op, name, cu, total, device, max_seqlen):
     if cu.dtype != torch.int32:
         raise ValueError(f"{op}: {name} must be int32, got {cu.dtype}")
@@ -206,11 +212,17 @@ def _check_cu_seqlens(op, name, cu, total, device, max_seqlen):
     if torch.compiler.is_compiling():
         return None  # the value checks read the tensor (a sync and a graph break); eager calls make them
     if cu.is_cuda:
-        # Reading the offsets on the host would stall the launch queue in every layer: assert on the device.
+        # Reading the offsets on the host would stall the launch queue in every layer: assert on the device,
+        # once per offsets tensor (every layer of a model passes the same one; an in-place edit bumps its version).
+        # Inference tensors keep no version counter; inference mode is also the only place they can change.
+        checked = (None if cu.is_inference() else cu._version, total, max_seqlen)
+        if _CHECKED_OFFSETS.get(cu) == checked:
+            return None
         lengths = cu.diff()
         valid = (cu[0] == 0) & (cu[-1] == total) & (lengths >= 0).all() & (lengths.max() <= max_seqlen)
         torch._assert_async(valid, f"{op}: {name} must start at 0, not decrease, end at {total} and have no "
                                    f"sequence longer than max_seqlen ({max_seqlen})")
+        _CHECKED_OFFSETS[cu] = checked
         return None
     values = cu.tolist()
     if values[0] != 0:
@@ -749,8 +761,8 @@ def _launch_params(q, cu_q, alibi):
     """(varlen, head dim, padded head dim, dummy int pointer, alibi pointer, alibi batch stride)."""
     varlen = cu_q is not None
     d = q.shape[-1]
-    dummy = q.new_empty(1, dtype=torch.int32)
-    alibi_t = alibi if alibi is not None else q.new_empty(1, dtype=torch.float32)
+    dummy = dummy_pointer(q.device, torch.int32)
+    alibi_t = alibi if alibi is not None else dummy_pointer(q.device, torch.float32)
     stride_ab = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
     return varlen, d, triton.next_power_of_2(d), dummy, alibi_t, stride_ab
 
@@ -877,15 +889,21 @@ def _setup_context(ctx, inputs, output):
     ctx.args = inputs[5:12] + (inputs[13],)  # max_q, max_k, causal, scale, wl, wr, softcap, dropout_p
 
 
-def _backward(ctx, dout, _dlse, _drng):
-    q, k, v, out, lse, rng_state, cu_q, cu_k, alibi = ctx.saved_tensors
-    max_q, max_k, causal, scale, wl, wr, softcap, dropout_p = ctx.args
-    dq, dk, dv = _attn_bwd_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
-                              alibi, dropout_p, rng_state)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+def _backward_with(bwd):
+    """The backward, calling ``bwd``: the custom op (traced by torch.compile) or its implementation (eager)."""
+
+    def backward(ctx, dout, _dlse, _drng):
+        q, k, v, out, lse, rng_state, cu_q, cu_k, alibi = ctx.saved_tensors
+        max_q, max_k, causal, scale, wl, wr, softcap, dropout_p = ctx.args
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
+                         alibi, dropout_p, rng_state)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+    return backward
 
 
-torch.library.register_autograd("flash_kernels::attn_fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("flash_kernels::attn_fwd", _backward_with(_attn_bwd_op), setup_context=_setup_context)
+_attn_eager = eager_function("FlashAttention", _attn_fwd_impl, _setup_context, _backward_with(_attn_bwd_impl))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -930,7 +948,7 @@ def flash_attn_func(
                                    return_lse=return_lse)
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
-    out, lse, _ = _attn_fwd_op(q, k, v, None, None, q.shape[1], k.shape[1], causal, float(scale),
+    out, lse, _ = pick(_attn_fwd_op, _attn_eager)(q, k, v, None, None, q.shape[1], k.shape[1], causal, float(scale),
                                int(window_size[0]), int(window_size[1]), float(softcap), alibi, float(dropout_p))
     return (out, lse) if return_lse else out
 
@@ -979,7 +997,7 @@ def flash_attn_varlen_func(
                                           return_lse=return_lse)
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
-    out, lse, _ = _attn_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
+    out, lse, _ = pick(_attn_fwd_op, _attn_eager)(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
                                float(scale), int(window_size[0]), int(window_size[1]), float(softcap), alibi,
                                float(dropout_p))
     return (out, lse) if return_lse else out
