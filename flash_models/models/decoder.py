@@ -176,13 +176,14 @@ class DecoderLM(nn.Module):
         mask = build_cached_attention_mask(
             None, cache, q_len=1, sliding_window=self.decoder_config.attention.sliding_window, cache_was_empty=False
         )
-        hidden = self._backbone(tokens, mask.cache_slots, mask, rope_tables, cache)
+        # The tokens come from our own sampler over this model's logits: in range, no device check needed.
+        hidden = self._backbone(tokens, mask.cache_slots, mask, rope_tables, cache, check_ids=False)
         return self._logits(hidden)[:, -1]
 
-    def _backbone(self, input_ids, position_ids, mask, rope_tables, kv_cache) -> torch.Tensor:
+    def _backbone(self, input_ids, position_ids, mask, rope_tables, kv_cache, *, check_ids: bool = True) -> torch.Tensor:
         """Embeddings, every block, the final norm: the residual stream, (B, S) ids -> (B, S, hidden)."""
         dc = self.decoder_config
-        hidden = self.embed(input_ids, position_ids)  # (B, S, hidden)
+        hidden = self.embed(input_ids, position_ids, check_ids=check_ids)  # (B, S, hidden)
         residual = None
         for block in self.blocks:
             hidden, residual = block(

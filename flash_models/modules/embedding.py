@@ -26,9 +26,12 @@ class Embeddings(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
+        *, check_ids: bool = True,
     ) -> torch.Tensor:
+        """``check_ids=False`` skips the vocabulary check, for ids the library made itself (sampled tokens)."""
         vocab = self.tokens.num_embeddings
-        check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model")
+        if check_ids:
+            check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model")
         hidden = self.tokens(input_ids)  # (B, S, token_dim)
         if self.project_in is not None:
             hidden = self.project_in(hidden)  # (B, S, hidden)

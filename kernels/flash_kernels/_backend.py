@@ -81,7 +81,10 @@ def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: in
     valid = (ids >= 0) & (ids < high)
     if ignore is not None:
         valid |= ids == ignore
-    if ids.is_cuda or torch.compiler.is_compiling():  # no host read while compiling either (a graph break)
+    if torch.compiler.is_compiling():  # traced into the graph; no host read (a graph break), no capture query
+        torch._assert_async(valid.all(), message)
+        return
+    if ids.is_cuda:
         if not capturing_cuda_graph():
             torch._assert_async(valid.all(), message)
         return

@@ -376,6 +376,12 @@ def _configs(shapes):
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
+def _tune_buckets(max_q: int, max_k: int) -> tuple[int, int]:
+    """What the autotuners key on instead of the exact lengths: the next power of two. Keyed on the exact
+    lengths, every new prompt or padded-batch length would re-run the whole tuning sweep (with host syncs)."""
+    return triton.next_power_of_2(max(max_q, 1)), triton.next_power_of_2(max(max_k, 1))
+
+
 def _fwd_configs():
     return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)])
 
@@ -390,7 +396,7 @@ def _prune_big_head(configs, named_args, **kwargs):
     return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
 
 
-@triton.autotune(configs=_fwd_configs(), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
+@triton.autotune(configs=_fwd_configs(), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_fwd_kernel(
@@ -398,7 +404,7 @@ def _attn_fwd_kernel(
     scale_log2, softcap, dropout_p, seed,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right,
+    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -567,7 +573,7 @@ def _bwd_configs(kind):
     return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4)])
 
 
-@triton.autotune(configs=_bwd_configs("dkdv"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
+@triton.autotune(configs=_bwd_configs("dkdv"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -576,7 +582,7 @@ def _attn_bwd_dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right,
+    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -661,7 +667,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, o
     return dq
 
 
-@triton.autotune(configs=_bwd_configs("dq"), key=["seqlen_q", "seqlen_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
+@triton.autotune(configs=_bwd_configs("dq"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_bwd_dq_kernel(
@@ -669,7 +675,7 @@ def _attn_bwd_dq_kernel(
     scale_log2, softcap, dropout_p, seed,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right,
+    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -787,7 +793,7 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
             0 if varlen else k4.stride(0), k4.stride(1), k4.stride(2),
             0 if varlen else v4.stride(0), v4.stride(1), v4.stride(2),
             0 if varlen else o4.stride(0), o4.stride(1), o4.stride(2), slb, slh, stride_ab,
-            max_q, max_k, hq, hq // hkv, left, right,
+            max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k),
             HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
             ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q),
         )
@@ -823,14 +829,14 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
             bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
             bstr(do4), do4.stride(1), do4.stride(2), bstr(dk4), dk4.stride(1), dk4.stride(2),
             bstr(dv4), dv4.stride(1), dv4.stride(2), slb, slh, stride_ab,
-            max_q, max_k, hq, hq // hkv, left, right, **common,
+            max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k), **common,
         )
     grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
     _attn_bwd_dq_kernel[grid_q](
         q4, k4, v4, do4, dq4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
         bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
         bstr(do4), do4.stride(1), do4.stride(2), bstr(dq4), dq4.stride(1), dq4.stride(2), slb, slh, stride_ab,
-        max_q, max_k, hq, hq // hkv, left, right, **common,
+        max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k), **common,
     )
     return dq, dk, dv
 
