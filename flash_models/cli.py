@@ -31,6 +31,7 @@ BENCH_AREAS = {
     "train": "flash_models.bench.train",
     "bert": "flash_models.bench.bert",
     "vit": "flash_models.bench.vit",
+    "overhead": "flash_models.bench.overhead",
 }
 
 

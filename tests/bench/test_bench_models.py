@@ -3,6 +3,8 @@ measured for ours and each peer, and our outputs match the peer's. The GPU numbe
 
 import json
 
+import torch
+
 from flash_models.bench import bert, vit
 from flash_models.cli import BENCH_AREAS
 
@@ -26,3 +28,15 @@ def test_vit_bench_dry_run(tmp_path):
     assert {(r["mode"], r["impl"]) for r in rows} == {(m, i) for m in ("inference", "training") for i in ("ours", "timm eager")}
     ours = [r for r in rows if r["impl"] == "ours"]
     assert all(r["img_s"] > 0 and r["x_vs_timm_eager"] > 0 and r["max_diff"] < 1e-4 for r in ours)
+
+
+def test_overhead_bench_dry_run(tmp_path):
+    from flash_models.bench import overhead
+
+    assert BENCH_AREAS["overhead"] == "flash_models.bench.overhead"
+    overhead.main(["--dry-run", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "overhead.json").read_text())["rows"]
+    measured = [r for r in rows if r["ours_us"] is not None]
+    assert {r["op"] for r in measured} == set(overhead.pairs(torch.device("cpu"), torch.float32))
+    assert {r["mode"] for r in measured} == {"forward", "inference", "forward+backward"}
+    assert all(r["torch_us"] > 0 and r["ours_us"] > 0 for r in measured)
