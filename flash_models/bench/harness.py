@@ -59,7 +59,7 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
 def environment() -> dict:
     import transformers
-    import triton
+    from flash_kernels._triton_compat import triton
 
     return {
         "date": date.today().isoformat(),

@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from ._triton_compat import TRITON_AVAILABLE
+
 KernelBackend = Literal["reference", "triton", "auto"]
 BACKENDS: tuple[str, ...] = ("reference", "triton", "auto")
 ENV_VAR = "FLASH_KERNELS_BACKEND"
@@ -51,6 +53,13 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
     backend = check_backend_name(backend)
     if backend == "reference":
         return False
+    if not TRITON_AVAILABLE:
+        if backend == "auto":
+            return False
+        raise ValueError(
+            f"{op}: backend='triton' needs Triton, which is not installed here (it ships for Linux only). "
+            "Use backend='reference' or 'auto'."
+        )
     on_device = x.device.type == "cuda" or (x.device.type == "cpu" and triton_interpreter_enabled())
     if backend == "auto":
         return x.device.type == "cuda" and unsupported is None

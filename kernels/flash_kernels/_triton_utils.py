@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import triton
+
+from ._triton_compat import triton
 
 
 def next_power_of_2(n: int) -> int:

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_compat import tl, triton
 from ._triton_utils import as_rows, eager_function, next_power_of_2, pick
 
 GELU_APPROXIMATIONS = ("none", "tanh")

@@ -28,11 +28,10 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._backend import triton_interpreter_enabled, use_triton
+from ._triton_compat import tl, triton
 from ._triton_utils import dummy_pointer, eager_function, pick
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)

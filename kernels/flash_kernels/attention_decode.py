@@ -17,10 +17,9 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
-import triton.language as tl
 
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
+from ._triton_compat import tl, triton
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
 )

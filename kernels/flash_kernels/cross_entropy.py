@@ -11,10 +11,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from ._backend import check_ids_in_range, use_triton
+from ._triton_compat import tl, triton
 from ._triton_utils import as_rows, eager_function, next_power_of_2, pick, warps_for_block
 
 REDUCTIONS = ("mean", "sum", "none")

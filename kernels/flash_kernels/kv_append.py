@@ -12,10 +12,9 @@ offset ``s % block_size``.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_compat import tl, triton
 
 
 def cache_locations(slots: torch.Tensor, block_table: torch.Tensor | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,10 +17,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_compat import tl, triton
 from ._triton_utils import (
     as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, pick, placeholder, warps_for_block,
 )

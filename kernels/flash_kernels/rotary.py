@@ -14,10 +14,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
 from ._backend import use_triton
+from ._triton_compat import tl, triton
 from ._triton_utils import eager_function, next_power_of_2, pick
 
 
