@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .gguf_reader import GGUFFile
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # GGUF tensor name -> HF (LLaMA layout) name.
@@ -43,18 +45,8 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as err:
-        raise ValueError(f"cannot read {path}: not a valid GGUF file or truncated ({err})") from err
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def hf_config_dict(reader) -> dict:
@@ -116,7 +108,7 @@ def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
-    reader = _reader(path)
+    reader = GGUFFile(path)
     config = hf_config_dict(reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     state = {}
