@@ -2,11 +2,15 @@
 runs before any test module: on a machine without CUDA, the Triton kernels run on the CPU interpreter."""
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The library's on-disk cache (GGUF tokenizers) goes to a fresh folder: tests neither read a stale user cache
+# nor leave files in the home directory.
+os.environ.setdefault("FLASH_MODELS_CACHE", tempfile.mkdtemp(prefix="flash-models-test-cache-"))
 
 import pytest  # noqa: E402
 

@@ -1,20 +1,70 @@
-"""Tokenizers through transformers.AutoTokenizer, for HF folders, hub ids and GGUF files alike."""
+"""Tokenizers through transformers.AutoTokenizer, for HF folders, hub ids and GGUF files alike.
+
+A GGUF file's tokenizer is rebuilt by transformers from the file's metadata, which takes seconds (it parses
+every vocabulary entry through the gguf package). The first load saves the result as an ordinary tokenizer
+folder in the cache (``$FLASH_MODELS_CACHE``, default ``~/.cache/flash_models``), keyed by the file's path,
+size and modification time and by the transformers version; later loads read that folder instead.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import transformers
 
 from .hub import is_gguf
 
+log = logging.getLogger(__name__)
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+CACHE_ENV = "FLASH_MODELS_CACHE"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "flash_models")
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|transformers {transformers.__version__}"
+    return cache_root() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def _save_atomically(tokenizer, target: Path) -> None:
+    """Write into a temporary folder beside ``target`` and rename it: a reader never sees half a folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.is_dir():  # another process may have won the race; anything else is worth a word
+            raise
+
+
+def load_gguf_tokenizer(path: str | Path, *, use_cache: bool = True):
+    path = Path(path)
+    cached = _gguf_cache_dir(path) if use_cache else None
+    if cached is not None and (cached / "tokenizer_config.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(cached)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    if cached is not None:
+        try:
+            _save_atomically(tokenizer, cached)
+        except OSError as err:  # a read-only home, a full disk: the tokenizer is still good, only slower next time
+            log.warning("could not cache the GGUF tokenizer in %s (%s); set %s to a writable folder", cached, err, CACHE_ENV)
+    return tokenizer
 
 
 def load_tokenizer(name_or_path: str | Path):
     if is_gguf(name_or_path):
-        path = Path(name_or_path)
-        return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return load_gguf_tokenizer(name_or_path)
     folder = Path(name_or_path)
     if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(

@@ -1,0 +1,71 @@
+"""The GGUF tokenizer cache: the first load converts the GGUF metadata and saves a tokenizer folder, later
+loads read the folder and behave identically; a changed file gets a new entry; an unwritable cache only costs
+speed."""
+
+import logging
+import os
+
+import transformers
+
+import flash_models as fm
+from flash_models.checkpoint import tokenizer as tokenizer_module
+from flash_models.checkpoint.tokenizer import CACHE_ENV, load_gguf_tokenizer
+
+TEXTS = ["Hello world", "<|im_start|>user\nhi<|im_end|>", " spaces   and\n\ttabs", "🙂 emoji, ünïcode, 中文"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def count_gguf_conversions(monkeypatch) -> list:
+    calls = []
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        if kwargs.get("gguf_file"):
+            calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    return calls
+
+
+def test_second_load_reads_the_cache_and_behaves_the_same(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    conversions = count_gguf_conversions(monkeypatch)
+    fresh = load_gguf_tokenizer(fm.smollm2_gguf())
+    cached = load_gguf_tokenizer(fm.smollm2_gguf())
+    assert len(conversions) == 1
+    assert list((tmp_path / "gguf-tokenizers").iterdir())  # one entry, no temporary folder left behind
+    assert not [p for p in (tmp_path / "gguf-tokenizers").iterdir() if p.name.startswith(".tmp")]
+    for text in TEXTS:
+        assert cached(text).input_ids == fresh(text).input_ids
+        assert cached.decode(cached(text).input_ids) == fresh.decode(fresh(text).input_ids)
+    assert cached.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == \
+        fresh.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert (cached.bos_token_id, cached.eos_token_id, cached.pad_token_id, len(cached)) == \
+        (fresh.bos_token_id, fresh.eos_token_id, fresh.pad_token_id, len(fresh))
+    assert cached.all_special_ids == fresh.all_special_ids
+
+
+def test_a_changed_file_gets_a_new_cache_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    model_file = tmp_path / "m.gguf"
+    model_file.write_bytes(b"GGUF")
+    before = tokenizer_module._gguf_cache_dir(model_file)
+    os.utime(model_file, ns=(1, 10**18))
+    assert tokenizer_module._gguf_cache_dir(model_file) != before
+
+
+def test_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(CACHE_ENV, str(blocker))
+    with caplog.at_level(logging.WARNING):
+        tok = load_gguf_tokenizer(fm.smollm2_gguf())
+    assert tok("Hello").input_ids
+    assert "could not cache the GGUF tokenizer" in caplog.text and CACHE_ENV in caplog.text
+
+
+def test_cache_can_be_bypassed(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    load_gguf_tokenizer(fm.smollm2_gguf(), use_cache=False)
+    assert not (tmp_path / "gguf-tokenizers").exists()
