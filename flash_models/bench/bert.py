@@ -4,7 +4,8 @@ Grid: BERT-base and BERT-large shapes, bf16, sequence length 128 and 512, 0% and
 row lengths spread uniformly), inference (forward under inference_mode) and training (forward + backward of a
 loss on the real tokens' hidden states; no optimizer step, the same for both). Reports useful tokens/s (real
 tokens only: padding is work HF does and we skip), speedup over HF, peak memory, and our outputs' max
-difference from HF's on the real tokens.
+difference from HF's on the real tokens. On CUDA, inference also runs as "ours+graphs": the encoder replayed
+from CUDA graphs per shape bucket (``BertModel.use_cuda_graphs``).
 
 ``--dry-run`` runs the whole script on tiny shapes on the CPU (wall-clock timer, fp32 and HF sdpa): it checks
 the code path, not speed.
@@ -63,6 +64,14 @@ def build_pair(preset: str, *, dtype, device, dry_run: bool):
     return hf.to(device=device, dtype=dtype), ours.to(device=device, dtype=dtype)
 
 
+@torch.inference_mode()
+def _max_diff(ours, hf, ids, mask) -> float:
+    """Largest difference of our last hidden states from HF's, over the real tokens."""
+    real = mask.bool()
+    ours_out = ours(ids, attention_mask=mask).last_hidden_state[real].float()
+    return (ours_out - hf(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()).abs().max().item()
+
+
 def _step_fns(model, ids, mask, *, is_hf: bool):
     real = mask.bool()
 
@@ -94,25 +103,30 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
             for padding in paddings:
                 ids, mask = make_batch(batch, seq, padding, vocab, device)
                 useful = int(mask.sum())
-                with torch.inference_mode():
-                    real = mask.bool()
-                    diff = (ours(ids, attention_mask=mask).last_hidden_state[real].float()
-                            - hf(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()).abs().max().item()
+                diff = _max_diff(ours, hf, ids, mask)
                 for mode in modes:
+                    sides = [("HF sdpa", hf), ("ours", ours)]
+                    if cuda and mode == "inference":
+                        sides.append(("ours+graphs", ours))  # BertModel.use_cuda_graphs
                     times = {}
-                    for name, model in (("hf", hf), ("ours", ours)):
-                        inference, training = _step_fns(model, ids, mask, is_hf=name == "hf")
+                    for name, model in sides:
+                        if name == "ours+graphs":
+                            model.use_cuda_graphs(True)
+                        inference, training = _step_fns(model, ids, mask, is_hf=model is hf)
                         fn = inference if mode == "inference" else training
                         model.train(mode == "training")
                         ms = time_cuda(fn, repeats=repeats).median_ms if cuda else time_cpu(fn, repeats=repeats)
                         peak = peak_memory_bytes(fn) / 2**20 if cuda else None
+                        if name == "ours+graphs":
+                            graphed_diff = _max_diff(ours, hf, ids, mask)
+                            model.use_cuda_graphs(False)
                         times[name] = ms
-                        result.add(model=preset, seq=seq, batch=batch, padding=f"{1 - useful / mask.numel():.0%}", mode=mode,
-                                   impl="ours" if name == "ours" else "HF sdpa", ms=ms, useful_tok_s=useful / (ms * 1e-3),
-                                   peak_MiB=peak, speedup=None, max_diff=diff if name == "ours" else None)
-                    result.rows[-1]["speedup"] = times["hf"] / times["ours"]
-                    log.info("%s S=%d pad=%.0f%% %s: ours %.2f ms, HF %.2f ms", preset, seq, 100 * padding, mode,
-                             times["ours"], times["hf"])
+                        result.add(model=preset, seq=seq, batch=batch, padding=f"{1 - useful / mask.numel():.0%}",
+                                   mode=mode, impl=name, ms=ms, useful_tok_s=useful / (ms * 1e-3), peak_MiB=peak,
+                                   speedup=None if model is hf else times["HF sdpa"] / ms,
+                                   max_diff=None if model is hf else graphed_diff if name == "ours+graphs" else diff)
+                    log.info("%s S=%d pad=%.0f%% %s: %s", preset, seq, 100 * padding, mode,
+                             ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
         del hf, ours
         if cuda:
             torch.cuda.empty_cache()

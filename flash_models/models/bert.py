@@ -15,9 +15,12 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from flash_kernels._backend import capturing_cuda_graph
+
 from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ..modules.mlp import activation
+from ..modules.encoder_graphs import GraphedEncoder
 from ..modules.padding import PackedBatch
 from ..registry import Family, Preset, register_family, register_preset
 from .common import PROBLEM_TYPES, EncoderOutput, HeadOutput, PretrainedModel, classification_loss, cross_entropy
@@ -124,6 +127,7 @@ class BertModel(BertPreTrainedModel):
             for i in range(c.num_hidden_layers)
         )
         self.pooler = nn.Linear(c.hidden_size, c.hidden_size) if add_pooling_layer else None
+        self.graphed: GraphedEncoder | None = None  # set by use_cuda_graphs()
         if type(self) is BertModel:
             self.init_weights()
 
@@ -138,27 +142,47 @@ class BertModel(BertPreTrainedModel):
             raise ValueError(f"sequence of {S} tokens exceeds BERT's {limit} positions; truncate the input")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
+            raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} != input_ids {tuple(input_ids.shape)}")
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        packed = None
-        if attention_mask is not None and self.blocks[0].attn.backend_for(self.embed.tokens.weight) == "flash":
-            packed = PackedBatch.from_mask(attention_mask)  # every layer runs on the real tokens only
-            input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
-            mask = build_attention_mask(None, q_len=packed.total, past_len=0, causal=False, sliding_window=None,
-                                        cu_seqlens=packed.cu_seqlens)
-        else:
+        if attention_mask is None or self.blocks[0].attn.backend_for(self.embed.tokens.weight) != "flash":
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
-        hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids))  # (B, S, hidden) or (1, total, hidden)
+            hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
+        else:  # every layer runs on the real tokens only
+            packed = PackedBatch.from_mask(attention_mask)
+            input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
+            if self.graphed is not None and input_ids.is_cuda and not torch.is_grad_enabled() and not self.training:
+                self.embed.check_ids(input_ids, token_type_ids)  # the captured runs skip it
+                lengths = packed.cu_seqlens.diff().tolist()
+                hidden = self.graphed(input_ids[0], position_ids[0], token_type_ids[0], lengths)
+            else:
+                mask = build_attention_mask(None, q_len=packed.total, past_len=0, causal=False, sliding_window=None,
+                                            cu_seqlens=packed.cu_seqlens)
+                hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
+            hidden = packed.unpack(hidden)
+        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
+        return EncoderOutput(last_hidden_state=hidden, pooler_output=pooled)
+
+    def _encode(self, input_ids, position_ids, token_type_ids, mask) -> torch.Tensor:
+        """Embeddings and every block: (B, S) or packed (1, total) ids -> hidden states of the same layout."""
+        hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids, check_ids=not capturing_cuda_graph()))
         hidden = F.dropout(hidden, self.config.hidden_dropout_prob, self.training)
         residual = None
         for block in self.blocks:
             hidden, residual = block(hidden, residual, mask=mask, position_ids=position_ids)
-        if packed is not None:
-            hidden = packed.unpack(hidden)
-        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
-        return EncoderOutput(last_hidden_state=hidden, pooler_output=pooled)
+        return hidden
+
+    def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16) -> BertModel:
+        """Inference on CUDA (eval mode, grad off, flash attention, an ``attention_mask``) replays the encoder
+        from CUDA graphs, one per bucket of (tokens, sequences, longest sequence); see
+        ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Call it after the
+        model is on its device and in its dtype: the graphs keep the weights' addresses."""
+        self.graphed = GraphedEncoder(self._encode, seq_limit=self.config.max_position_embeddings,
+                                      max_graphs=max_graphs) if enabled else None
+        return self
 
 
 class MaskedLMHead(nn.Module):

@@ -28,10 +28,10 @@ class Embeddings(nn.Module):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
         *, check_ids: bool = True,
     ) -> torch.Tensor:
-        """``check_ids=False`` skips the vocabulary check, for ids the library made itself (sampled tokens)."""
-        vocab = self.tokens.num_embeddings
+        """``check_ids=False`` skips the id checks, for ids the library made itself (sampled tokens) or has
+        checked already with ``Embeddings.check_ids``."""
         if check_ids:
-            check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model")
+            self.check_ids(input_ids, token_type_ids)
         hidden = self.tokens(input_ids)  # (B, S, token_dim)
         if self.project_in is not None:
             hidden = self.project_in(hidden)  # (B, S, hidden)
@@ -40,12 +40,18 @@ class Embeddings(nn.Module):
         if self.token_types is not None:
             if token_type_ids is None:
                 token_type_ids = torch.zeros_like(input_ids)
-            elif token_type_ids.shape != input_ids.shape:
-                raise ValueError(
-                    f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(token_type_ids.shape)}"
-                )
-            else:
-                types = self.token_types.num_embeddings
-                check_ids_in_range(token_type_ids, types, message=f"token_type_ids must lie in [0, {types})")
             hidden = hidden + self.token_types(token_type_ids)
         return hidden
+
+    def check_ids(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> None:
+        """Token ids within the vocabulary and token types within their table (see ``check_ids_in_range``)."""
+        vocab = self.tokens.num_embeddings
+        check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model")
+        if token_type_ids is None or self.token_types is None:
+            return
+        if token_type_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(token_type_ids.shape)}"
+            )
+        types = self.token_types.num_embeddings
+        check_ids_in_range(token_type_ids, types, message=f"token_type_ids must lie in [0, {types})")

@@ -30,7 +30,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ._backend import triton_interpreter_enabled, use_triton
+from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
 from ._triton_utils import dummy_pointer, eager_function, pick
 
@@ -210,6 +210,8 @@ def _check_cu_seqlens(op, name, cu, total, device, max_seqlen):
         raise ValueError(f"{op}: {name} is on {cu.device}, q on {device}")
     if torch.compiler.is_compiling():
         return None  # the value checks read the tensor (a sync and a graph break); eager calls make them
+    if capturing_cuda_graph():
+        return None  # a replay would check the values at capture time, not its own: the capturer owns them
     if cu.is_cuda:
         # Reading the offsets on the host would stall the launch queue in every layer: assert on the device,
         # once per offsets tensor (every layer of a model passes the same one; an in-place edit bumps its version).
