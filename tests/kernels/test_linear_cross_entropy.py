@@ -50,6 +50,8 @@ def test_no_grad_path_and_default_chunk():
         out = linear_cross_entropy(hidden, weight, labels, backend="auto")
     assert_close(out, linear_cross_entropy_ref(hidden, weight, labels), torch.float32)
     assert default_chunk_size(16384, 4096, 128256) == 2048
+    assert default_chunk_size(16384, 768, 50304) == 2048  # GPT-2: the row floor, not 512 rows
+    assert default_chunk_size(65536, 4096, 128256) == 8192  # above the floor the chunk follows the hidden states
     assert default_chunk_size(10, 64, 1000) == 10
 
 
