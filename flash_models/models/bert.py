@@ -214,6 +214,11 @@ class _BertWithHead(BertPreTrainedModel):
         self.head(config)
         self.init_weights()
 
+    def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16):
+        """The encoder's ``BertModel.use_cuda_graphs``; the head runs eagerly after it."""
+        self.bert.use_cuda_graphs(enabled, max_graphs=max_graphs)
+        return self
+
     def classifier_dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.classifier_dropout if self.config.classifier_dropout is not None else self.config.hidden_dropout_prob
         return F.dropout(x, p, self.training)

@@ -94,3 +94,10 @@ def test_gpu_bert_with_graphs_equals_eager():
             torch.testing.assert_close(out[real].float(), eager[i][real].float(), rtol=2e-2, atol=2e-2)
             assert (out[~real] == 0).all()
     assert len(model.graphed.graphs) == 2
+
+
+def test_heads_pass_the_switch_to_their_encoder():
+    config = transformers.BertConfig(**CONFIG, architectures=["BertForSequenceClassification"])
+    model = ours_from_hf(random_hf_model(config, seed=0, auto_class="AutoModelForSequenceClassification"))
+    assert model.use_cuda_graphs() is model and model.bert.graphed is not None
+    assert model.use_cuda_graphs(False).bert.graphed is None
