@@ -1,4 +1,6 @@
-"""Feed-forward blocks: plain (fc1 -> activation -> fc2) and gated (packed [gate; up] -> SwiGLU/GeGLU -> down)."""
+"""Feed-forward blocks: plain (fc1 -> activation -> fc2) and gated (packed [gate; up] -> SwiGLU/GeGLU -> down).
+
+While training, the activation is recomputed in the backward instead of kept (``recompute``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from torch import nn
 import flash_kernels
 
 from ..config import MLPConfig
+from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
 _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -30,7 +33,10 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(activation(self.fc1(x), self.cfg.activation, backend=self.kernel_backend))
+        return activation_then_linear(self.fc1(x), self._act, self.fc2)
+
+    def _act(self, pre: torch.Tensor) -> torch.Tensor:
+        return activation(pre, self.cfg.activation, backend=self.kernel_backend)
 
 
 class GatedMLP(nn.Module):
@@ -45,12 +51,12 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)  # (..., 2 * intermediate)
+        return activation_then_linear(self.gate_up(x), self._act, self.down)  # gate_up: (..., 2 * intermediate)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":
-            h = flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
-        else:
-            h = flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)
-        return self.down(h)
+            return flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
+        return flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)
 
 
 def build_mlp(cfg: MLPConfig, *, kernel_backend: str = "auto") -> nn.Module:

@@ -1,0 +1,87 @@
+"""The MLPs recompute their activation in the backward: the same gradients as keeping it (fp32 and under bf16
+autocast), one (N, intermediate) tensor fewer saved, and hooked or subclassed layers keep their own forward."""
+
+import pytest
+import torch
+from torch import nn
+
+from flash_models.config import MLPConfig
+from flash_models.modules.mlp import MLP, GatedMLP
+from flash_models.modules.recompute import activation_then_linear
+
+CASES = {"gelu_new": (MLP, "gelu_new"), "relu": (MLP, "relu"), "swiglu": (GatedMLP, "silu"),
+         "geglu": (GatedMLP, "gelu_pytorch_tanh")}
+N, HIDDEN, INTER = 37, 24, 40
+
+
+def make(name, bias=True):
+    cls, act = CASES[name]
+    torch.manual_seed(0)
+    mlp = cls(MLPConfig(hidden_size=HIDDEN, intermediate_size=INTER, activation=act, bias=bias))
+    return mlp, torch.randn(3, N, HIDDEN, requires_grad=True)
+
+
+def grads(mlp, x, *, plain: bool, autocast: bool = False):
+    for p in [x, *mlp.parameters()]:
+        p.grad = None
+    down = mlp.fc2 if isinstance(mlp, MLP) else mlp.down
+    hook = down.register_forward_hook(lambda *args: None) if plain else None  # a hook turns recompute off
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = mlp(x)
+    out.float().square().sum().backward()
+    if hook is not None:
+        hook.remove()
+    return [out.detach()] + [p.grad.clone() for p in [x, *mlp.parameters()]]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_gradients_as_keeping_the_activation(name, bias):
+    mlp, x = make(name, bias)
+    for got, want in zip(grads(mlp, x, plain=False), grads(mlp, x, plain=True), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gelu_new", "swiglu"])
+def test_same_gradients_under_bf16_autocast(name):
+    mlp, x = make(name)
+    for got, want in zip(grads(mlp, x, plain=False, autocast=True), grads(mlp, x, plain=True, autocast=True), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def saved_intermediate_tensors(mlp, x) -> int:
+    """How many distinct (.., intermediate)-wide tensors the forward saves for the backward."""
+    saved = {}
+
+    def pack(t):
+        if t.numel() == 3 * N * INTER:  # activations only (the weights are smaller)
+            saved[t.untyped_storage().data_ptr()] = t
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mlp(x)
+    return len(saved)
+
+
+def test_activation_output_is_not_saved():
+    mlp, x = make("gelu_new")
+    recomputed = saved_intermediate_tensors(mlp, x)
+    hook = mlp.fc2.register_forward_hook(lambda *args: None)
+    kept = saved_intermediate_tensors(mlp, x)
+    hook.remove()
+    assert (recomputed, kept) == (1, 2)  # fc1's output only, vs fc1's output and the activation's
+
+
+def test_hooked_and_subclassed_layers_run_their_own_forward():
+    class Doubling(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    pre = torch.randn(5, 8, requires_grad=True)
+    plain = nn.Linear(8, 3)
+    doubling = Doubling(8, 3)
+    doubling.load_state_dict(plain.state_dict())
+    torch.testing.assert_close(activation_then_linear(pre, torch.tanh, doubling), 2 * plain(torch.tanh(pre)))
+    plain.register_forward_hook(lambda module, args, out: out + 1)
+    torch.testing.assert_close(activation_then_linear(pre, torch.tanh, plain), plain(torch.tanh(pre)))
