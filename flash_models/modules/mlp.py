@@ -1,6 +1,6 @@
 """Feed-forward blocks: plain (fc1 -> activation -> fc2) and gated (packed [gate; up] -> SwiGLU/GeGLU -> down).
 
-While training, the activation is recomputed in the backward instead of kept (``recompute``)."""
+``recompute_activation`` chooses between keeping the activation for the backward and recomputing it there."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ def activation(x: torch.Tensor, name: str, *, backend: str) -> torch.Tensor:
 
 
 class MLP(nn.Module):
+    # The activation is kept for the backward: these MLPs (GPT-2, BERT, ViT, OPT) have no memory pressure worth
+    # an extra kernel per layer. Set it per module to trade the other way.
+    recompute_activation = False
+
     def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
         super().__init__()
         self.cfg, self.kernel_backend = cfg, kernel_backend
@@ -33,7 +37,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return activation_then_linear(self.fc1(x), self._act, self.fc2)
+        return activation_then_linear(self.fc1(x), self._act, self.fc2, recompute=self.recompute_activation)
 
     def _act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)
@@ -41,6 +45,10 @@ class MLP(nn.Module):
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one [gate; up] projection."""
+
+    # LLaMA-style MLPs keep (N, 2 * intermediate) for the activation's backward already; keeping its
+    # (N, intermediate) output as well is the largest saved tensor of the layer, so it is recomputed.
+    recompute_activation = True
 
     def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
         super().__init__()
@@ -51,7 +59,8 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return activation_then_linear(self.gate_up(x), self._act, self.down)  # gate_up: (..., 2 * intermediate)
+        gate_up = self.gate_up(x)  # (..., 2 * intermediate)
+        return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":

@@ -46,9 +46,10 @@ def _recomputable(linear: nn.Module) -> bool:
             and not hasattr(linear.weight, "full_tensor"))
 
 
-def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], linear: nn.Module) -> torch.Tensor:
-    """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records. Under torch.compile the
-    plain form is traced: the compiler makes its own recompute choices."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and _recomputable(linear):
+def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], linear: nn.Module, *,
+                           recompute: bool = True) -> torch.Tensor:
+    """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records and ``recompute`` is
+    set. Under torch.compile the plain form is traced: the compiler makes its own recompute choices."""
+    if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and _recomputable(linear):
         return _ActivationThenLinear.apply(pre, linear.weight, linear.bias, act)
     return linear(act(pre))

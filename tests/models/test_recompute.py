@@ -1,5 +1,6 @@
-"""The MLPs recompute their activation in the backward: the same gradients as keeping it (fp32 and under bf16
-autocast), one (N, intermediate) tensor fewer saved, and hooked or subclassed layers keep their own forward."""
+"""MLPs that recompute their activation in the backward (the default for gated MLPs, a switch for plain ones):
+the same gradients as keeping it (fp32 and under bf16 autocast), one (N, intermediate) tensor fewer saved, and
+hooked or subclassed layers keep their own forward."""
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ def make(name, bias=True):
     cls, act = CASES[name]
     torch.manual_seed(0)
     mlp = cls(MLPConfig(hidden_size=HIDDEN, intermediate_size=INTER, activation=act, bias=bias))
+    mlp.recompute_activation = True  # the plain MLPs keep it by default
     return mlp, torch.randn(3, N, HIDDEN, requires_grad=True)
 
 
@@ -85,3 +87,10 @@ def test_hooked_and_subclassed_layers_run_their_own_forward():
     torch.testing.assert_close(activation_then_linear(pre, torch.tanh, doubling), 2 * plain(torch.tanh(pre)))
     plain.register_forward_hook(lambda module, args, out: out + 1)
     torch.testing.assert_close(activation_then_linear(pre, torch.tanh, plain), plain(torch.tanh(pre)))
+
+
+def test_defaults_recompute_gated_mlps_only():
+    assert GatedMLP.recompute_activation and not MLP.recompute_activation
+    mlp, x = make("gelu_new")
+    mlp.recompute_activation = False
+    assert saved_intermediate_tensors(mlp, x) == 2
