@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks in parts that each fit one 10-minute device call on a fresh machine (there the fused_dense
+# extension is built with nvcc at first use and the attention kernels autotune every size, so the whole
+# suite does not fit one call). Logs and JSON results go to $OUT (default ./gpu-check).
+#
+#   bash scripts/gpu_check.sh tests-models   # GPU tests: generation, models, train, bench
+#   bash scripts/gpu_check.sh tests-kernels  # GPU tests: kernels (builds fused_dense)
+#   bash scripts/gpu_check.sh bench-models   # bench bert (with ours+graphs), bench train (eager sides), bench overhead
+#   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
+#   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.:kernels
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT"
+# A slow test prints its stack after 60 s instead of silently eating the call; -v names each test as it ends.
+pytest_gpu() { timeout 560 python -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 "$@"; }
+
+case "${1:-}" in
+    tests-models)
+        pytest_gpu tests/generation tests/models tests/train tests/bench 2>&1 | tee "$OUT/tests-models.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
+    tests-kernels)
+        pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-kernels.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
+    bench-models)
+        timeout 200 python -m flash_models bench bert --models bert-base --repeats 10 --out "$OUT" 2>&1 | tee "$OUT/bench-bert.log" | grep "^|"
+        timeout 200 python -m flash_models bench train --cases gpt2,llama-1b --sides ours,hf --steps 8 --warmup 3 \
+            --out "$OUT/train.json" 2>&1 | tee "$OUT/bench-train.log" | grep "^|"
+        timeout 90 python -m flash_models bench overhead --out "$OUT" 2>&1 | tee "$OUT/bench-overhead.log" | grep "^|" ;;
+    bench-compile)
+        timeout 560 python -m flash_models bench train --cases gpt2,llama-1b --sides ours,ours+compile,hf+compile \
+            --steps 8 --warmup 3 --out "$OUT/train-compile.json" 2>&1 | tee "$OUT/bench-compile.log" | grep "^|" ;;
+    bench-generate)
+        timeout 560 python -m flash_models bench generate --batches 1 16 --prompts 128 512 --repeats 3 --out "$OUT" 2>&1 \
+            | tee "$OUT/bench-generate.log" | grep "^|" ;;
+    *)
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate}" >&2
+        exit 2 ;;
+esac
