@@ -39,7 +39,7 @@ _DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 def dummy_pointer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A one-element tensor passed where a kernel takes a pointer it never reads (an absent optional input),
-    made once per device and dtype: allocating one per launch costs more host time than the launch itself."""
+    made once per device and dtype rather than allocated at every launch."""
     key = (device, dtype)
     if key not in _DUMMIES:
         _DUMMIES[key] = torch.empty(1, device=device, dtype=dtype)
