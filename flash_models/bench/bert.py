@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -24,23 +22,12 @@ import transformers
 
 from ..registry import get_preset
 from ..testing import ours_from_hf
-from .harness import BenchResult, peak_memory_bytes, time_cuda
+from .harness import BenchResult, peak_memory_bytes
+from .utils import time_fn
 
 log = logging.getLogger(__name__)
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=512)
-
-
-def time_cpu(fn, *, warmup: int = 1, repeats: int = 3):
-    """Median wall time (ms) on the CPU, for --dry-run only."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def make_batch(batch: int, seq: int, padding: float, vocab: int, device, *, seed: int = 0):
@@ -115,7 +102,7 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                         inference, training = _step_fns(model, ids, mask, is_hf=model is hf)
                         fn = inference if mode == "inference" else training
                         model.train(mode == "training")
-                        ms = time_cuda(fn, repeats=repeats).median_ms if cuda else time_cpu(fn, repeats=repeats)
+                        ms = time_fn(fn, device=device, warmup=5 if cuda else 1, repeats=repeats).median_ms
                         peak = peak_memory_bytes(fn) / 2**20 if cuda else None
                         if name == "ours+graphs":
                             graphed_diff = _max_diff(ours, hf, ids, mask)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import from_timm
-from .bert import time_cpu
-from .harness import BenchResult, peak_memory_bytes, time_cuda
+from .harness import BenchResult, peak_memory_bytes
+from .utils import time_fn
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype,
                 model.train(mode == "training")
                 inference, training = _step_fns(model, images, labels, ours=impl == "ours")
                 fn = inference if mode == "inference" else training
-                ms = time_cuda(fn, repeats=repeats).median_ms if cuda else time_cpu(fn, repeats=repeats)
+                ms = time_fn(fn, device=device, warmup=5 if cuda else 1, repeats=repeats).median_ms
                 times[impl] = ms
                 result.add(model=name, batch=batch, mode=mode, impl=impl, ms=ms, img_s=batch / (ms * 1e-3),
                            peak_MiB=peak_memory_bytes(fn) / 2**20 if cuda else None,

@@ -26,6 +26,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32, 7: np.bool_,
           10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+# Tensor types stored as plain elements; every other type is quantized blocks, read as bytes per row.
+_PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
 
 @dataclass
@@ -125,6 +128,3 @@ class GGUFFile:
             data = np.frombuffer(self._map, dtype=dtype, count=count, offset=start).reshape(np_shape)
             self.tensors.append(GGUFTensor(name=name, tensor_type=qtype, shape=dims, data=data))
 
-
-_PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                "I32": np.int32, "I64": np.int64}

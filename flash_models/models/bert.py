@@ -15,8 +15,6 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from flash_kernels._backend import capturing_cuda_graph
-
 from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ..modules.mlp import activation
@@ -168,7 +166,7 @@ class BertModel(BertPreTrainedModel):
 
     def _encode(self, input_ids, position_ids, token_type_ids, mask) -> torch.Tensor:
         """Embeddings and every block: (B, S) or packed (1, total) ids -> hidden states of the same layout."""
-        hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids, check_ids=not capturing_cuda_graph()))
+        hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids))
         hidden = F.dropout(hidden, self.config.hidden_dropout_prob, self.training)
         residual = None
         for block in self.blocks:

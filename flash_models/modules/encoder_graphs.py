@@ -22,14 +22,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from flash_kernels._triton_utils import next_power_of_2
 
 from .attention import AttentionMask
 
 MIN_SEQLEN_BUCKET = 16
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -44,10 +41,10 @@ def bucket_for(lengths: list[int], *, seq_limit: int) -> Bucket:
     longest = max(lengths, default=0)
     if longest > seq_limit:
         raise ValueError(f"a sequence of {longest} tokens exceeds the model's {seq_limit} positions")
-    max_seqlen = min(max(_next_power_of_2(longest), MIN_SEQLEN_BUCKET), seq_limit)
+    max_seqlen = min(max(next_power_of_2(longest), MIN_SEQLEN_BUCKET), seq_limit)
     total = sum(lengths)
     tokens = max(-(-total // max_seqlen), 1) * max_seqlen
-    return Bucket(tokens=tokens, sequences=_next_power_of_2(len(lengths) + 1), max_seqlen=max_seqlen)
+    return Bucket(tokens=tokens, sequences=next_power_of_2(len(lengths) + 1), max_seqlen=max_seqlen)
 
 
 def padded_offsets(lengths: list[int], bucket: Bucket) -> list[int]:

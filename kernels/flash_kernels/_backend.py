@@ -85,17 +85,18 @@ def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: in
 
     On the CPU a ValueError says so, naming the first bad id. On CUDA the check is an asynchronous device
     assert: reading the answer on the host would stall the launch queue once per forward, and an
-    out-of-range id must still never index silently out of bounds.
+    out-of-range id must still never index silently out of bounds. While a CUDA graph is captured nothing is
+    checked (or launched): a replay would test the capture's ids, not its own; the capturer checks the ids
+    it copies in.
     """
+    compiling = torch.compiler.is_compiling()  # traced into the graph: no host read, no capture query
+    if ids.is_cuda and not compiling and capturing_cuda_graph():
+        return
     valid = (ids >= 0) & (ids < high)
     if ignore is not None:
         valid |= ids == ignore
-    if torch.compiler.is_compiling():  # traced into the graph; no host read (a graph break), no capture query
+    if compiling or ids.is_cuda:
         torch._assert_async(valid.all(), message)
-        return
-    if ids.is_cuda:
-        if not capturing_cuda_graph():
-            torch._assert_async(valid.all(), message)
         return
     if not bool(valid.all()):
         raise ValueError(f"{message} (first bad value: {int(ids[~valid][0])})")
