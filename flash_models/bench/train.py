@@ -2,7 +2,8 @@
 
 Every side runs the same ``flash_models.train.Trainer`` step (same synthetic batches, same fused AdamW, same
 global batch, bf16 autocast) and differs only in the model: ours (fused kernels, flash attention), HF with
-sdpa, and each with torch.compile. Cases: GPT-2 124M at 16x1024, GPT-2 355M at 8x1024, LLaMA 1.1B at 4x2048.
+sdpa, and each with torch.compile; ours+graphs replays each forward+backward from CUDA graphs
+(``train.cuda_graphs``). Cases: GPT-2 124M at 16x1024, GPT-2 355M at 8x1024, LLaMA 1.1B at 4x2048.
 Reported: tokens/s, MFU (6N + 12*L*D*S FLOPs per token against a measured bf16 matmul peak), peak memory.
 
     flash-models bench train [--cases gpt2,gpt2-medium,llama-1b] [--steps 20] [--out bench-train.json]
@@ -47,8 +48,8 @@ DRY_CASES = {
     "llama-1b": Case("llama-1b", 2, 32, (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96),
                                            ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 512))),
 }
-SIDES = ("ours", "ours+compile", "hf", "hf+compile")
-COLUMNS = ["case", "side", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "x_vs_hf", "x_vs_hf_compile"]
+SIDES = ("ours", "ours+graphs", "ours+compile", "hf", "hf+compile")
+COLUMNS = ["case", "side", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "reserved_GiB", "x_vs_hf", "x_vs_hf_compile"]
 
 
 def no_dropout(preset: str) -> dict:
@@ -72,7 +73,8 @@ def trainer_for(side: str, case: Case, device: torch.device) -> Trainer:
                  "synthetic_tokens": case.batch * case.seq_len * 8},
         "optim": {"lr": 1e-4, "fused": None, "schedule": "constant", "grad_clip": 1.0},
         "train": {"max_steps": 10**6, "global_batch_size": case.batch, "micro_batch_size": case.batch,
-                  "precision": "bf16_autocast", "compile": side.endswith("+compile"), "device": str(device),
+                  "precision": "bf16_autocast", "compile": side.endswith("+compile"), "cuda_graphs": side.endswith("+graphs"),
+                  "device": str(device),
                   "progress": False, "export": False, "output_dir": "/tmp/flash-models-bench-train"},
     })
     model = build(side, case, device)
@@ -88,9 +90,13 @@ def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: 
         torch.cuda.reset_peak_memory_stats()
     timing = time_fn(trainer.train_step, device=device, warmup=warmup, repeats=steps)
     peak_mem = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    # A graph's activations live in its private pool, allocated once at capture: replays allocate nothing, so
+    # the allocated peak misses them. The reserved peak counts the pool.
+    reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
     tokens_per_s = case.batch * case.seq_len / (timing.median_ms * 1e-3)
     row = {"case": case.preset, "side": side, "batch": case.batch, "seq": case.seq_len, "step_ms": timing.median_ms,
            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak_flops, "peak_GiB": peak_mem / 2**30,
+           "reserved_GiB": reserved / 2**30,
            "flops_per_token": fpt, "final_loss": trainer.history[-1]["loss"] if trainer.history else None}
     del trainer
     gc.collect()

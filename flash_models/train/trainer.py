@@ -26,6 +26,7 @@ from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
 from .data import IGNORE, StepSampler, micro_batches
+from .graphs import GraphedLoss, check_graphable
 from .metrics import EMA, MetricsLog, clip_grad_norm, flops_per_token, measure_matmul_peak
 from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
 
@@ -101,6 +102,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.max_steps)
         self.ema = EMA(self.model, t.ema_decay) if t.ema_decay is not None else None
         self.mixup = self._mixup()
+        self.graphs = None
+        if t.cuda_graphs:
+            check_graphable(device=self.device, task=self.task, packing=cfg.data.packing, compile=t.compile,
+                            activation_checkpointing=t.activation_checkpointing, strategy=self.dist.strategy)
+            self.graphs = GraphedLoss(self.model, lambda model, batch: self.loss_of(model, batch, train=True)[0],
+                                      autocast_dtype=torch.bfloat16 if t.precision == "bf16_autocast" else None)
         self.step = 0
         self.tokens_seen = 0  # over all ranks, since the start of the run (kept across resumes)
         self.history: list[dict] = []
@@ -165,25 +172,33 @@ class Trainer:
         return int(batch["labels"].shape[0])
 
     def forward(self, batch: dict, *, train: bool) -> tuple[torch.Tensor, dict]:
-        """Mean loss of one micro-batch and side metrics (correct predictions for classification)."""
+        """Mean loss of one micro-batch and side metrics (correct predictions when classifying eval data)."""
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if train and self.mixup is not None:  # mixup/cutmix: soft (B, classes) targets replace the labels
+            batch["pixel_values"], batch["labels"] = self.mixup(batch["pixel_values"], batch["labels"])
+        if train and self.graphs is not None:
+            return self.graphs(batch), {}
         with self._autocast():
-            if self.task == "causal_lm":
-                kwargs = {"cu_seqlens": batch["cu_seqlens"]} if "cu_seqlens" in batch else {}
-                if self.fused_loss:
-                    kwargs["return_logits"] = False
-                out = self.model(batch["input_ids"], labels=batch["labels"], **kwargs)
-                return out.loss.float(), {}
-            labels = batch.pop("labels")
-            targets = labels
-            if train and self.mixup is not None:
-                batch["pixel_values"], targets = self.mixup(batch["pixel_values"], labels)
-            logits = self.model(**batch).logits.float()
-            if targets.dim() == 2:  # mixup/cutmix soft targets
-                loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
-            else:
-                loss = nn.functional.cross_entropy(logits, labels, label_smoothing=self.cfg.data.label_smoothing if train else 0.0)
-            return loss, {"correct": int((logits.argmax(-1) == labels).sum())}
+            loss, logits = self.loss_of(self.model, batch, train=train)
+        if train or logits is None:  # counting correct rows reads the device: only for evaluation
+            return loss, {}
+        return loss, {"correct": int((logits.argmax(-1) == batch["labels"]).sum())}
+
+    def loss_of(self, model: nn.Module, batch: dict, *, train: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean loss, logits or None) of ``model`` on a batch already on the device. No host reads, so that
+        CUDA graphs can capture it."""
+        if self.task == "causal_lm":
+            kwargs = {"cu_seqlens": batch["cu_seqlens"]} if "cu_seqlens" in batch else {}
+            if self.fused_loss:
+                kwargs["return_logits"] = False
+            return model(batch["input_ids"], labels=batch["labels"], **kwargs).loss.float(), None
+        targets = batch["labels"]
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        if targets.dim() == 2:  # mixup/cutmix soft targets
+            loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
+        else:
+            loss = nn.functional.cross_entropy(logits, targets, label_smoothing=self.cfg.data.label_smoothing if train else 0.0)
+        return loss, logits
 
     def train_step(self) -> dict:
         t = self.cfg.train
@@ -193,8 +208,11 @@ class Trainer:
         total = float(sum(units))  # counted on the host: no device sync unless ranks must agree
         if self.dist.dp_world > 1:
             total = D.all_reduce_sum(torch.tensor(total, device=self.device), self.dist).item()
-        for p in self.model.parameters():
-            p.grad = None
+        if self.graphs is not None:
+            self.graphs.prepare_grads()  # zeroed in place: the graphs' gradient buffers are reused (graphs.py)
+        else:
+            for p in self.model.parameters():
+                p.grad = None
         loss_sum = torch.zeros((), device=self.device)
         for i, (batch, n) in enumerate(zip(batches, units)):
             last = i == len(batches) - 1

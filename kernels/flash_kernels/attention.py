@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
-from ._triton_utils import dummy_pointer, eager_function, pick
+from ._triton_utils import dropout_seed, dummy_pointer, eager_function, pick, placeholder
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -320,6 +320,17 @@ def _keep(seed, rows, cols, max_k, dropout_p):
 
 
 @triton.jit
+def _head_seed(Seed, b, n_heads, h, DROPOUT: tl.constexpr):
+    """The Philox seed of one (batch, head): the step's seed, read from the device (so a CUDA graph replay
+    draws a fresh mask each time), plus the head's index. Unused without dropout."""
+    if DROPOUT:
+        seed = tl.load(Seed) + b * n_heads + h
+    else:
+        seed = (b * n_heads + h).to(tl.int64)
+    return seed
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi,
                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -402,7 +413,7 @@ def _prune_big_head(configs, named_args, **kwargs):
 @triton.jit
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CuQ, CuK, Alibi,
-    scale_log2, softcap, dropout_p, seed,
+    scale_log2, softcap, dropout_p, Seed,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
@@ -431,7 +442,7 @@ def _attn_fwd_kernel(
     slope_log2 = 0.0
     if ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
-    seed_bh = seed + b * n_heads + h
+    seed_bh = _head_seed(Seed, b, n_heads, h, DROPOUT)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -464,7 +475,7 @@ def _attn_fwd_kernel(
 
 
 @triton.jit
-def _dropout_mask_kernel(M, seed, dropout_p, n_heads, max_q, max_k, BLOCK: tl.constexpr):
+def _dropout_mask_kernel(M, Seed, dropout_p, n_heads, max_q, max_k, BLOCK: tl.constexpr):
     """keep[b, h, i, j] for all (i < max_q, j < max_k): the same Philox stream the attention kernels draw."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -473,7 +484,7 @@ def _dropout_mask_kernel(M, seed, dropout_p, n_heads, max_q, max_k, BLOCK: tl.co
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
     for start_n in range(0, max_k, BLOCK):
         offs_n = start_n + tl.arange(0, BLOCK)
-        keep = _keep(seed + b * n_heads + h, offs_m[:, None], offs_n[None, :], max_k, dropout_p)
+        keep = _keep(_head_seed(Seed, b, n_heads, h, True), offs_m[:, None], offs_n[None, :], max_k, dropout_p)
         ptrs = M + pid_bh.to(tl.int64) * max_q * max_k + offs_m[:, None] * max_k + offs_n[None, :]
         tl.store(ptrs, keep.to(tl.int8), mask=(offs_m[:, None] < max_q) & (offs_n[None, :] < max_k))
 
@@ -485,8 +496,7 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: 
     reference's replay."""
     mask = torch.empty(batch, n_heads, max_q, max_k, dtype=torch.int8, device=device)
     block = 16 if triton_interpreter_enabled() else 64
-    seed = int(rng_state[0].item())
-    _dropout_mask_kernel[(triton.cdiv(max_q, block), batch * n_heads)](mask, seed, dropout_p, n_heads, max_q, max_k, BLOCK=block)
+    _dropout_mask_kernel[(triton.cdiv(max_q, block), batch * n_heads)](mask, rng_state.to(device), dropout_p, n_heads, max_q, max_k, BLOCK=block)
     return mask.bool()
 
 
@@ -579,7 +589,7 @@ def _bwd_configs(kind):
 @triton.jit
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, Delta, CuQ, CuK, Alibi,
-    scale_log2, softcap, dropout_p, seed,
+    scale_log2, softcap, dropout_p, Seed,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_ab,
@@ -625,7 +635,7 @@ def _attn_bwd_dkdv_kernel(
         slope_log2 = 0.0
         if ALIBI:
             slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
-        seed_bh = seed + b * n_heads + h
+        seed_bh = _head_seed(Seed, b, n_heads, h, DROPOUT)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
                                  lo, full_lo, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
                                  seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
@@ -673,7 +683,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, o
 @triton.jit
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, Delta, CuQ, CuK, Alibi,
-    scale_log2, softcap, dropout_p, seed,
+    scale_log2, softcap, dropout_p, Seed,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
     seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
@@ -708,7 +718,7 @@ def _attn_bwd_dq_kernel(
     slope_log2 = 0.0
     if ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
-    seed_bh = seed + b * n_heads + h
+    seed_bh = _head_seed(Seed, b, n_heads, h, DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if CAUSAL_OR_LOCAL:
         lo, full_lo, full_hi, hi = _key_range(m0, BLOCK_M, BLOCK_N, len_q, len_k, left, right)
@@ -783,8 +793,9 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     o4 = _as4d(out)
     lse, slb, slh = _lse_layout(q4, varlen, max_q)
     left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
-    seed = int(torch.randint(0, 2**30, (1,)).item()) if dropout_p > 0 else 0
-    rng_state = torch.tensor([seed, 0], dtype=torch.int64)
+    # The seed stays on the device: no host sync, and graph replays draw fresh masks.
+    rng_state = dropout_seed(q.device) if dropout_p > 0 else placeholder(q.device, torch.int64)
+    seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
     if q4.numel() and max_q > 0:
         grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
         _attn_fwd_kernel[grid](
@@ -811,7 +822,7 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     delta = torch.empty_like(lse)
     slb, slh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
-    seed = int(rng_state[0].item())
+    seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
     if max_q == 0 or q4.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cu_q_t, cu_k_t = (cu_q, cu_k) if varlen else (dummy, dummy)
@@ -865,7 +876,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
         lse = q.new_empty(hq, q.shape[0], dtype=torch.float32)
     else:
         lse = q.new_empty(q.shape[0], hq, q.shape[1], dtype=torch.float32)
-    return torch.empty_like(q), lse, torch.empty(2, dtype=torch.int64)
+    return torch.empty_like(q), lse, q.new_empty((1,) if dropout_p > 0 else (0,), dtype=torch.int64)
 
 
 @torch.library.custom_op("flash_kernels::attn_bwd", mutates_args=())

@@ -1,0 +1,82 @@
+"""train.cuda_graphs on the CPU: what rules it out (with the setting to change), the per-signature capture
+bookkeeping and the in-place gradient zeroing. The graphs themselves run in test_train_gpu.py."""
+
+import pytest
+import torch
+
+from flash_models.train import Trainer
+from flash_models.train.graphs import MAX_SIGNATURES, GraphedLoss, check_graphable
+
+OK = dict(device=torch.device("cuda"), task="causal_lm", packing="stream", compile=False, activation_checkpointing=0,
+          strategy="none")
+
+
+def test_graphable_settings_pass():
+    check_graphable(**OK)
+    check_graphable(**{**OK, "task": "image_classification", "packing": "documents"})
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"device": torch.device("cpu")}, "a CUDA device"),
+    ({"compile": True}, "train.compile=false"),
+    ({"activation_checkpointing": 2}, "train.activation_checkpointing=0"),
+    ({"strategy": "ddp"}, "distributed.strategy=none"),
+    ({"packing": "documents"}, "data.packing=stream"),
+    ({"task": "sequence_classification"}, "sequence_classification"),
+])
+def test_each_blocking_setting_is_named(change, named):
+    with pytest.raises(ValueError, match="train.cuda_graphs=true needs") as err:
+        check_graphable(**{**OK, **change})
+    assert named in str(err.value)
+
+
+def test_trainer_refuses_graphs_on_the_cpu(tiny_config):
+    with pytest.raises(ValueError, match="a CUDA device"):
+        Trainer(tiny_config(data={"packing": "stream"}, train={"cuda_graphs": True}))
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+        self.unused = torch.nn.Parameter(torch.ones(2))
+
+
+def _fake_capture(monkeypatch):
+    """Stands in for make_graphed_callables (CUDA only): returns the module unchanged, counting captures."""
+    captured = []
+
+    def fake(module, samples, **kwargs):
+        captured.append(tuple(s.shape for s in samples))
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
+    return captured
+
+
+def test_one_capture_per_batch_signature_and_a_clear_limit(monkeypatch):
+    captured = _fake_capture(monkeypatch)
+    model = _Counted()
+    graphs = GraphedLoss(model, lambda m, batch: (m.w * batch["x"].float().sum()).sum())
+    x3, x5 = torch.ones(2, 3), torch.ones(2, 5)
+    assert graphs({"x": x3}).item() == pytest.approx(18.0)
+    graphs({"x": torch.zeros(2, 3)})  # same signature: no new capture
+    graphs({"x": x5})
+    assert captured == [((2, 3),), ((2, 5),)]
+    graphs({"x": x3.long()})  # a dtype change is a new signature
+    assert len(captured) == 3
+    for n in range(MAX_SIGNATURES - 3):
+        graphs({"x": torch.ones(1, n + 7)})
+    with pytest.raises(RuntimeError, match="fix the batch shapes or set train.cuda_graphs=false"):
+        graphs({"x": torch.ones(9, 9)})
+
+
+def test_prepare_grads_allocates_then_zeroes_in_place():
+    model = _Counted()
+    graphs = GraphedLoss(model, lambda m, batch: m.w.sum())
+    graphs.prepare_grads()
+    grad = model.w.grad
+    assert grad is not None and torch.equal(grad, torch.zeros(3)) and torch.equal(model.unused.grad, torch.zeros(2))
+    model.w.grad.add_(5.0)
+    graphs.prepare_grads()
+    assert model.w.grad is grad and torch.equal(grad, torch.zeros(3))  # same buffer, zeroed
