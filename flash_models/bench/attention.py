@@ -52,17 +52,24 @@ def _ours_fn(q, k, v, causal):
     return lambda: flash_attn_func(q, k, v, causal=causal, backend="triton")
 
 
-def _time_fwd_bwd(fn, q, k, v, repeats):
-    """(fwd ms, fwd+bwd ms) or (None, None) when the backend rejects this input."""
+def _time_fwd_bwd(make_fn, q, k, v, repeats, graphs=False):
+    """(fwd ms, fwd+bwd ms, output) or Nones when the backend rejects this input; ``make_fn(q, k, v)`` gives
+    the call. ``graphs`` times replays of a CUDA graph of the call instead of the call itself: the GPU work
+    alone, without Python and launch costs."""
     try:
+        fn = make_fn(q, k, v)
         out = fn()
         dout = torch.randn_like(out)
-        fwd = time_cuda(fn, repeats=repeats).median_ms
 
         def fwd_bwd():
-            torch.autograd.grad(fn(), (q, k, v), dout)
+            # Fresh leaves per call: a leaf's gradient accumulator remembers the stream it was made on, and one
+            # made outside a graph capture would make the capture wait on another stream (an error).
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            torch.autograd.grad(make_fn(*leaves)(), leaves, dout)
 
-        both = time_cuda(fwd_bwd, repeats=repeats).median_ms
+        fwd_bwd()  # autotune outside any capture
+        timed = (_graphed([fn]), _graphed([fwd_bwd])) if graphs else (fn, fwd_bwd)
+        fwd, both = (time_cuda(f, repeats=repeats).median_ms for f in timed)
         return fwd, both, out
     except RuntimeError as err:  # e.g. a SDPA backend that does not support this shape on this GPU
         log.warning("backend failed: %s", str(err).splitlines()[0])
@@ -73,7 +80,7 @@ def _tflops(flops, ms):
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
 
-def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats):
+def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats, graphs=False):
     for d in hdims:
         h = hidden // d
         for s in seqlens:
@@ -82,11 +89,11 @@ def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats):
                 q, k, v = (torch.randn(b, s, h, d, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
                 flops = 4 * b * s * s * h * d / (2 if causal else 1)
                 row = {"hdim": d, "S": s, "B": b, "causal": causal}
-                fwd, both, out = _time_fwd_bwd(_ours_fn(q, k, v, causal), q, k, v, repeats)
+                fwd, both, out = _time_fwd_bwd(lambda *t: _ours_fn(*t, causal), q, k, v, repeats, graphs)
                 row["ours_fwd"], row["ours_fwdbwd"] = _tflops(flops, fwd), _tflops(3.5 * flops, both)
                 best_f, best_b = 0.0, 0.0
                 for peer in PEERS:
-                    pf, pb, pout = _time_fwd_bwd(_sdpa_fn(peer, q, k, v, causal), q, k, v, repeats)
+                    pf, pb, pout = _time_fwd_bwd(lambda *t: _sdpa_fn(peer, *t, causal), q, k, v, repeats, graphs)
                     row[f"{peer}_fwd"], row[f"{peer}_fwdbwd"] = _tflops(flops, pf), _tflops(3.5 * flops, pb)
                     best_f, best_b = max(best_f, row[f"{peer}_fwd"] or 0.0), max(best_b, row[f"{peer}_fwdbwd"] or 0.0)
                     if peer == "flash" and pout is not None:
@@ -276,6 +283,8 @@ def main(argv=None):
     p.add_argument("--decode-kv-heads", type=int, default=16)
     p.add_argument("--decode-hdim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--graphs", action="store_true",
+                   help="training grid: time CUDA-graph replays (GPU work only) instead of eager calls, for every side")
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--decode-sweep", action="store_true", help="also time a few split-KV schedules (tuning aid)")
@@ -287,9 +296,10 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
 
     train = BenchResult(area="attention")
+    train.env["timing"] = "CUDA-graph replay" if args.graphs else "eager calls"
     if not args.skip_train:
         bench_training(train, hdims=_ints(args.hdims), seqlens=_ints(args.seqlens), causals=causals,
-                       tokens=args.tokens, hidden=args.hidden, repeats=args.repeats)
+                       tokens=args.tokens, hidden=args.hidden, repeats=args.repeats, graphs=args.graphs)
     decode = BenchResult(area="attention-decode")
     if not args.skip_decode:
         copy_bw = measure_copy_bandwidth()

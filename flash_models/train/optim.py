@@ -26,9 +26,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def split_by_tensor_kind(groups: list[dict]) -> list[dict]:
+    """Each group split into its DTensor and its plain-tensor parameters. The fused and foreach AdamW kernels
+    take one kind per call (one call per group), and tensor parallelism leaves embeddings, norms and the LM head
+    plain next to sharded DTensor matrices. Without DTensors the groups come back unchanged."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in groups:
+        for kind in (DTensor, torch.Tensor):
+            params = [p for p in group["params"] if isinstance(p, DTensor) == (kind is DTensor)]
+            if params:
+                out.append({**group, "params": params})
+    return out
+
+
 def build_optimizer(model: nn.Module, cfg: OptimSection, *, params: list[dict] | None = None) -> torch.optim.AdamW:
     """AdamW; fused (one kernel over every parameter) on CUDA unless ``cfg.fused`` says otherwise."""
-    groups = params if params is not None else param_groups(model, cfg.weight_decay)
+    groups = split_by_tensor_kind(params if params is not None else param_groups(model, cfg.weight_decay))
     first = groups[0]["params"][0]
     fused = cfg.fused if cfg.fused is not None else first.device.type == "cuda"
     if fused and first.device.type != "cuda":

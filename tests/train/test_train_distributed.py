@@ -80,6 +80,10 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
                 assert abs(a - b) <= tol * abs(b), f"{key} step {step}: {a} vs single-process {b}"
             if "resumed_losses" in results[key]:
                 assert results[key]["resumed_losses"] == got[2:], f"{key}: resumed run differs"
+        # fused/foreach AdamW takes one tensor kind per call: TP's DTensor matrices and plain norms/embeddings
+        # must sit in separate groups (a mixed group failed on CUDA: "got mixed torch.Tensor and DTensor")
+        kinds = results[f"tp-{family}"]["group_kinds"]
+        assert all(len(k) == 1 for k in kinds) and {"DTensor", "Parameter"} <= {k[0] for k in kinds}, kinds
         qkv_rows = single.model.blocks[0].attn.qkv.out_features
         assert results[f"tp-{family}"]["local_qkv_rows"] == qkv_rows // 2
         # the TP export undoes the fused-row permutation: HF reads it and matches the single-process model
