@@ -34,8 +34,8 @@ def split_by_tensor_kind(groups: list[dict]) -> list[dict]:
 
     out = []
     for group in groups:
-        for kind in (DTensor, torch.Tensor):
-            params = [p for p in group["params"] if isinstance(p, DTensor) == (kind is DTensor)]
+        for sharded in (True, False):
+            params = [p for p in group["params"] if isinstance(p, DTensor) == sharded]
             if params:
                 out.append({**group, "params": params})
     return out

@@ -70,6 +70,9 @@ class Trainer:
         t = cfg.train
         self.dist = D.setup(cfg.distributed.strategy, t.device)
         self.device = self.dist.device
+        if t.cuda_graphs:  # refused before any data or model is built
+            check_graphable(device=self.device, task=cfg.model.task, packing=cfg.data.packing, compile=t.compile,
+                            activation_checkpointing=t.activation_checkpointing, strategy=self.dist.strategy)
         if t.deterministic:  # on CUDA this also needs CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment
             torch.use_deterministic_algorithms(True)
         seed_everything(t.seed)  # same on every rank: identical initial weights
@@ -104,8 +107,6 @@ class Trainer:
         self.mixup = self._mixup()
         self.graphs = None
         if t.cuda_graphs:
-            check_graphable(device=self.device, task=self.task, packing=cfg.data.packing, compile=t.compile,
-                            activation_checkpointing=t.activation_checkpointing, strategy=self.dist.strategy)
             self.graphs = GraphedLoss(self.model, lambda model, batch: self.loss_of(model, batch, train=True)[0],
                                       autocast_dtype=torch.bfloat16 if t.precision == "bf16_autocast" else None)
         self.step = 0
