@@ -199,12 +199,20 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         qkv = self.qkv(x).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
+        q_dim = hq * cfg.head_dim
+        if kv_cache is None and mask.key_padding is None and self.backend_for(qkv) == "flash":
+            # Training and cacheless prefill: attend over the packed projection, so the backward writes one
+            # dqkv instead of autograd assembling it slice by slice (zero fills, copies and adds).
+            if self.rope is not None:
+                cos, sin = rope_tables
+                qkv = flash_kernels.apply_rotary(qkv, cos, sin, interleaved=self.rope.interleaved,
+                                                 position_ids=position_ids, num_rotated_heads=hq + hkv)
+            return self.out_proj(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim))
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
         if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
             qk = flash_kernels.apply_rotary(qk, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
         q, k = qk[:, :, :hq], qk[:, :, hq:]  # (B, S, Hq, D), (B, S, Hkv, D)
-        q_dim = hq * cfg.head_dim
         if kv_cache is None:
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
         else:
@@ -237,9 +245,12 @@ class Attention(nn.Module):
         flash_ok = x.is_cuda and x.dtype in FLASH_DTYPES and self.cfg.head_dim in FLASH_HEAD_DIMS
         return "flash" if flash_ok else "sdpa"
 
+    def dropout_p(self) -> float:
+        return self.cfg.dropout_p if self.training else 0.0
+
     def attend(self, q, k, v, mask: AttentionMask) -> torch.Tensor:
         """q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> (B, Sq, Hq, D). Fully masked query rows give zeros."""
-        dropout_p = self.cfg.dropout_p if self.training else 0.0
+        dropout_p = self.dropout_p()
         backend = self.backend_for(q)
         if backend == "flash":
             return self._flash(q, k, v, mask, dropout_p)
@@ -267,11 +278,23 @@ class Attention(nn.Module):
             )
         return (out * row_has_keys).transpose(1, 2)
 
-    def _flash(self, q, k, v, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
+    def _flash_kwargs(self, mask: AttentionMask, dropout_p: float) -> dict:
         # Our kernels' window is (left, right) in keys; a sliding window of W keeps the last W keys.
         window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
-        kwargs = dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, dropout_p=dropout_p,
-                      backend="triton" if self.attn_impl == "flash" else "auto")
+        return dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, dropout_p=dropout_p,
+                    backend="triton" if self.attn_impl == "flash" else "auto")
+
+    def _flash_packed(self, qkv, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
+        """qkv (B, S, Hq + 2 * Hkv, D), no padding -> (B, S, Hq, D)."""
+        kwargs = dict(self._flash_kwargs(mask, dropout_p), num_heads_kv=self.cfg.num_kv_heads)
+        if mask.cu_seqlens is not None:  # packed documents: one row holding every document back to back
+            assert qkv.shape[0] == 1, "packed documents come as a single row"
+            return flash_kernels.flash_attn_varlen_qkvpacked_func(qkv[0], mask.cu_seqlens, mask.max_seqlen,
+                                                                  **kwargs).unsqueeze(0)
+        return flash_kernels.flash_attn_qkvpacked_func(qkv, **kwargs)
+
+    def _flash(self, q, k, v, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
+        kwargs = self._flash_kwargs(mask, dropout_p)
         if mask.cu_seqlens is not None:  # packed documents: one row holding every document back to back
             B, S, Hq, D = q.shape
             assert B == 1, "packed documents come as a single row"

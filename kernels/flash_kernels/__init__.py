@@ -8,6 +8,7 @@ from ._backend import BACKENDS, default_backend
 from .activations import gelu, geglu, swiglu
 from .attention import flash_attn_func, flash_attn_varlen_func
 from .attention_decode import flash_attn_with_kvcache
+from .attention_packed import flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func
 from .cross_entropy import cross_entropy
 from .kv_append import kv_append
 from .fused_dense import fused_dense, fused_dense_gelu_dense
@@ -21,7 +22,9 @@ __all__ = [
     "cross_entropy",
     "default_backend",
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "fused_dense",
     "fused_dense_gelu_dense",

@@ -812,12 +812,15 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     return out, lse, rng_state
 
 
-def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p, rng_state):
+def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p,
+                   rng_state, grads=None):
+    """dq, dk, dv; written into ``grads`` (three tensors shaped like q, k, v, any strides) when given, which is
+    how the packed-qkv op gets one dqkv buffer without a gradient copy per slice."""
     q4, k4, v4, o4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(out), _as4d(do.contiguous())
     nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
     varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
     hq, hkv = q4.shape[2], k4.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     dq4, dk4, dv4 = _as4d(dq), _as4d(dk), _as4d(dv)
     delta = torch.empty_like(lse)
     slb, slh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))

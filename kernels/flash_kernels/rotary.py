@@ -117,6 +117,8 @@ def _rotary_kernel(
 def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj):
     """Rotate x (B, S, H, D) into out (same shape; may be x). Only the rotary channels are written."""
     B, S, H, _ = x.shape
+    if H == 0:  # num_rotated_heads=0: nothing rotates
+        return
     half = cos.shape[-1]
     block_k = next_power_of_2(half)
     block_h = min(next_power_of_2(H), max(1, _TILE // block_k))
@@ -136,13 +138,18 @@ def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, co
 
 def _rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: Optional[torch.Tensor],
-    offsets: Optional[torch.Tensor], offset: int, interleaved: bool, conj: bool,
+    offsets: Optional[torch.Tensor], offset: int, interleaved: bool, conj: bool, rotated_heads: int,
 ) -> torch.Tensor:
+    """x rotated out of place: the first ``rotated_heads`` heads (all of them, or q and k of a packed qkv)
+    rotate in their first rotary_dim channels; every other element is copied through."""
     out = torch.empty_like(x)
     rotary_dim = 2 * cos.shape[-1]
+    if rotated_heads < x.shape[2]:
+        out[:, :, rotated_heads:].copy_(x[:, :, rotated_heads:])
+    x_rot, out_rot = x[:, :, :rotated_heads], out[:, :, :rotated_heads]
     if rotary_dim < x.shape[-1]:
-        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
-    _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj)
+        out_rot[..., rotary_dim:].copy_(x_rot[..., rotary_dim:])
+    _rotary_launch(x_rot, out_rot, cos, sin, positions, offsets, offset, interleaved, conj)
     return out
 
 
@@ -150,7 +157,7 @@ _rotary_op = torch.library.custom_op("flash_kernels::rotary", mutates_args=())(_
 
 
 @_rotary_op.register_fake
-def _(x, cos, sin, positions, offsets, offset, interleaved, conj):
+def _(x, cos, sin, positions, offsets, offset, interleaved, conj, rotated_heads):
     return torch.empty_like(x)
 
 
@@ -163,9 +170,9 @@ def _rotary_inplace_op(
 
 
 def _rotary_setup_context(ctx, inputs, output):
-    x, cos, sin, positions, offsets, offset, interleaved, conj = inputs
+    x, cos, sin, positions, offsets, offset, interleaved, conj, rotated_heads = inputs
     ctx.save_for_backward(cos, sin, positions, offsets)
-    ctx.args = (offset, interleaved, not conj)
+    ctx.args = (offset, interleaved, not conj, rotated_heads)
 
 
 def _rotary_backward_with(rotate):
@@ -173,7 +180,7 @@ def _rotary_backward_with(rotate):
         cos, sin, positions, offsets = ctx.saved_tensors
         # The rotation is orthogonal: its transpose is the rotation by -sin.
         dx = rotate(dy.contiguous() if dy.stride(-1) != 1 else dy, cos, sin, positions, offsets, *ctx.args)
-        return dx, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None, None
 
     return backward
 
@@ -245,6 +252,7 @@ def apply_rotary(
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     inplace: bool = False,
+    num_rotated_heads: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Rotate the first ``2 * cos.shape[-1]`` channels of every head of x (see the module docstring).
@@ -252,23 +260,32 @@ def apply_rotary(
     x: (B, S, H, D), or (total, H, D) with ``cu_seqlens``. Positions: ``position_ids`` (B, S) if given, else
     the index in the sequence plus ``seqlen_offsets`` (an int, or one per batch row). Gradients flow to x, not to
     the cos/sin tables. ``inplace`` overwrites x; when x needs a gradient the rotation is computed out of place
-    and copied back, since autograd must keep its own copy anyway.
+    and copied back, since autograd must keep its own copy anyway. ``num_rotated_heads`` rotates only the first
+    that many heads and passes the rest through: q and k of a packed (..., Hq + 2 * Hkv, D) qkv, whose v heads
+    do not rotate.
     """
     _check_shapes(x, cos, sin, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
+    heads = x.shape[-2]
+    rotated = heads if num_rotated_heads is None else num_rotated_heads
+    if not 0 <= rotated <= heads:
+        raise ValueError(f"apply_rotary: num_rotated_heads={num_rotated_heads} must be in [0, {heads}] (x has {heads} heads)")
     if not use_triton(backend, x, op="apply_rotary", unsupported=_unsupported(x, cos)):
         out = apply_rotary_ref(
-            x, cos, sin, interleaved=interleaved, seqlen_offsets=seqlen_offsets, position_ids=position_ids,
-            cu_seqlens=cu_seqlens,
+            x[..., :rotated, :], cos, sin, interleaved=interleaved, seqlen_offsets=seqlen_offsets,
+            position_ids=position_ids, cu_seqlens=cu_seqlens,
         )
+        if rotated < heads:
+            out = torch.cat((out, x[..., rotated:, :]), dim=-2)
         return x.copy_(out) if inplace else out
     positions, offsets, offset = _token_positions(x, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
     x4 = x.unsqueeze(0) if cu_seqlens is not None else x  # (B, S, H, D)
     if inplace and not (torch.is_grad_enabled() and x.requires_grad):
+        x_rot = x4[:, :, :rotated]
         if torch.compiler.is_compiling():
-            _rotary_inplace_op(x4, cos, sin, positions, offsets, offset, interleaved, False)
+            _rotary_inplace_op(x_rot, cos, sin, positions, offsets, offset, interleaved, False)
         else:
-            _rotary_launch(x4, x4, cos, sin, positions, offsets, offset, interleaved, False)
+            _rotary_launch(x_rot, x_rot, cos, sin, positions, offsets, offset, interleaved, False)
         return x
-    out = pick(_rotary_op, _rotary_eager)(x4, cos, sin, positions, offsets, offset, interleaved, False)
+    out = pick(_rotary_op, _rotary_eager)(x4, cos, sin, positions, offsets, offset, interleaved, False, rotated)
     out = out.squeeze(0) if cu_seqlens is not None else out
     return x.copy_(out) if inplace else out

@@ -76,12 +76,36 @@ def test_inplace_and_non_contiguous_heads():
     assert_close(got, want, torch.float32, name="inplace grad")
 
 
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_num_rotated_heads_rotates_q_and_k_of_a_packed_qkv(backend, rotary_dim):
+    """A heads-concatenated qkv [q (3) | k (1) | v (1)]: q and k heads rotate, v passes through, and so does
+    its gradient."""
+    qkv = torch.randn(2, 9, 5, 32, device=DEVICE, requires_grad=True)
+    cos, sin = _tables(rotary_dim)
+    pos = torch.randint(0, 64, (2, 9), device=DEVICE)
+    out = apply_rotary(qkv, cos, sin, position_ids=pos, num_rotated_heads=4, backend=backend)
+    ref = torch.cat((rot.apply_rotary_ref(qkv[:, :, :4], cos, sin, position_ids=pos), qkv[:, :, 4:]), dim=2)
+    assert_close(out, ref, torch.float32, name="out")
+    assert torch.equal(out[:, :, 4:], qkv[:, :, 4:])
+    g = torch.randn_like(ref)
+    got, want = torch.autograd.grad(out, qkv, g)[0], torch.autograd.grad(ref, qkv, g)[0]
+    assert_close(got, want, torch.float32, name="grad")
+    assert torch.equal(got[:, :, 4:], g[:, :, 4:])
+    with torch.no_grad():  # in place without autograd: only the rotated heads change
+        copy = qkv.detach().clone()
+        apply_rotary(copy, cos, sin, position_ids=pos, num_rotated_heads=4, inplace=True, backend=backend)
+    assert_close(copy, ref, torch.float32, name="inplace")
+    with pytest.raises(ValueError, match="num_rotated_heads=6 must be in"):
+        apply_rotary(qkv, cos, sin, num_rotated_heads=6, backend=backend)
+
+
 def test_backward_is_inverse_rotation():
     """With no cos/sin gradients, the backward is the rotation by -sin: it undoes the forward."""
     x = torch.randn(2, 7, 2, 16, device=DEVICE)
     cos, sin = _tables(16)
     y = apply_rotary(x, cos, sin, backend="triton")
-    back = rot._rotary_op(y, cos, sin, None, None, 0, False, True)
+    back = rot._rotary_op(y, cos, sin, None, None, 0, False, True, 2)
     assert_close(back, x, torch.float32, name="inverse")
 
 

@@ -58,6 +58,33 @@ def test_flash_backward_matches_sdpa():
         assert_close(ours, ref, torch.bfloat16, scale=2.0)
 
 
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+def test_rotary_flash_forward_backward_matches_sdpa(rotary_dim):
+    """With rope, the flash path rotates q and k inside the packed qkv and attends over it (one dqkv in the
+    backward); it must agree with sdpa on the slices, outputs and gradients."""
+    from flash_models.config import RopeConfig
+    from flash_models.modules.rotary import RotaryEmbedding
+
+    rope = RopeConfig(rotary_dim=rotary_dim, max_position_embeddings=32)
+    torch.manual_seed(0)
+    layers = {impl: Attention(CFG, layer_idx=0, rope=rope, attn_impl=impl) for impl in ("sdpa", "flash")}
+    layers["flash"].load_state_dict(layers["sdpa"].state_dict())
+    tables = RotaryEmbedding(rope).tables(32, torch.device("cpu"))
+    x = torch.randn(2, 11, 64)
+    mask = build_attention_mask(None, q_len=11, past_len=0, causal=True, sliding_window=None)
+    positions = torch.arange(11).expand(2, 11) + 3
+    outs, grads = {}, {}
+    for impl, layer in layers.items():
+        layer = layer.to(torch.bfloat16)
+        xi = x.clone().to(torch.bfloat16).requires_grad_()
+        out = layer(xi, mask=mask, position_ids=positions, rope_tables=tables)
+        out.float().square().sum().backward()
+        outs[impl], grads[impl] = out.float(), (xi.grad.float(), layer.qkv.weight.grad.float())
+    assert_close(outs["flash"], outs["sdpa"], torch.bfloat16)
+    for ours, ref in zip(grads["flash"], grads["sdpa"]):
+        assert_close(ours, ref, torch.bfloat16, scale=2.0)
+
+
 def test_auto_picks_sdpa_on_cpu():
     layer = Attention(CFG, layer_idx=0, attn_impl="auto").to(torch.bfloat16)
     assert layer.backend_for(torch.randn(1, 2, 4, 32, dtype=torch.bfloat16)) == "sdpa"
