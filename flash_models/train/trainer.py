@@ -25,10 +25,11 @@ from . import distributed as D
 from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
-from .data import IGNORE, StepSampler, micro_batches
+from .data import IGNORE, StepSampler
 from .graphs import GraphedLoss, check_graphable
 from .metrics import EMA, MetricsLog, clip_grad_norm, flops_per_token, measure_matmul_peak
 from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
+from .prefetch import StepPrefetcher
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,8 @@ class Trainer:
         self.accum_steps = per_rank // t.micro_batch_size
         self.sampler = StepSampler(len(data.train), global_batch=t.global_batch_size, seed=t.seed,
                                    shuffle=cfg.data.shuffle, rank=self.dist.dp_rank, world=self.dist.dp_world)
+        self.batches = StepPrefetcher(self.sampler, data.train, t.micro_batch_size, data.collate, self.device,
+                                      units=lambda batch: self.loss_units(batch, self.task))
         self.raw_model = raw.to(self.device)
         self.model, self.master = self._wrap(raw)
         groups = self.master.groups if self.master is not None else param_groups(self.model, cfg.optim.weight_decay)
@@ -202,10 +205,8 @@ class Trainer:
         return loss, logits
 
     def train_step(self) -> dict:
-        t = self.cfg.train
-        indices = self.sampler.next_step()
-        batches = micro_batches(self.data.train, indices, t.micro_batch_size, self.data.collate)
-        units = [self.loss_units(b, self.task) for b in batches]
+        step = self.batches.next_step()
+        indices, batches, units = step.indices, step.batches, step.units
         total = float(sum(units))  # counted on the host: no device sync unless ranks must agree
         if self.dist.dp_world > 1:
             total = D.all_reduce_sum(torch.tensor(total, device=self.device), self.dist).item()
@@ -241,6 +242,7 @@ class Trainer:
         self.step += 1
         tokens = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dp_world if "input_ids" in batches[0] else 0
         self.tokens_seen += tokens
+        self.batches.prefetch()  # while the GPU still runs this step; the reads below wait for it
         loss_value = loss_sum.item() / max(total, 1.0)
         return {"step": self.step, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": tokens,
                 "tokens_seen": self.tokens_seen, "rows": len(indices) * self.dist.dp_world}

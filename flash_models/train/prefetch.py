@@ -1,0 +1,58 @@
+"""Loading the next optimizer step's batches while the GPU still runs this one.
+
+Each training step ends by reading its loss on the host, which waits for the GPU to finish. Everything the
+host then does before the next step's first launch (sampling, collating, copying the batch to the device)
+leaves the GPU idle: on GPT-2 124M with CUDA graphs, about 2 ms of a 37 ms step. The trainer instead loads the
+next step's batches before that read, and the next step starts straight from them.
+
+Loading ahead must not move the data position a checkpoint records: it draws the indices from a copy of the
+sampler, and the real sampler advances only when a step takes the batches. A sampler changed in between (a
+checkpoint loaded) simply makes the prefetched batches stale, and they are loaded again.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .data import StepSampler, micro_batches
+
+
+@dataclass
+class StepBatches:
+    indices: list[int]
+    batches: list[dict]  # micro-batches, already on the device (copies queued on the current stream)
+    units: list[int]  # what each micro-batch's loss averages over, counted on the host
+
+
+class StepPrefetcher:
+    def __init__(self, sampler: StepSampler, dataset, micro_batch_size: int, collate, device: torch.device,
+                 units: Callable[[dict], int]):
+        self.sampler, self.dataset, self.collate, self.units = sampler, dataset, collate, units
+        self.micro_batch_size, self.device = micro_batch_size, device
+        self._ahead: tuple[dict, StepBatches] | None = None  # (sampler state it was drawn at, batches)
+
+    def _load(self, indices: list[int]) -> StepBatches:
+        batches = micro_batches(self.dataset, indices, self.micro_batch_size, self.collate)
+        units = [self.units(b) for b in batches]  # before the copy: counting on the device would sync
+        if self.device.type == "cuda":
+            # Pinned host memory makes the copy truly asynchronous: the host does not wait for the GPU's queue.
+            batches = [{k: v.pin_memory().to(self.device, non_blocking=True) for k, v in b.items()} for b in batches]
+        return StepBatches(indices, batches, units)
+
+    def prefetch(self) -> None:
+        """Load the batches of the step after the current sampler position, leaving the position unchanged."""
+        ahead = copy.copy(self.sampler)  # next_step replaces, never mutates, the epoch order it shares
+        self._ahead = (self.sampler.state_dict(), self._load(ahead.next_step()))
+
+    def next_step(self) -> StepBatches:
+        """The batches of the next step (prefetched when still valid), advancing the sampler past them."""
+        ahead, self._ahead = self._ahead, None
+        state = self.sampler.state_dict()
+        indices = self.sampler.next_step()
+        if ahead is not None and ahead[0] == state:
+            return ahead[1]
+        return self._load(indices)
