@@ -3,7 +3,8 @@
 Every side runs the same ``flash_models.train.Trainer`` step (same synthetic batches, same fused AdamW, same
 global batch, bf16 autocast) and differs only in the model: ours (fused kernels, flash attention), HF with
 sdpa, and each with torch.compile; ours+graphs replays each forward+backward from CUDA graphs
-(``train.cuda_graphs``). Cases: GPT-2 124M at 16x1024, GPT-2 355M at 8x1024, LLaMA 1.1B at 4x2048.
+(``train.cuda_graphs``). Steps are timed as ``fit`` runs them (``Trainer.iter_steps``: the next step is queued
+before the previous loss is read), every side alike. Cases: GPT-2 124M at 16x1024, GPT-2 355M at 8x1024, LLaMA 1.1B at 4x2048.
 Reported: tokens/s, MFU (6N + 12*L*D*S FLOPs per token against a measured bf16 matmul peak), peak memory.
 
     flash-models bench train [--cases gpt2,gpt2-medium,llama-1b] [--steps 20] [--out bench-train.json]
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,6 @@ from ..registry import get_preset
 from ..train import Trainer, load_config
 from ..train.metrics import flops_per_token, measure_matmul_peak
 from .harness import BenchResult
-from .utils import time_fn
 
 log = logging.getLogger(__name__)
 
@@ -84,17 +85,19 @@ def trainer_for(side: str, case: Case, device: torch.device) -> Trainer:
 def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
     trainer = trainer_for(side, case, device)
     fpt = flops_per_token(trainer.model, case.seq_len)
-    trainer.train_step()  # compile / autotune outside the timed region
+    trainer.train_step()  # compile / autotune / capture outside the timed region
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    timing = time_fn(trainer.train_step, device=device, warmup=warmup, repeats=steps)
+    # As fit() runs them: each step queued before the previous one's loss is read (Trainer.iter_steps).
+    records = list(trainer.iter_steps(trainer.step + warmup + steps))[warmup:]
+    step_ms = statistics.median(r["seconds"] for r in records) * 1e3
     peak_mem = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     # A graph's activations live in its private pool, allocated once at capture: replays allocate nothing, so
     # the allocated peak misses them. The reserved peak counts the pool.
     reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
-    tokens_per_s = case.batch * case.seq_len / (timing.median_ms * 1e-3)
-    row = {"case": case.preset, "side": side, "batch": case.batch, "seq": case.seq_len, "step_ms": timing.median_ms,
+    tokens_per_s = case.batch * case.seq_len / (step_ms * 1e-3)
+    row = {"case": case.preset, "side": side, "batch": case.batch, "seq": case.seq_len, "step_ms": step_ms,
            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak_flops, "peak_GiB": peak_mem / 2**30,
            "reserved_GiB": reserved / 2**30,
            "flops_per_token": fpt, "final_loss": trainer.history[-1]["loss"] if trainer.history else None}

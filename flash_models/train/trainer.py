@@ -14,7 +14,9 @@ import math
 import random
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -63,6 +65,16 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
         raise ValueError(f"train.activation_checkpointing: cannot find the transformer blocks of {type(model).__name__}")
     for i in range(0, len(blocks), every):
         blocks[i] = checkpoint_wrapper(blocks[i])
+
+
+@dataclass
+class _QueuedStep:
+    """An optimizer step whose work is queued on the device; ``Trainer._finish`` reads its metrics."""
+
+    record: dict  # what the host knows already: step, lr, tokens, rows
+    loss_sum: torch.Tensor
+    norm: torch.Tensor
+    total: float  # what the loss averages over (tokens or rows), summed over micro-batches and ranks
 
 
 class Trainer:
@@ -205,6 +217,12 @@ class Trainer:
         return loss, logits
 
     def train_step(self) -> dict:
+        """One optimizer step; returns its metrics, which waits for the GPU to finish the step's backward."""
+        return self._finish(self._queue_step())
+
+    def _queue_step(self) -> _QueuedStep:
+        """Queue one optimizer step's work on the device; nothing here waits for the GPU (except an
+        all-reduce of the loss units across data-parallel ranks)."""
         step = self.batches.next_step()
         indices, batches, units = step.indices, step.batches, step.units
         total = float(sum(units))  # counted on the host: no device sync unless ranks must agree
@@ -242,10 +260,45 @@ class Trainer:
         self.step += 1
         tokens = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dp_world if "input_ids" in batches[0] else 0
         self.tokens_seen += tokens
-        self.batches.prefetch()  # while the GPU still runs this step; the reads below wait for it
-        loss_value = loss_sum.item() / max(total, 1.0)
-        return {"step": self.step, "loss": loss_value, "grad_norm": float(norm), "lr": lr, "tokens": tokens,
-                "tokens_seen": self.tokens_seen, "rows": len(indices) * self.dist.dp_world}
+        self.batches.prefetch()  # while the GPU still runs this step
+        record = {"step": self.step, "lr": lr, "tokens": tokens, "tokens_seen": self.tokens_seen,
+                  "rows": len(indices) * self.dist.dp_world}
+        return _QueuedStep(record, loss_sum, norm, total)
+
+    def _finish(self, queued: _QueuedStep) -> dict:
+        """The step's record with its loss and gradient norm, read in one device-to-host copy (a sync)."""
+        norm = queued.norm.full_tensor() if hasattr(queued.norm, "full_tensor") else queued.norm
+        loss_sum, norm = torch.stack([queued.loss_sum.float(), norm.float().to(queued.loss_sum.device)]).tolist()
+        return {**queued.record, "loss": loss_sum / max(queued.total, 1.0), "grad_norm": norm}
+
+    def _needs_model_after(self, step: int) -> bool:
+        """Whether ``fit`` evaluates or saves after ``step``: then the next step must not be queued before."""
+        t = self.cfg.train
+        return bool((t.eval_every and step % t.eval_every == 0) or (t.save_every and step % t.save_every == 0))
+
+    def iter_steps(self, until: int) -> Iterator[dict]:
+        """Run optimizer steps until ``self.step == until``, yielding each step's record (``train_step``'s, plus
+        ``seconds``: the step's wall time, from the end of the previous step to the end of this one).
+
+        Reading a step's loss waits for the GPU. The next step is queued before that read, so the host's
+        work between steps (batches, Python, launches) overlaps the GPU's, except after a step that ``fit``
+        evaluates or saves at, which needs the model as that step left it. Consume the records before the
+        model: while a record is handled, the following step may already be queued.
+        """
+        pending: tuple[float, _QueuedStep] | None = None
+        last_done: float | None = None
+        while self.step < until or pending is not None:
+            queued = None
+            if self.step < until and (pending is None or not self._needs_model_after(pending[1].record["step"])):
+                queued = (time.perf_counter(), self._queue_step())
+            if pending is not None:
+                started, step = pending
+                record = self._finish(step)
+                done = time.perf_counter()
+                record["seconds"] = done - (started if last_done is None else max(started, last_done))
+                last_done = done
+                yield record
+            pending = queued
 
     # --------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -325,27 +378,24 @@ class Trainer:
         timed_tokens, timed_seconds = 0, 0.0
         self.model.train()
         try:
-            while self.step < t.max_steps:
-                start = time.perf_counter()
-                record = self.train_step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - start
-                if record["step"] > 1 or self.step == t.max_steps:  # the first step pays for compilation
+            for record in self.iter_steps(t.max_steps):
+                elapsed = record.pop("seconds")
+                if record["step"] > 1 or record["step"] == t.max_steps:  # the first step pays for compilation
                     timed_tokens += record["tokens"]
                     timed_seconds += elapsed
                 record["tokens_per_s"] = record["tokens"] / elapsed
                 record["mfu"] = record["tokens_per_s"] * fpt / peak / self.dist.world if peak else 0.0
                 if profiler is not None:
                     profiler.step()
-                if t.eval_every and self.step % t.eval_every == 0:
+                step = record["step"]  # self.step may be one ahead: the next step can be queued already
+                if t.eval_every and step % t.eval_every == 0:
                     record.update(self.evaluate_all())
                 self.history.append(record)
-                if self.step % t.log_every == 0 or self.step == t.max_steps or "eval_loss" in record:
+                if step % t.log_every == 0 or step == t.max_steps or "eval_loss" in record:
                     self.metrics.log(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}")
                 bar.update(1)
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                if t.save_every and step % t.save_every == 0 and step < t.max_steps:
                     self.save()
         finally:
             bar.close()

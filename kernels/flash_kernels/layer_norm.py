@@ -426,7 +426,9 @@ def _norm_bwd(
     """Gradients of the fused norm. h is the saved residual stream (M, N). Returns dx, dres, dw, db, dw1, db1."""
     M, N = h.shape
     dev = h.device
-    programs = max(1, min(M, num_programs(dev)))
+    # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
+    # (16384, 768) bf16 backward from 65 to 53 us; at 2048 and wider, 4 per SM stay best (measured).
+    programs = max(1, min(M, num_programs(dev, per_sm=8 if N <= 1024 else 4)))
     rows_per_program = triton.cdiv(M, programs)
     programs = triton.cdiv(M, rows_per_program)
     dx = torch.empty((M, N), device=dev, dtype=x_dtype)
