@@ -72,8 +72,8 @@ class _QueuedStep:
     """An optimizer step whose work is queued on the device; ``Trainer._finish`` reads its metrics."""
 
     record: dict  # what the host knows already: step, lr, tokens, rows
-    loss_sum: torch.Tensor
-    norm: torch.Tensor
+    metrics: torch.Tensor  # (loss sum, grad norm): on the host once ``copied`` has completed
+    copied: torch.cuda.Event | None  # None: metrics were computed on the CPU, readable now
     total: float  # what the loss averages over (tokens or rows), summed over micro-batches and ranks
 
 
@@ -250,6 +250,7 @@ class Trainer:
         else:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
         norm = clip_grad_norm(params, self.cfg.optim.grad_clip)
+        metrics = self._copy_to_host(loss_sum, norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -263,12 +264,29 @@ class Trainer:
         self.batches.prefetch()  # while the GPU still runs this step
         record = {"step": self.step, "lr": lr, "tokens": tokens, "tokens_seen": self.tokens_seen,
                   "rows": len(indices) * self.dist.dp_world}
-        return _QueuedStep(record, loss_sum, norm, total)
+        return _QueuedStep(record, *metrics, total)
+
+    def _copy_to_host(self, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying (loss sum, grad norm) to the host now, in stream order right behind this step's work.
+
+        A plain ``.tolist()`` later would queue its copy behind everything queued by then, the next step
+        included, and so wait for that step too: the pipeline of ``iter_steps`` would drain at every read.
+        """
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a collective: every rank, now
+        values = torch.stack([loss_sum.float(), norm.float().to(loss_sum.device)])
+        if values.device.type != "cuda":
+            return values, None
+        host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
     def _finish(self, queued: _QueuedStep) -> dict:
-        """The step's record with its loss and gradient norm, read in one device-to-host copy (a sync)."""
-        norm = queued.norm.full_tensor() if hasattr(queued.norm, "full_tensor") else queued.norm
-        loss_sum, norm = torch.stack([queued.loss_sum.float(), norm.float().to(queued.loss_sum.device)]).tolist()
+        """The step's record with its loss and gradient norm (waits for the step's copy of them, no longer)."""
+        if queued.copied is not None:
+            queued.copied.synchronize()
+        loss_sum, norm = queued.metrics.tolist()
         return {**queued.record, "loss": loss_sum / max(queued.total, 1.0), "grad_norm": norm}
 
     def _needs_model_after(self, step: int) -> bool:
