@@ -100,7 +100,7 @@ def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: 
     row = {"case": case.preset, "side": side, "batch": case.batch, "seq": case.seq_len, "step_ms": step_ms,
            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak_flops, "peak_GiB": peak_mem / 2**30,
            "reserved_GiB": reserved / 2**30,
-           "flops_per_token": fpt, "final_loss": trainer.history[-1]["loss"] if trainer.history else None}
+           "flops_per_token": fpt, "final_loss": records[-1]["loss"]}
     del trainer
     gc.collect()
     if device.type == "cuda":
