@@ -22,6 +22,7 @@ import flash_kernels
 
 from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
+from .linear import linear
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
@@ -198,7 +199,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = self.qkv(x).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
+        qkv = linear(x, self.qkv).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
         q_dim = hq * cfg.head_dim
         if kv_cache is None and mask.key_padding is None and self.backend_for(qkv) == "flash":
             # Training and cacheless prefill: attend over the packed projection, so the backward writes one
@@ -207,7 +208,7 @@ class Attention(nn.Module):
                 cos, sin = rope_tables
                 qkv = flash_kernels.apply_rotary(qkv, cos, sin, interleaved=self.rope.interleaved,
                                                  position_ids=position_ids, num_rotated_heads=hq + hkv)
-            return self.out_proj(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim))
+            return linear(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim), self.out_proj)
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
         if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
@@ -217,7 +218,7 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
         else:
             out = self.attend_with_cache(q, k, v, mask, kv_cache)
-        return self.out_proj(out.reshape(B, S, q_dim))
+        return linear(out.reshape(B, S, q_dim), self.out_proj)
 
     def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
         """Store the new keys/values in the cache and attend over everything cached so far."""

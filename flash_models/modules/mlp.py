@@ -11,6 +11,7 @@ from torch import nn
 import flash_kernels
 
 from ..config import MLPConfig
+from .linear import linear
 from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
@@ -37,7 +38,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return activation_then_linear(self.fc1(x), self._act, self.fc2, recompute=self.recompute_activation)
+        return activation_then_linear(linear(x, self.fc1, kernel_backend=self.kernel_backend), self._act, self.fc2,
+                                      recompute=self.recompute_activation, kernel_backend=self.kernel_backend)
 
     def _act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)
@@ -59,8 +61,9 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)  # (..., 2 * intermediate)
-        return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation)
+        gate_up = linear(x, self.gate_up, kernel_backend=self.kernel_backend)  # (..., 2 * intermediate)
+        return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation,
+                                      kernel_backend=self.kernel_backend)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":

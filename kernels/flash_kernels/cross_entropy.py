@@ -66,14 +66,13 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _ce_fwd_kernel(
-    LOGITS, LABELS, LOSS, LSE, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
+def _ce_row_loss(
+    base, LABELS, row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
     HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    base = LOGITS + row * stride_row
+    """(lse, loss, label, valid) of the row at ``base``, read once: online log-sum-exp, a running max and a
+    sum rescaled whenever the max grows."""
     label = tl.load(LABELS + row).to(tl.int64)
-    # Online log-sum-exp: one read of the row, a running max and a sum rescaled whenever the max grows.
     m = -float("inf")
     s = 0.0
     z_sum = 0.0
@@ -95,8 +94,29 @@ def _ce_fwd_kernel(
     else:
         loss = lse - z_label
     loss += lse_square_scale * lse * lse
+    return lse, loss, label, valid
+
+
+@triton.jit
+def _ce_fwd_kernel(
+    LOGITS, LABELS, LOSS, LSE, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    lse, loss, label, valid = _ce_row_loss(LOGITS + row * stride_row, LABELS, row, V, ignore_index, label_smoothing,
+                                           lse_square_scale, logit_scale, HAS_SMOOTHING, BLOCK_V)
     tl.store(LOSS + row, tl.where(valid, loss, 0.0))
     tl.store(LSE + row, lse)
+
+
+@triton.jit
+def _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale):
+    """One block of d loss / d logits for scaled logits ``z``. d loss / d z = softmax * p_coef - coef *
+    ((1 - eps) * onehot(label) + eps / V), where coef is the row's loss gradient and p_coef adds the z-loss
+    and lse terms (d lse / d z = softmax); then the chain rule through z = logit_scale * logits."""
+    g = tl.exp(z - lse) * p_coef - coef * label_smoothing / V
+    g = tl.where(cols == label, g - coef * (1.0 - label_smoothing), g)
+    return g * logit_scale
 
 
 @triton.jit
@@ -104,8 +124,6 @@ def _ce_bwd_kernel(
     LOGITS, DLOGITS, LABELS, LSE, DLOSS, DLSE, stride_row, stride_drow, V, ignore_index, label_smoothing,
     lse_square_scale, logit_scale, HAS_DLSE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    # d loss / d z = softmax * (1 + 2 * zscale * lse) - (1 - eps) * onehot(label) - eps / V, per unit of the
-    # row's loss gradient; d lse / d z = softmax. Then the chain rule through z = logit_scale * logits.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
@@ -116,9 +134,33 @@ def _ce_bwd_kernel(
     if HAS_DLSE:
         p_coef += tl.load(DLSE + row)
     z = tl.load(LOGITS + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-    g = tl.exp(z - lse) * p_coef - coef * label_smoothing / V
-    g = tl.where(cols == label, g - coef * (1.0 - label_smoothing), g)
-    tl.store(DLOGITS + row * stride_drow + cols, (g * logit_scale).to(DLOGITS.dtype.element_ty), mask=mask)
+    g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
+    tl.store(DLOGITS + row * stride_drow + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_fwd_bwd_kernel(
+    LOGITS, LABELS, LOSS, DLOSS, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
+    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Loss and gradient of one row when its loss gradient DLOSS is known up front (a fused LM head scales it
+    later): the forward's online pass, then a second pass that overwrites the row with its gradient. The
+    second pass walks the row backwards, so it starts on the blocks the first pass read last, still in L2:
+    the row comes from HBM once instead of twice (two kernels: one read each)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_row
+    lse, loss, label, valid = _ce_row_loss(base, LABELS, row, V, ignore_index, label_smoothing, lse_square_scale,
+                                           logit_scale, HAS_SMOOTHING, BLOCK_V)
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
+    p_coef = coef * (1.0 + 2.0 * lse_square_scale * lse)
+    blocks = tl.cdiv(V, BLOCK_V)
+    for i in range(0, blocks):
+        cols = (blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+        g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
+        tl.store(base + cols, g.to(LOGITS.dtype.element_ty), mask=mask)
 
 
 def ce_rows_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, logit_scale):
@@ -131,6 +173,19 @@ def ce_rows_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale,
         logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_V=block, num_warps=warps_for_block(block, elems_per_thread=16),
     )
     return losses, lse
+
+
+def ce_rows_fwd_bwd_(logits, labels, dlosses, ignore_index, label_smoothing, lse_square_scale, logit_scale):
+    """Per-row losses (float32), with the logits gradient for the per-row loss gradients ``dlosses`` written
+    over ``logits`` in the same launch."""
+    N, V = logits.shape
+    losses = torch.empty((N,), device=logits.device, dtype=torch.float32)
+    block = min(_FWD_BLOCK, next_power_of_2(V))
+    _ce_fwd_bwd_kernel[(N,)](
+        logits, labels, losses, dlosses, logits.stride(0), V, ignore_index, label_smoothing, lse_square_scale,
+        logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_V=block, num_warps=warps_for_block(block, elems_per_thread=16),
+    )
+    return losses
 
 
 def ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ._backend import use_triton
 from ._triton_compat import tl, triton
+from .column_sum import sum_partials
 from ._triton_utils import (
     as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, pick, placeholder, warps_for_block,
 )
@@ -350,34 +351,6 @@ def _norm_bwd_kernel(
                         tl.store(DB1 + partial + cols, tl.load(DB1 + partial + cols, mask=mask) + dy1, mask=mask)
 
 
-_SUM_BLOCK_P, _SUM_BLOCK_N = 32, 64
-
-
-@triton.jit
-def _sum_partials_kernel(P, OUT0, OUT1, OUT2, OUT3, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """P (k, programs, N) -> column sums into OUT0..OUT(k-1), each (N,); one program per (column block,
-    buffer), rows in order, so the result is deterministic. Separate outputs, not rows of one tensor: custom-op
-    outputs may not alias each other."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    buf = tl.program_id(1)
-    base = P + buf.to(tl.int64) * programs * N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, programs, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        mask = (rows[:, None] < programs) & (cols[None, :] < N)
-        acc += tl.load(base + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
-    total = tl.sum(acc, axis=0)
-    mask = cols < N
-    if buf == 0:
-        tl.store(OUT0 + cols, total, mask=mask)
-    elif buf == 1:
-        tl.store(OUT1 + cols, total, mask=mask)
-    elif buf == 2:
-        tl.store(OUT2 + cols, total, mask=mask)
-    else:
-        tl.store(OUT3 + cols, total, mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------
@@ -456,21 +429,9 @@ def _norm_bwd(
     )
     if has_residual and not store_dres:
         dres = dx
-    sums = iter(_sum_partials(partials))
+    sums = iter(sum_partials(partials))
     dw, db, dw1, db1 = (next(sums) if p else placeholder(dev) for p in present)
     return dx, dres, dw, db, dw1, db1
-
-
-def _sum_partials(partials: torch.Tensor) -> list[torch.Tensor]:
-    """(k <= 4, programs, N) float32 -> k tensors (N,): the column sums of k partial buffers in one launch
-    (torch's sum over dim 0 costs a launch each, and about 10 us per (512, 768) buffer on an H200)."""
-    k, programs, n = partials.shape
-    outs = [torch.empty(n, device=partials.device, dtype=torch.float32) for _ in range(k)]
-    pointers = outs + [outs[0]] * (4 - k)  # unused slots: the grid never reaches them
-    _sum_partials_kernel[(triton.cdiv(n, _SUM_BLOCK_N), k)](
-        partials, *pointers, programs, n, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=_SUM_BLOCK_N, num_warps=4,
-    )
-    return outs
 
 
 # ----------------------------------------------------------------------------------------------------------

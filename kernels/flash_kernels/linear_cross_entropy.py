@@ -1,7 +1,7 @@
 """Fused LM-head projection + cross-entropy, chunked over tokens so the (N, V) logits never exist at once.
 
-For each chunk of tokens: logits = hidden_chunk @ weight.T (+ bias), then the cross-entropy kernels write the
-loss and, over the same logits buffer, the logits gradient; two GEMMs turn that into the chunk's hidden
+For each chunk of tokens: logits = hidden_chunk @ weight.T (+ bias), then one cross-entropy launch writes the
+loss and, over the same logits buffer, the logits gradient (each row read from HBM once); two GEMMs turn that into the chunk's hidden
 gradient and its contribution to the weight gradient. Peak memory is one chunk of logits plus the gradients,
 instead of the full logits, their float32 upcast and their gradient.
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ._backend import check_backend_name, use_triton
 from ._triton_utils import eager_function, next_power_of_2, pick, placeholder
-from .cross_entropy import REDUCTIONS, ce_rows_bwd, ce_rows_fwd, check_labels, cross_entropy_ref
+from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
 
 
 def linear_cross_entropy_ref(
@@ -74,11 +74,9 @@ def _chunk_ce(logits, labels, row_grad, ignore_index, label_smoothing, logit_sca
     """(losses (n,), dlogits (n, V) written over ``logits`` on the Triton path, or None without row_grad)."""
     if not triton_ce:
         return _chunk_ce_torch(logits, labels, row_grad, ignore_index, label_smoothing, logit_scale)
-    losses, lse = ce_rows_fwd(logits, labels, ignore_index, label_smoothing, 0.0, logit_scale)
     if row_grad is None:
-        return losses, None
-    ce_rows_bwd(logits, logits, labels, lse, row_grad, None, ignore_index, label_smoothing, 0.0, logit_scale)
-    return losses, logits
+        return ce_rows_fwd(logits, labels, ignore_index, label_smoothing, 0.0, logit_scale)[0], None
+    return ce_rows_fwd_bwd_(logits, labels, row_grad, ignore_index, label_smoothing, 0.0, logit_scale), logits
 
 
 def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index, label_smoothing, logit_scale,

@@ -50,6 +50,25 @@ def test_fwd_bwd(case, dtype, tol_dtype, inplace_backward):
     assert_close(got, want, tol_dtype, name="grad")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["plain", "smooth_zloss_scale_sum"])
+def test_one_launch_loss_and_gradient_equal_the_two_kernels(case, dtype, monkeypatch):
+    """ce_rows_fwd_bwd_ (the fused LM head's: loss gradient known up front, gradient written over the logits,
+    second pass walking each row backwards) against ce_rows_fwd + ce_rows_bwd, over several vocab blocks."""
+    monkeypatch.setattr(ce, "_FWD_BLOCK", 512)
+    kw = {k: v for k, v in CASES[case].items() if k != "reduction"}
+    args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0), kw.get("logit_scale", 1.0))
+    n, vocab = 23, 1999
+    logits = 3 * torch.randn(n, vocab, device=DEVICE).to(dtype)
+    labels, dlosses = _labels(n, vocab), torch.rand(n, device=DEVICE)
+    losses, lse = ce.ce_rows_fwd(logits, labels, *args)
+    want = torch.empty_like(logits)
+    ce.ce_rows_bwd(logits, want, labels, lse, dlosses, None, *args)
+    fused = logits.clone()
+    torch.testing.assert_close(ce.ce_rows_fwd_bwd_(fused, labels, dlosses, *args), losses, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused, want, rtol=1e-6, atol=1e-6)
+
+
 def test_inplace_backward_reuses_logits_buffer():
     logits = torch.randn(8, 300, device=DEVICE, requires_grad=True)
     x = logits * 1.0
