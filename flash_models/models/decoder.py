@@ -72,8 +72,11 @@ class DecoderLM(nn.Module):
         mlp = build_mlp(dc.mlp, kernel_backend=self.kernel_backend)
         input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
         if dc.block == "pre_norm":
+            # LLaMA-style (gated-MLP) models are the memory-bound ones: their blocks recompute the normalized
+            # inputs in the backward, as their MLPs recompute the activation (see modules/recompute.py).
             return PreNormBlock(norm1=self._norm(), attn=attn, norm2=self._norm(), mlp=mlp, input_dropout_p=input_dropout_p,
-                                residual_dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
+                                residual_dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32,
+                                recompute_norm_outputs=dc.mlp.gated)
         if dc.block in ("parallel", "parallel_shared_norm"):
             norm2 = self._norm() if dc.block == "parallel" else None
             return ParallelBlock(norm1=self._norm(), attn=attn, mlp=mlp, norm2=norm2, input_dropout_p=input_dropout_p,

@@ -7,32 +7,46 @@ one fused kernel: ``hidden, residual = norm(dropout(hidden) + residual)``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .norm import dual_norm
+from .recompute import norm_output_recomputed
 
 
 class PreNormBlock(nn.Module):
-    """GPT-2 / LLaMA:  r = r + drop(h);  h = attn(norm1(r));  r = r + drop(h);  h = mlp(norm2(r))."""
+    """GPT-2 / LLaMA:  r = r + drop(h);  h = attn(norm1(r));  r = r + drop(h);  h = mlp(norm2(r)).
+
+    ``recompute_norm_outputs``: the backward recomputes norm1(r) and norm2(r) from r (kept by the norms
+    anyway) instead of keeping them: less memory for one norm kernel each in the backward. Off by default;
+    the LLaMA-style decoders turn it on, and activation checkpointing (which recomputes the whole block)
+    turns it off."""
 
     def __init__(self, *, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, mlp: nn.Module,
-                 input_dropout_p: float, residual_dropout_p: float, residual_in_fp32: bool = False):
+                 input_dropout_p: float, residual_dropout_p: float, residual_in_fp32: bool = False,
+                 recompute_norm_outputs: bool = False):
         super().__init__()
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
         self.input_dropout_p, self.residual_dropout_p = input_dropout_p, residual_dropout_p
-        self.residual_in_fp32 = residual_in_fp32
+        self.residual_in_fp32, self.recompute_norm_outputs = residual_in_fp32, recompute_norm_outputs
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs):
         hidden, residual = self.norm1(
             hidden, residual, prenorm=True, dropout_p=self.input_dropout_p, residual_in_fp32=self.residual_in_fp32
         )
-        hidden = self.attn(hidden, **attn_kwargs)
+        with self._recomputed(hidden, self.norm1, residual):
+            hidden = self.attn(hidden, **attn_kwargs)
         hidden, residual = self.norm2(
             hidden, residual, prenorm=True, dropout_p=self.residual_dropout_p, residual_in_fp32=self.residual_in_fp32
         )
-        return self.mlp(hidden), residual
+        with self._recomputed(hidden, self.norm2, residual):
+            return self.mlp(hidden), residual
+
+    def _recomputed(self, normed, norm, stream):
+        return norm_output_recomputed(normed, norm, stream) if self.recompute_norm_outputs else contextlib.nullcontext()
 
 
 class ParallelBlock(nn.Module):

@@ -27,6 +27,12 @@ class Norm(nn.Module):
             prenorm=prenorm, residual_in_fp32=residual_in_fp32, backend=self.kernel_backend,
         )
 
+    def normalize_stream(self, stream: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The norm of an already summed residual stream, as ``forward(..., prenorm=True)`` output it: the fused
+        kernel normalizes the stream as stored, so this gives the same bits from the stored stream."""
+        fn = flash_kernels.rms_norm if self.kind == "rms_norm" else flash_kernels.layer_norm
+        return fn(stream, self.weight, self.bias, eps=self.eps, out_dtype=out_dtype, backend=self.kernel_backend)
+
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
         if self.bias is not None:

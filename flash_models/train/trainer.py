@@ -64,6 +64,8 @@ def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
     if blocks is None:
         raise ValueError(f"train.activation_checkpointing: cannot find the transformer blocks of {type(model).__name__}")
     for i in range(0, len(blocks), every):
+        if hasattr(blocks[i], "recompute_norm_outputs"):  # the whole block is recomputed: nothing to add
+            blocks[i].recompute_norm_outputs = False
         blocks[i] = checkpoint_wrapper(blocks[i])
 
 

@@ -57,6 +57,7 @@ def layer_norm_ref(
     if residual is not None:
         h = h + residual.to(compute)
     residual_out = h.to(torch.float32 if residual_in_fp32 else dtype)
+    h = residual_out.to(compute)  # the norm reads the stream as stored (as the kernels do)
     w = weight.to(compute) + 1.0 if zero_centered_weight else weight.to(compute)
     b = bias.to(compute) if bias is not None else None
     if is_rms_norm:
@@ -137,6 +138,15 @@ def _residual_stream(
 
 
 @triton.jit
+def _as_stored(h, RES_OUT, STORE_RES: tl.constexpr):
+    """h as the stored residual stream holds it (rounded to its dtype): the norm normalizes exactly what the
+    backward reads back, so recomputing the output from the stored stream gives the same bits."""
+    if STORE_RES:
+        h = h.to(RES_OUT.dtype.element_ty).to(tl.float32)
+    return h
+
+
+@triton.jit
 def _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr):
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTERED:
@@ -164,6 +174,7 @@ def _norm_fwd_kernel(
         mask = cols < N
         h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                              HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+        h = _as_stored(h, RES_OUT, STORE_RES)
         if STORE_RES:
             tl.store(RES_OUT + row * stride_res_out + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
         if STORE_MASK:
@@ -186,8 +197,9 @@ def _norm_fwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = cols < N
-                acc += _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
-                                        HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+                h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
+                                     HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+                acc += _as_stored(h, RES_OUT, STORE_RES)
             mean = tl.sum(acc, axis=0) / N
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
@@ -195,6 +207,7 @@ def _norm_fwd_kernel(
             mask = cols < N
             h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                                  HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+            h = _as_stored(h, RES_OUT, STORE_RES)
             if STORE_RES:
                 tl.store(RES_OUT + row * stride_res_out + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
             if STORE_MASK:
@@ -207,6 +220,7 @@ def _norm_fwd_kernel(
             mask = cols < N
             h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                                  HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
+            h = _as_stored(h, RES_OUT, STORE_RES)
             xhat = tl.where(mask, h - mean, 0.0) * rstd
             _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B, ZERO_CENTERED)
             if HAS_W1:

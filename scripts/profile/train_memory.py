@@ -43,8 +43,9 @@ def main():
         if e["action"] == "alloc":
             live[e["addr"]] = e
             now += e["size"]
-        elif e["addr"] in live:
-            now -= live.pop(e["addr"])["size"]
+        else:  # also blocks allocated before the trace started (the previous step's gradients, ...)
+            live.pop(e["addr"], None)
+            now -= e["size"]
         if now > best:
             best, at_peak = now, dict(live)
     print(f"{case.preset} {side}: before the step {base / MiB:.0f} MiB (weights, grads, optimizer state), "

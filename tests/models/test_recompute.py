@@ -94,3 +94,80 @@ def test_defaults_recompute_gated_mlps_only():
     mlp, x = make("gelu_new")
     mlp.recompute_activation = False
     assert saved_intermediate_tensors(mlp, x) == 2
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Norm outputs recomputed from the residual stream (PreNormBlock.recompute_norm_outputs)
+# ----------------------------------------------------------------------------------------------------------
+
+def tiny_llama(**kw):
+    import flash_models as fm
+
+    torch.manual_seed(0)
+    return fm.create_model("llama-1b", num_hidden_layers=2, hidden_size=32, intermediate_size=48,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97, attn_impl="eager", **kw)
+
+
+def loss_and_grads(model, ids, *, recompute: bool):
+    for block in model.blocks:
+        block.recompute_norm_outputs = recompute
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype,backend", [(torch.float32, "reference"), (torch.bfloat16, "triton")])
+def test_recomputed_norm_outputs_give_the_same_bits(dtype, backend):
+    """The fused norm normalizes the stream as stored, so recomputing from the stored stream is exact: the same
+    loss and gradients, bit for bit (bf16 through the Triton kernels on the interpreter)."""
+    model = tiny_llama(kernel_backend=backend).to(dtype)
+    ids = torch.randint(0, 97, (2, 11))
+    for got, want in zip(loss_and_grads(model, ids, recompute=True), loss_and_grads(model, ids, recompute=False),
+                         strict=True):
+        assert torch.equal(got, want)
+
+
+def test_recomputed_norm_outputs_are_not_saved():
+    """With recompute on, nothing keeps the norm outputs alive between the forward and the backward, and the
+    backward recomputes each of them once."""
+    import gc
+    import weakref
+
+    from flash_models.modules import recompute
+
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 11))
+    outputs = []
+    for block in model.blocks:
+        for norm in (block.norm1, block.norm2):
+            norm.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out[0])))
+    calls = []
+    original = recompute._NormOutput.recompute
+    recompute._NormOutput.recompute = lambda self: calls.append(1) or original(self)
+    try:
+        for on in (False, True):
+            for block in model.blocks:
+                block.recompute_norm_outputs = on
+            outputs.clear()
+            loss = model(ids, labels=ids).loss
+            gc.collect()
+            alive = sum(ref() is not None for ref in outputs)
+            assert alive == (0 if on else 2 * len(model.blocks)), (on, alive)
+            calls.clear()
+            loss.backward()
+            assert len(calls) == (2 * len(model.blocks) if on else 0)
+    finally:
+        recompute._NormOutput.recompute = original
+
+
+def test_only_gated_decoders_recompute_and_checkpointing_turns_it_off():
+    import flash_models as fm
+    from flash_models.train.trainer import apply_activation_checkpointing
+
+    gpt2 = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97)
+    assert not gpt2.blocks[0].recompute_norm_outputs
+    model = tiny_llama()
+    assert all(block.recompute_norm_outputs for block in model.blocks)
+    apply_activation_checkpointing(model, 1)
+    assert not any(block.recompute_norm_outputs for block in model.modules() if hasattr(block, "recompute_norm_outputs"))
