@@ -73,7 +73,9 @@ class DecoderLM(nn.Module):
         input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
         if dc.block == "pre_norm":
             # LLaMA-style (gated-MLP) models are the memory-bound ones: their blocks recompute the normalized
-            # inputs in the backward, as their MLPs recompute the activation (see modules/recompute.py).
+            # inputs and the weights' autocast copies in the backward, as their MLPs recompute the activation
+            # (modules/recompute.py, modules/linear.py). A few memory-bound kernels for ~3 GB at LLaMA-1.1B.
+            attn.recompute_weight_casts = mlp.recompute_weight_casts = dc.mlp.gated
             return PreNormBlock(norm1=self._norm(), attn=attn, norm2=self._norm(), mlp=mlp, input_dropout_p=input_dropout_p,
                                 residual_dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32,
                                 recompute_norm_outputs=dc.mlp.gated)

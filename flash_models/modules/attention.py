@@ -175,6 +175,10 @@ def _eager_attention(q, k, v, mask, *, scale, dropout_p):
 
 
 class Attention(nn.Module):
+    # Whether the backward casts the float32 projection weights again under autocast rather than keep the
+    # forward's copies (modules/linear.py); the LLaMA-style decoders turn it on.
+    recompute_weight_casts = False
+
     def __init__(
         self, cfg: AttentionConfig, *, layer_idx: int, rope: RopeConfig | None = None, attn_impl: str = "auto",
     ):
@@ -199,7 +203,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = linear(x, self.qkv).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
+        qkv = linear(x, self.qkv, recompute_weight_cast=self.recompute_weight_casts).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
         q_dim = hq * cfg.head_dim
         if kv_cache is None and mask.key_padding is None and self.backend_for(qkv) == "flash":
             # Training and cacheless prefill: attend over the packed projection, so the backward writes one
@@ -208,7 +212,7 @@ class Attention(nn.Module):
                 cos, sin = rope_tables
                 qkv = flash_kernels.apply_rotary(qkv, cos, sin, interleaved=self.rope.interleaved,
                                                  position_ids=position_ids, num_rotated_heads=hq + hkv)
-            return linear(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim), self.out_proj)
+            return self._out(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim))
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
         if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
@@ -218,7 +222,10 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
         else:
             out = self.attend_with_cache(q, k, v, mask, kv_cache)
-        return linear(out.reshape(B, S, q_dim), self.out_proj)
+        return self._out(out.reshape(B, S, q_dim))
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        return linear(out, self.out_proj, recompute_weight_cast=self.recompute_weight_casts)
 
     def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
         """Store the new keys/values in the cache and attend over everything cached so far."""

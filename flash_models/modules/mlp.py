@@ -30,6 +30,9 @@ class MLP(nn.Module):
     # The activation is kept for the backward: these MLPs (GPT-2, BERT, ViT, OPT) have no memory pressure worth
     # an extra kernel per layer. Set it per module to trade the other way.
     recompute_activation = False
+    # Whether the backward casts the float32 weights again under autocast rather than keep the forward's
+    # copies (modules/linear.py); the LLaMA-style decoders turn it on.
+    recompute_weight_casts = False
 
     def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
         super().__init__()
@@ -38,8 +41,9 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return activation_then_linear(linear(x, self.fc1, kernel_backend=self.kernel_backend), self._act, self.fc2,
-                                      recompute=self.recompute_activation, kernel_backend=self.kernel_backend)
+        pre = linear(x, self.fc1, kernel_backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+        return activation_then_linear(pre, self._act, self.fc2, recompute=self.recompute_activation,
+                                      kernel_backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
 
     def _act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)
@@ -51,6 +55,7 @@ class GatedMLP(nn.Module):
     # LLaMA-style MLPs keep (N, 2 * intermediate) for the activation's backward already; keeping its
     # (N, intermediate) output as well is the largest saved tensor of the layer, so it is recomputed.
     recompute_activation = True
+    recompute_weight_casts = False
 
     def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
         super().__init__()
@@ -61,9 +66,10 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up, kernel_backend=self.kernel_backend)  # (..., 2 * intermediate)
+        gate_up = linear(x, self.gate_up, kernel_backend=self.kernel_backend,
+                         recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
         return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation,
-                                      kernel_backend=self.kernel_backend)
+                                      kernel_backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":

@@ -49,12 +49,15 @@ class _ActivationThenLinear(torch.autograd.Function):
 
 
 def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], layer: nn.Module, *,
-                           recompute: bool = True, kernel_backend: str = "auto") -> torch.Tensor:
+                           recompute: bool = True, kernel_backend: str = "auto",
+                           recompute_weight_cast: bool = True) -> torch.Tensor:
     """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records and ``recompute`` is
-    set. Under torch.compile the plain form is traced: the compiler makes its own recompute choices."""
+    set (the weight is then always cast again in the backward; without recompute, ``recompute_weight_cast``
+    says, see modules/linear.py). Under torch.compile the plain form is traced: the compiler makes its own
+    recompute choices."""
     if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(layer):
         return _ActivationThenLinear.apply(pre, layer.weight, layer.bias, act, kernel_backend)
-    return linear(act(pre), layer, kernel_backend=kernel_backend)
+    return linear(act(pre), layer, kernel_backend=kernel_backend, recompute_weight_cast=recompute_weight_cast)
 
 
 class _NormOutput:

@@ -1,4 +1,4 @@
-"""modules.linear: nn.Linear's forward with a leaner backward (the autocast weight copy is not kept, the bias
+"""modules.linear: nn.Linear's forward with a leaner backward (the autocast weight copy recomputed on request, the bias
 gradient is flash_kernels.column_sum). Same outputs and gradients as nn.Linear, in float32 and under bf16
 autocast; no low-precision copy of the weight saved; hooked layers and no-grad calls run the layer itself."""
 
@@ -9,11 +9,11 @@ from torch import nn
 from flash_models.modules.linear import linear
 
 
-def run(layer, x, *, ours: bool, autocast: bool = False, backend: str = "auto"):
+def run(layer, x, *, ours: bool, autocast: bool = False, backend: str = "auto", recompute_weight_cast=False):
     for p in [x, *layer.parameters()]:
         p.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = linear(x, layer, kernel_backend=backend) if ours else layer(x)
+        out = linear(x, layer, kernel_backend=backend, recompute_weight_cast=recompute_weight_cast) if ours else layer(x)
     out.float().square().sum().backward()
     return [out.detach()] + [t.grad for t in [x, *layer.parameters()]]
 
@@ -22,15 +22,18 @@ def run(layer, x, *, ours: bool, autocast: bool = False, backend: str = "auto"):
 @pytest.mark.parametrize("bias", [True, False])
 def test_same_as_nn_linear_in_float32(bias, backend):
     torch.manual_seed(0)
-    layer, x = nn.Linear(24, 37, bias=bias), torch.randn(3, 19, 24, requires_grad=True)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    layer, x = nn.Linear(24, 37, bias=bias).to(device), torch.randn(3, 19, 24, device=device, requires_grad=True)
     for got, want in zip(run(layer, x, ours=True, backend=backend), run(layer, x, ours=False), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_same_as_nn_linear_under_bf16_autocast():
+@pytest.mark.parametrize("recompute_weight_cast", [False, True])
+def test_same_as_nn_linear_under_bf16_autocast(recompute_weight_cast):
     torch.manual_seed(0)
     layer, x = nn.Linear(24, 37), torch.randn(3, 19, 24, requires_grad=True)
-    got, want = run(layer, x, ours=True, autocast=True), run(layer, x, ours=False, autocast=True)
+    got = run(layer, x, ours=True, autocast=True, recompute_weight_cast=recompute_weight_cast)
+    want = run(layer, x, ours=False, autocast=True)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype
     torch.testing.assert_close(got[:3], want[:3], rtol=0, atol=0)  # output, input and weight grads: same ops
@@ -44,7 +47,7 @@ def test_input_without_grad():
     assert dx is None and dw is not None and db is not None
 
 
-def saved_weight_copies(layer, x) -> list[torch.dtype]:
+def saved_weight_copies(layer, x, recompute_weight_cast=True) -> list[torch.dtype]:
     """The dtypes of the weight-shaped tensors the forward saves for the backward, under bf16 autocast."""
     saved = []
 
@@ -54,13 +57,14 @@ def saved_weight_copies(layer, x) -> list[torch.dtype]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        linear(x, layer)
+        linear(x, layer, recompute_weight_cast=recompute_weight_cast)
     return saved
 
 
-def test_autocast_weight_copy_is_not_saved():
+def test_autocast_weight_copy_is_recomputed_when_asked():
     layer, x = nn.Linear(16, 12), torch.randn(5, 16, requires_grad=True)
     assert saved_weight_copies(layer, x) == [torch.float32]  # the parameter itself, cast again in the backward
+    assert saved_weight_copies(layer, x, recompute_weight_cast=False) == [torch.float32, torch.bfloat16]  # both
     hooked = nn.Linear(16, 12)
     hooked.register_forward_hook(lambda *args: None)  # its own forward: autograd keeps the bf16 copy
     assert saved_weight_copies(hooked, x) == [torch.bfloat16]

@@ -121,8 +121,9 @@ def loss_and_grads(model, ids, *, recompute: bool):
 def test_recomputed_norm_outputs_give_the_same_bits(dtype, backend):
     """The fused norm normalizes the stream as stored, so recomputing from the stored stream is exact: the same
     loss and gradients, bit for bit (bf16 through the Triton kernels on the interpreter)."""
-    model = tiny_llama(kernel_backend=backend).to(dtype)
-    ids = torch.randint(0, 97, (2, 11))
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else the interpreter
+    model = tiny_llama(kernel_backend=backend).to(device, dtype)
+    ids = torch.randint(0, 97, (2, 11), device=device)
     for got, want in zip(loss_and_grads(model, ids, recompute=True), loss_and_grads(model, ids, recompute=False),
                          strict=True):
         assert torch.equal(got, want)
@@ -161,13 +162,15 @@ def test_recomputed_norm_outputs_are_not_saved():
         recompute._NormOutput.recompute = original
 
 
-def test_only_gated_decoders_recompute_and_checkpointing_turns_it_off():
+def test_only_gated_decoders_recompute_and_checkpointing_turns_norm_recompute_off():
     import flash_models as fm
     from flash_models.train.trainer import apply_activation_checkpointing
 
     gpt2 = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97)
-    assert not gpt2.blocks[0].recompute_norm_outputs
+    block = gpt2.blocks[0]
+    assert not (block.recompute_norm_outputs or block.attn.recompute_weight_casts or block.mlp.recompute_weight_casts)
     model = tiny_llama()
-    assert all(block.recompute_norm_outputs for block in model.blocks)
+    assert all(b.recompute_norm_outputs and b.attn.recompute_weight_casts and b.mlp.recompute_weight_casts
+               for b in model.blocks)
     apply_activation_checkpointing(model, 1)
     assert not any(block.recompute_norm_outputs for block in model.modules() if hasattr(block, "recompute_norm_outputs"))
