@@ -94,7 +94,9 @@ def _rotary_kernel(
         pos = tl.load(POS + token).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     k = tl.arange(0, BLOCK_K)
-    k_mask = (k < HALF) & (pos < max_pos)
+    # An out-of-table position loads nothing (one comparison with a scalar limit: Triton 3.9's interpreter
+    # rejects a block mask and'ed with a scalar condition).
+    k_mask = k < tl.where(pos < max_pos, HALF, 0)
     c = tl.load(COS + pos * stride_cos + k, mask=k_mask, other=0.0).to(tl.float32)
     sn = tl.load(SIN + pos * stride_sin + k, mask=k_mask, other=0.0).to(tl.float32)
     if CONJ:

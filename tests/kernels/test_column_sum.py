@@ -57,6 +57,6 @@ def test_gradient_and_compile():
 
 def test_bad_inputs():
     with pytest.raises(ValueError, match="scalar"):
-        column_sum(torch.tensor(1.0), backend="triton")
+        column_sum(torch.tensor(1.0, device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="dtype"):
-        column_sum(torch.randn(4, 8, dtype=torch.float64), backend="triton")
+        column_sum(torch.randn(4, 8, dtype=torch.float64, device=DEVICE), backend="triton")
