@@ -87,11 +87,16 @@ def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the gradients are multiplied by so that their norm ``total`` is at most ``max_norm`` (<= 1)."""
+    return (max_norm / (total + 1e-6)).clamp(max=1.0)
+
+
 @torch.no_grad()
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     total = grad_norm(params)
     if max_norm is not None and max_norm > 0:
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        coef = clip_coefficient(total, max_norm)
         grads = [p.grad for p in params if p.grad is not None]
         if any(hasattr(g, "full_tensor") for g in grads):
             for g in grads:

@@ -29,7 +29,7 @@ from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
 from .data import IGNORE, StepSampler
 from .graphs import GraphedLoss, check_graphable
-from .metrics import EMA, MetricsLog, clip_grad_norm, flops_per_token, measure_matmul_peak
+from .metrics import EMA, MetricsLog, clip_coefficient, clip_grad_norm, flops_per_token, grad_norm, measure_matmul_peak
 from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
 from .prefetch import StepPrefetcher
 
@@ -251,10 +251,19 @@ class Trainer:
             params = self.master.masters()
         else:
             params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = clip_grad_norm(params, self.cfg.optim.grad_clip)
+        max_norm = self.cfg.optim.grad_clip
+        if self._clips_in_optimizer():
+            norm = grad_norm(params)
+            # The fused kernel divides each gradient by grad_scale (the hook torch.amp.GradScaler uses): the
+            # clipped update without a pass of its own over every gradient (0.27 ms of GPT-2 124M's step on an
+            # H200). The .grad tensors themselves stay unclipped.
+            self.optimizer.grad_scale = 1.0 / clip_coefficient(norm, max_norm)
+        else:
+            norm = clip_grad_norm(params, max_norm)
         metrics = self._copy_to_host(loss_sum, norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.optimizer.grad_scale = None
         self.scheduler.step()
         if self.master is not None:
             self.master.master_to_model()
@@ -267,6 +276,14 @@ class Trainer:
         record = {"step": self.step, "lr": lr, "tokens": tokens, "tokens_seen": self.tokens_seen,
                   "rows": len(indices) * self.dist.dp_world}
         return _QueuedStep(record, *metrics, total)
+
+    def _clips_in_optimizer(self) -> bool:
+        """Whether clipping can ride on the optimizer: fused AdamW over plain (not DTensor) parameters, no
+        float32 master copies, and a clip norm set."""
+        max_norm = self.cfg.optim.grad_clip
+        return (max_norm is not None and max_norm > 0 and self.master is None
+                and self.dist.strategy not in ("fsdp", "tp")
+                and all(group.get("fused") for group in self.optimizer.param_groups))
 
     def _copy_to_host(self, loss_sum: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying (loss sum, grad norm) to the host now, in stream order right behind this step's work.

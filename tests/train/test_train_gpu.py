@@ -72,3 +72,21 @@ def test_cuda_graph_training_equals_eager(tiny_config, tmp_path, precision):
         if graphs:
             assert len(trainer.graphs.graphed) == 1
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)
+
+
+def test_clipping_inside_fused_adamw_equals_clipping_the_gradients(tiny_config, tmp_path, monkeypatch):
+    """Fused AdamW dividing by grad_scale (how the trainer clips on CUDA) gives the steps of multiplying the
+    gradients by the clip coefficient first: a clip norm small enough that every step clips."""
+    runs = {}
+    for inside in (True, False):
+        if not inside:
+            monkeypatch.setattr(Trainer, "_clips_in_optimizer", lambda self: False)
+        trainer = Trainer(tiny_config(
+            model={"overrides": dict(FLASH_GPT2), "attn_impl": "flash"}, data={"packing": "stream", "seq_len": 64},
+            train={"device": "cuda", "max_steps": 5, "precision": "bf16_autocast", "output_dir": str(tmp_path / str(inside))},
+            optim={"grad_clip": 0.05}))
+        assert trainer._clips_in_optimizer() is inside
+        trainer.fit()
+        runs[inside] = [h[key] for key in ("loss", "grad_norm") for h in trainer.history]
+        assert all(h["grad_norm"] > 0.05 for h in trainer.history)  # every step clipped
+    assert runs[True] == pytest.approx(runs[False], rel=1e-3)
