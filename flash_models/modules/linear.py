@@ -6,9 +6,10 @@ Two things differ from autograd's own Linear, neither in the result:
   forward to the backward. With ``recompute_weight_cast`` the float32 parameter is kept instead (it lives
   anyway) and cast again in the backward: for LLaMA-1.1B that frees 65 MB a layer (the qkv, output and
   gate/up projections) at the cost of one cast per weight in the backward.
-- The bias gradient is ``flash_kernels.column_sum`` (on CUDA a two-pass Triton reduction near copy speed),
-  accumulated and returned in float32. torch's reduction over the rows of a narrow gradient (16384 x 768 for
-  GPT-2) runs at about a fifth of the copy bandwidth on an H200.
+- The bias gradient is ``flash_kernels.column_sum``, accumulated and returned in float32: inside a captured
+  CUDA graph (``train.cuda_graphs``) a two-pass Triton reduction near copy speed, where torch's reduction
+  over the rows of a narrow gradient (16384 x 768 for GPT-2) runs at about a fifth of the copy bandwidth on
+  an H200; in eager steps, which launch cost bounds, torch's one launch.
 
 Only plain nn.Linear layers with plain tensors and no hooks take this path (``plain_linear``); anything else,
 and every call under torch.compile or without grad mode, is the layer's own forward.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_kernels
+from flash_kernels._backend import capturing_cuda_graph
 
 
 def linear_grads(ctx, dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -35,7 +37,12 @@ def linear_grads(ctx, dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, b
     dweight = (dy2.t() @ h2).to(weight.dtype) if ctx.needs_input_grad[1] else None
     dbias = None
     if bias is not None and ctx.needs_input_grad[2]:
-        dbias = flash_kernels.column_sum(dy2, dtype=bias.dtype, backend=ctx.kernel_backend)
+        # Eager steps are bound by launch cost, which two Triton launches raise more than their faster GPU
+        # pass saves; inside a captured CUDA graph only GPU time counts. So "auto" sums with torch in eager.
+        backend = ctx.kernel_backend
+        if backend == "auto" and dy.is_cuda and not capturing_cuda_graph():
+            backend = "reference"
+        dbias = flash_kernels.column_sum(dy2, dtype=bias.dtype, backend=backend)
     return dh, dweight, dbias
 
 
