@@ -41,9 +41,9 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pre = linear(x, self.fc1, kernel_backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+        pre = linear(x, self.fc1, recompute_weight_cast=self.recompute_weight_casts)
         return activation_then_linear(pre, self._act, self.fc2, recompute=self.recompute_activation,
-                                      kernel_backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+                                      recompute_weight_cast=self.recompute_weight_casts)
 
     def _act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)
@@ -66,10 +66,9 @@ class GatedMLP(nn.Module):
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up, kernel_backend=self.kernel_backend,
-                         recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
+        gate_up = linear(x, self.gate_up, recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
         return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation,
-                                      kernel_backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+                                      recompute_weight_cast=self.recompute_weight_casts)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":

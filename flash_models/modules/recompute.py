@@ -8,7 +8,7 @@ that tensor for every layer until the backward reaches it: for LLaMA-1.1B at 4 x
 
 The backward does what autograd does for ``linear(act(pre))`` under autocast: the weight is used in the
 activation's dtype and its gradient cast back, so the gradients match the plain path (the bias gradient is
-``modules.linear``'s float32 column sum).
+``modules.linear``'s GEMV).
 
 ``norm_output_recomputed``: a pre-norm block's normalized input (N, hidden), saved by the projection that
 reads it, is recomputed from the residual stream the norm keeps anyway (one norm kernel in the backward):
@@ -30,11 +30,11 @@ from .linear import linear, linear_grads, plain_linear
 
 class _ActivationThenLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pre, weight, bias, act, kernel_backend):
+    def forward(ctx, pre, weight, bias, act):
         with torch.no_grad():
             h = act(pre)
         ctx.save_for_backward(pre, weight, bias)
-        ctx.act, ctx.kernel_backend = act, kernel_backend
+        ctx.act = act
         return F.linear(h, weight.to(h.dtype), bias.to(h.dtype) if bias is not None else None)
 
     @staticmethod
@@ -45,19 +45,18 @@ class _ActivationThenLinear(torch.autograd.Function):
             h = ctx.act(pre_)
         dh, dweight, dbias = linear_grads(ctx, dy, h.detach(), weight, bias)
         dpre = torch.autograd.grad(h, pre_, dh)[0] if dh is not None else None
-        return dpre, dweight, dbias, None, None
+        return dpre, dweight, dbias, None
 
 
 def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], layer: nn.Module, *,
-                           recompute: bool = True, kernel_backend: str = "auto",
-                           recompute_weight_cast: bool = True) -> torch.Tensor:
+                           recompute: bool = True, recompute_weight_cast: bool = True) -> torch.Tensor:
     """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records and ``recompute`` is
     set (the weight is then always cast again in the backward; without recompute, ``recompute_weight_cast``
     says, see modules/linear.py). Under torch.compile the plain form is traced: the compiler makes its own
     recompute choices."""
     if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(layer):
-        return _ActivationThenLinear.apply(pre, layer.weight, layer.bias, act, kernel_backend)
-    return linear(act(pre), layer, kernel_backend=kernel_backend, recompute_weight_cast=recompute_weight_cast)
+        return _ActivationThenLinear.apply(pre, layer.weight, layer.bias, act)
+    return linear(act(pre), layer, recompute_weight_cast=recompute_weight_cast)
 
 
 class _NormOutput:

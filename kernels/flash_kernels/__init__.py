@@ -9,7 +9,6 @@ from .activations import gelu, geglu, swiglu
 from .attention import flash_attn_func, flash_attn_varlen_func
 from .attention_decode import flash_attn_with_kvcache
 from .attention_packed import flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func
-from .column_sum import column_sum
 from .cross_entropy import cross_entropy
 from .kv_append import kv_append
 from .fused_dense import fused_dense, fused_dense_gelu_dense
@@ -20,7 +19,6 @@ from .rotary import apply_rotary
 __all__ = [
     "BACKENDS",
     "apply_rotary",
-    "column_sum",
     "cross_entropy",
     "default_backend",
     "flash_attn_func",

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ._backend import use_triton
 from ._triton_compat import tl, triton
-from .column_sum import sum_partials
+from .partial_sums import sum_partials
 from ._triton_utils import (
     as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, pick, placeholder, warps_for_block,
 )
