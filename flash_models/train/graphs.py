@@ -71,9 +71,12 @@ class GraphedLoss:
     """``loss = loss_fn(model, batch)`` with forward and backward replayed from CUDA graphs, per batch signature.
 
     ``loss.backward()`` accumulates into the parameters' ``.grad`` as usual. The graph writes its gradients
-    into static buffers that the next replay overwrites, so call ``prepare_grads`` before the first micro-step
-    of each optimizer step: it keeps every ``.grad`` allocated and zeroed in place, so autograd adds into it
-    rather than keeping the static buffer itself as ``.grad``.
+    into static buffers that the next replay overwrites, so call ``prepare_grads(micro_steps)`` before the
+    first micro-step of each optimizer step. With several micro-steps it keeps every ``.grad`` allocated and
+    zeroed in place, so autograd adds into it rather than keeping the static buffer itself as ``.grad`` (the
+    next micro-step's replay would overwrite it). With one, ``.grad`` is cleared and autograd keeps the static
+    buffer: the optimizer reads it before the next replay rewrites it (stream order), and the step saves a
+    zero fill and an add over every gradient (about 0.5 ms for GPT-2 124M on an H200).
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable, *, autocast_dtype: torch.dtype | None = None):
@@ -90,7 +93,11 @@ class GraphedLoss:
     def signature(batch: dict[str, torch.Tensor]) -> tuple:
         return tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(batch.items()))
 
-    def prepare_grads(self) -> None:
+    def prepare_grads(self, micro_steps: int) -> None:
+        if micro_steps == 1:
+            for p in self.model.parameters():
+                p.grad = None
+            return
         grads = []
         for p in self.model.parameters():
             if not p.requires_grad:

@@ -231,7 +231,7 @@ class Trainer:
         if self.dist.dp_world > 1:
             total = D.all_reduce_sum(torch.tensor(total, device=self.device), self.dist).item()
         if self.graphs is not None:
-            self.graphs.prepare_grads()  # zeroed in place: the graphs' gradient buffers are reused (graphs.py)
+            self.graphs.prepare_grads(len(batches))  # the graphs' gradient buffers are reused (graphs.py)
         else:
             for p in self.model.parameters():
                 p.grad = None

@@ -57,16 +57,17 @@ def test_ours_tracks_hf_in_bf16(tiny_config, tmp_path):
     assert losses["ours"] == pytest.approx(losses["hf"], rel=2e-2)
 
 
-@pytest.mark.parametrize("precision", ["bf16_autocast", "bf16"])
-def test_cuda_graph_training_equals_eager(tiny_config, tmp_path, precision):
-    """Graphed micro-steps with two-step accumulation: the same losses and gradient norms as eager, step for
-    step (a gradient buffer reused across micro-steps would change the norms), and one capture for the run."""
+@pytest.mark.parametrize("precision,micro_batch", [("bf16_autocast", 2), ("bf16", 2), ("bf16_autocast", 4)])
+def test_cuda_graph_training_equals_eager(tiny_config, tmp_path, precision, micro_batch):
+    """Graphed micro-steps with two-step accumulation (micro batch 2) or none (4, where .grad is the graph's own
+    buffer): the same losses and gradient norms as eager, step for step (a gradient buffer reused across
+    micro-steps would change the norms), and one capture for the run."""
     runs = {}
     for graphs in (False, True):
         trainer = Trainer(tiny_config(
             model={"overrides": dict(FLASH_GPT2), "attn_impl": "flash"}, data={"packing": "stream", "seq_len": 64},
             train={"device": "cuda", "max_steps": 6, "precision": precision, "cuda_graphs": graphs,
-                   "global_batch_size": 4, "micro_batch_size": 2, "output_dir": str(tmp_path / str(graphs))}))
+                   "global_batch_size": 4, "micro_batch_size": micro_batch, "output_dir": str(tmp_path / str(graphs))}))
         trainer.fit()
         runs[graphs] = [h[key] for key in ("loss", "grad_norm") for h in trainer.history]  # flat: approx is not nested
         if graphs:

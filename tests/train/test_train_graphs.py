@@ -71,12 +71,21 @@ def test_one_capture_per_batch_signature_and_a_clear_limit(monkeypatch):
         graphs({"x": torch.ones(9, 9)})
 
 
-def test_prepare_grads_allocates_then_zeroes_in_place():
+def test_prepare_grads_allocates_then_zeroes_in_place_for_accumulation():
     model = _Counted()
     graphs = GraphedLoss(model, lambda m, batch: m.w.sum())
-    graphs.prepare_grads()
+    graphs.prepare_grads(2)
     grad = model.w.grad
     assert grad is not None and torch.equal(grad, torch.zeros(3)) and torch.equal(model.unused.grad, torch.zeros(2))
     model.w.grad.add_(5.0)
-    graphs.prepare_grads()
+    graphs.prepare_grads(2)
     assert model.w.grad is grad and torch.equal(grad, torch.zeros(3))  # same buffer, zeroed
+
+
+def test_prepare_grads_clears_for_a_single_micro_step():
+    """One micro-step: autograd may keep the graph's own gradient buffer as .grad, so nothing is zeroed."""
+    model = _Counted()
+    graphs = GraphedLoss(model, lambda m, batch: m.w.sum())
+    graphs.prepare_grads(2)
+    graphs.prepare_grads(1)
+    assert model.w.grad is None and model.unused.grad is None
