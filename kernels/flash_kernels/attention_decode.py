@@ -8,7 +8,8 @@ and is not modified; the caller advances it.
 The Triton path uses a split-KV ("flash-decoding") schedule: the cache is cut into chunks along its length,
 one program per (chunk, batch, kv head) computes a partial softmax over its chunk for all query rows of the
 kv head's GQA group at once (each K/V byte is read once), and a second kernel merges the partials by their
-log-sum-exp. With batch 1 and a long cache the chunks fill the GPU. A paged cache (``block_table``) is
+log-sum-exp. With batch 1 and a long cache the chunks fill the GPU; when batch x kv heads already fill it and
+the cache is short, one chunk writes the output directly and the merge launch is skipped. A paged cache (``block_table``) is
 read through the table, row by row, so any page size works.
 """
 
@@ -81,20 +82,25 @@ def flash_attn_with_kvcache_ref(
 # (2026-11-22): 2 programs per SM was best at batch 1 (the target case); batch 16 preferred 4 (~10% faster).
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 256
+# One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
+# GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per layer merging two halves.
+DECODE_SINGLE_SPLIT_MAX = 1024
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Opart, Lpart, Seqlens, BlockTable, scale_log2, softcap,
+    Q, K, V, Opart, Lpart, O, Seqlens, BlockTable, scale_log2, softcap,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
+    stride_ob, stride_os, stride_oh,
     seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
-    """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i."""
+    """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
+    With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed."""
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -139,6 +145,10 @@ def _decode_split_kernel(
         acc = _mm(p.to(v.dtype), v, acc * alpha[:, None], DOT_F32)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if SINGLE_SPLIT:  # a row that saw no key gets zeros (acc is 0 there)
+        out = O + b64 * stride_ob + i[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
+        _store_rows(out, (acc / l_safe[:, None]).to(O.dtype.element_ty), offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+        return
     lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
     part = split * stride_ps + b64 * stride_pb + h * stride_ph + i * stride_pq
     _store_rows(Opart + part[:, None] + offs_d[None, :], acc / l_safe[:, None], offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
@@ -178,8 +188,11 @@ def _split_plan(q, capacity, n_prog_other):
     """(chunk, num_splits) for a cache of ``capacity`` keys and ``n_prog_other`` (batch x kv heads) programs
     per split."""
     if q.device.type == "cuda":
-        target = DECODE_PROGRAMS_PER_SM * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        splits = max(1, min(-(-target // n_prog_other), -(-capacity // DECODE_MIN_CHUNK)))
+        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        if n_prog_other >= sms and capacity <= DECODE_SINGLE_SPLIT_MAX:
+            splits = 1  # a wave of programs already, over a short cache: the merge launch would cost more
+        else:
+            splits = max(1, min(-(-DECODE_PROGRAMS_PER_SM * sms // n_prog_other), -(-capacity // DECODE_MIN_CHUNK)))
         align = CHUNK_ALIGN
     else:
         splits, align = max(1, min(4, -(-capacity // 32))), 16  # the interpreter: a few splits so the merge is tested
@@ -207,22 +220,27 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     chunk, num_splits = _split_plan(q, capacity, bsz * hkv)
     rows = group * seqlen_q
     block_m = 16 if triton_interpreter_enabled() else min(64, max(16, triton.next_power_of_2(rows)))
-    opart = torch.empty(num_splits, bsz, hq, seqlen_q, d, dtype=torch.float32, device=q.device)
-    lpart = torch.empty(num_splits, bsz, hq, seqlen_q, dtype=torch.float32, device=q.device)
+    single = num_splits == 1
+    parts = 0 if single else num_splits  # one split writes the output itself
+    opart = torch.empty(parts, bsz, hq, seqlen_q, d, dtype=torch.float32, device=q.device)
+    lpart = torch.empty(parts, bsz, hq, seqlen_q, dtype=torch.float32, device=q.device)
     left, right, _ = _window_bounds(causal, wl, wr, seqlen_q, capacity)
     bd = triton.next_power_of_2(d)
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
     _decode_split_kernel[(num_splits, bsz * hkv, triton.cdiv(rows, block_m))](
-        q, k_cache, v_cache, opart, lpart, cache_seqlens, table, scale * LOG2E, softcap,
+        q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
-        num_warps=num_warps, num_stages=num_stages,
+        SINGLE_SPLIT=single, num_warps=num_warps, num_stages=num_stages,
     )
+    if single:
+        return out
     _decode_combine_kernel[(bsz * hq * seqlen_q,)](
         opart, lpart, out, num_splits, hq, seqlen_q,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),

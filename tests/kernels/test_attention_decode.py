@@ -1,11 +1,15 @@
 """flash_attn_with_kvcache: split-KV Triton decode (the CPU interpreter in CI) against the reference."""
 
+import importlib
+
 import pytest
 import torch
 
 from flash_kernels import flash_attn_func, flash_attn_with_kvcache
 from flash_kernels._testing import assert_close
 from flash_kernels.attention_decode import flash_attn_with_kvcache_ref
+
+dec = importlib.import_module("flash_kernels.attention_decode")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16]
@@ -34,9 +38,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("splits", ["planned", "single"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_kvcache_matches_reference(case, dtype):
+def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
+    """The planned split-KV schedule (several splits and the merge, under the interpreter) and one split that
+    writes the output itself (what short caches at a large batch get on the GPU)."""
+    if splits == "single":
+        monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other: (capacity, 1))
     torch.manual_seed(0)
     bsz, sq, hq, hkv, d, capacity, s_new, page, causal, window, softcap = case
     q = torch.randn(bsz, sq, hq, d, dtype=dtype, device=DEVICE)
