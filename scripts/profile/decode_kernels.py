@@ -1,0 +1,44 @@
+"""The kernels of one greedy decode step (replayed from its CUDA graph), per kernel name, for a model preset.
+
+    PYTHONPATH=.:kernels python scripts/profile/decode_kernels.py [gpt2-124m|llama-1.1b] [batch]   # on a CUDA GPU
+"""
+
+import collections
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flash_models.bench.generate import MODELS
+from flash_models.checkpoint import create_model
+
+
+def main():
+    name = sys.argv[1] if len(sys.argv) > 1 else "gpt2-124m"
+    batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    preset, overrides = MODELS[name]
+    model = create_model(preset, dtype=torch.bfloat16, device="cuda", **overrides).eval()
+    ids = torch.randint(100, 20000, (batch, 128), device="cuda")
+    generate = lambda n: model.generate(ids, max_new_tokens=n, eos_token_id=[])  # noqa: E731
+    generate(64)  # capture and tune outside the profile
+    torch.cuda.synchronize()
+    steps = 32
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(steps + 1)
+        torch.cuda.synchronize()
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels[e.name[:90]]
+            k[0] += 1
+            k[1] += e.time_range.end - e.time_range.start
+    total = sum(t for _, t in kernels.values())
+    launches = sum(n for n, _ in kernels.values())
+    print(f"{name} batch {batch}: {launches / steps:.0f} kernels and {total / steps / 1e3:.3f} ms of kernel time per "
+          f"step (prefill included, spread over {steps} steps)")
+    for kname, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"  {t / steps:8.1f} us/step  {n / steps:5.1f}/step  {kname}")
+
+
+if __name__ == "__main__":
+    main()
