@@ -89,3 +89,17 @@ def test_paged_cache_with_graphs_generates_what_the_static_cache_does():
     static = model.generate(prompt, max_new_tokens=40, eos_token_id=[])
     paged = model.generate(prompt, max_new_tokens=40, eos_token_id=[], kv_block_size=16)
     assert torch.equal(paged, static)
+
+
+@pytest.mark.parametrize("vocab,bias", [(50257, False), (1000, True), (1024, False)])
+@torch.inference_mode()
+def test_next_token_logits_written_into_padded_rows_equal_the_plain_head(vocab, bias):
+    """The decode step's head writes into rows padded to a multiple of 64 (aligned cuBLAS kernels): the same
+    logits as the plain linear, with or without a head bias, and a (B, V) result."""
+    model = small("gpt2", vocab_size=vocab)
+    if bias:  # a head with a bias (GPT-J's), on this GPT-2 for the test
+        model.lm_head = torch.nn.Linear(256, vocab, bias=True, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    got = model._next_token_logits(hidden)
+    assert got.shape == (16, vocab)
+    torch.testing.assert_close(got, model._logits(hidden), rtol=1e-2, atol=1e-2)  # other kernels: bf16 rounding
