@@ -93,13 +93,17 @@ def test_paged_cache_with_graphs_generates_what_the_static_cache_does():
 
 @pytest.mark.parametrize("vocab,bias", [(50257, False), (1000, True), (1024, False)])
 @torch.inference_mode()
-def test_next_token_logits_written_into_padded_rows_equal_the_plain_head(vocab, bias):
-    """The decode step's head writes into rows padded to a multiple of 64 (aligned cuBLAS kernels): the same
-    logits as the plain linear, with or without a head bias, and a (B, V) result."""
+def test_head_split_at_a_multiple_of_64_equals_the_plain_head(vocab, bias):
+    """The head over an odd vocabulary is two GEMMs (aligned rows, then the rest): the same logits as the plain
+    linear, with or without a head bias, for decode-step and prompt shapes."""
     model = small("gpt2", vocab_size=vocab)
     if bias:  # a head with a bias (GPT-J's), on this GPT-2 for the test
         model.lm_head = torch.nn.Linear(256, vocab, bias=True, device="cuda", dtype=torch.bfloat16)
-    hidden = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
-    got = model._next_token_logits(hidden)
-    assert got.shape == (16, vocab)
-    torch.testing.assert_close(got, model._logits(hidden), rtol=1e-2, atol=1e-2)  # other kernels: bf16 rounding
+    weight = model.output_embeddings()
+    head_bias = model.lm_head.bias if bias else None
+    for shape in ((16, 256), (2, 9, 256)):
+        hidden = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        got = model._logits(hidden)
+        assert got.shape == (*shape[:-1], vocab)
+        want = torch.nn.functional.linear(hidden, weight, head_bias)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # other kernels: bf16 rounding
