@@ -8,23 +8,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
+from flash_models.testing import write_color_image_folder
 from flash_models.train import Trainer, load_config
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "vit-finetune.yaml"
-
-
-def tiny_images(directory: Path) -> Path:
-    rng = np.random.default_rng(0)
-    for label, colour in (("red", 0), ("blue", 2)):
-        (directory / label).mkdir(parents=True)
-        for i in range(8):
-            pixels = rng.integers(0, 80, (40, 40, 3), dtype=np.uint8)
-            pixels[..., colour] += 170
-            Image.fromarray(pixels).save(directory / label / f"{i}.png")
-    return directory
 
 
 def main() -> None:
@@ -38,7 +25,7 @@ def main() -> None:
 
     overrides = [f"train.output_dir={args.output_dir}"]
     if args.tiny:
-        args.train = args.eval = str(tiny_images(Path(tempfile.mkdtemp())))
+        args.train = args.eval = str(write_color_image_folder(Path(tempfile.mkdtemp())))
         overrides += ["model.name=vit_tiny_patch16_224", "model.pretrained=false", "model.num_labels=2",
                       "model.overrides={img_size: 32, depth: 2}", "data.image_size=32", "train.global_batch_size=8",
                       "train.micro_batch_size=4", "train.precision=fp32", "train.device=cpu", "train.ema_decay=0.9",

@@ -245,3 +245,22 @@ def assert_checkpoint_file_loads(hf_model, state: dict, directory, inputs, *, ou
     with torch.no_grad():
         err = max_rel_err(getattr(from_pretrained(directory)(**inputs), output), getattr(hf_model(**inputs), output))
     assert err < tol, f"the loaded checkpoint differs from HF's model: {err:.3g}"
+
+
+def write_color_image_folder(directory, *, images_per_class: int = 8, size: int = 40):
+    """An image folder (one subfolder per class) of noisy ``size``-px PNGs whose class is the dominant colour
+    (red or blue): learnable in a few steps. Returns ``directory``."""
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    directory = Path(directory)
+    rng = np.random.default_rng(0)
+    for label, channel in (("red", 0), ("blue", 2)):
+        (directory / label).mkdir(parents=True)
+        for i in range(images_per_class):
+            pixels = rng.integers(0, 80, (size, size, 3), dtype=np.uint8)
+            pixels[..., channel] += 170
+            Image.fromarray(pixels).save(directory / label / f"{i}.png")
+    return directory

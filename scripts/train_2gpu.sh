@@ -20,9 +20,12 @@ done
 python - <<'PY'
 import json
 runs = {name: [json.loads(l) for l in open(f"runs/2gpu-{name}/metrics.jsonl")] for name in ("single", "ddp", "fsdp", "tp")}
+losses = {name: [l["loss"] for l in lines if "loss" in l and not l.get("summary")] for name, lines in runs.items()}
+print("| run | loss step 1 | loss step 50 | max rel. diff vs single | tokens/s | MFU | peak GiB |")
+print("|---|---|---|---|---|---|---|")
 for name, lines in runs.items():
-    losses = [l["loss"] for l in lines if "loss" in l and not l.get("summary")]
     summary = lines[-1]
-    print(f"{name:6s} loss@1 {losses[0]:.4f} loss@50 {losses[-1]:.4f} tokens/s {summary['tokens_per_s']:.0f} "
-          f"MFU {summary['mfu']:.3f} peak {summary['peak_memory_bytes'] / 2**30:.2f} GiB")
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses["single"]))
+    print(f"| {name} | {losses[name][0]:.4f} | {losses[name][-1]:.4f} | {diff:.2e} | {summary['tokens_per_s']:.0f} "
+          f"| {summary['mfu']:.3f} | {summary['peak_memory_bytes'] / 2**30:.2f} |")
 PY

@@ -77,8 +77,10 @@ class BenchResult:
     rows: list[dict] = field(default_factory=list)
     env: dict = field(default_factory=environment)
 
-    def add(self, **row) -> None:
+    def add(self, **row) -> dict:
+        """Append a row; returns it, for columns filled in once its peers are measured."""
         self.rows.append(row)
+        return row
 
     def write_json(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -138,8 +138,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
         rows = [measure(side, table[name], device, steps=steps, warmup=warmup, peak_flops=peak) for side in sides]
         base = {r["side"]: r["tokens_per_s"] for r in rows}
         for row in rows:
-            row["x_vs_hf"] = row["tokens_per_s"] / base["hf"] if "hf" in base else float("nan")
-            row["x_vs_hf_compile"] = row["tokens_per_s"] / base["hf+compile"] if "hf+compile" in base else float("nan")
+            for column, side in (("x_vs_hf", "hf"), ("x_vs_hf_compile", "hf+compile")):
+                if side in base:  # a ratio against a side that did not run is left blank, not NaN
+                    row[column] = row["tokens_per_s"] / base[side]
             result.add(**row)
     print(result.markdown(COLUMNS))
     print(f"device: {result.env['device']}; matmul peak {peak / 1e12:.3g} TFLOP/s" + ("; DRY RUN: not a measurement" if args.dry_run else ""))

@@ -1,8 +1,10 @@
 """`flash-models bench vit`: our VisionTransformer vs timm eager and timm + torch.compile, same weights.
 
 Grid: ViT-B/16 and ViT-L/16 at 224 px, bf16, inference (forward under inference_mode) and training (forward +
-backward of cross-entropy on random labels; no optimizer step, the same for all). Reports images/s, speedup
-of ours over each peer, peak memory, and our logits' max difference from timm's.
+backward of cross-entropy on random labels; no optimizer step, the same for all). Sides: ours eager, ours
+replayed from CUDA graphs (``use_cuda_graphs`` for inference, the trainer's graphed loss for training), timm
+eager and timm + torch.compile. Reports images/s, speedup of ours over each peer, peak memory, and our
+logits' max difference from timm's.
 
 ``--dry-run`` runs the whole script on a tiny ViT (32 px) on the CPU in fp32 with a wall-clock timer; add
 ``--compile`` to include the torch.compile peer there too (slow to compile on a CPU).
@@ -18,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import from_timm
+from ..train.graphs import GraphedLoss
 from .harness import BenchResult, peak_memory_bytes
 from .utils import time_fn
 
@@ -28,29 +31,45 @@ TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_c
 
 
 def build_models(name: str, *, dtype, device, dry_run: bool, compile_peer: bool):
+    """{impl: model}: ours (eager), ours+graphs (the same module, replayed from CUDA graphs on CUDA), timm eager
+    and, if asked, timm + torch.compile, all with the same weights."""
     import timm
 
     torch.manual_seed(0)
     source = timm.create_model(MODELS[name], pretrained=False, **(TINY if dry_run else {}))
-    ours = from_timm(source, attn_impl="auto")
+    ours = from_timm(source, attn_impl="auto").to(device=device, dtype=dtype)
     source = source.to(device=device, dtype=dtype)
-    models = {"ours": ours.to(device=device, dtype=dtype), "timm eager": source}
+    models = {"ours": ours, "ours+graphs": ours, "timm eager": source}
     if compile_peer:
         models["timm compile"] = torch.compile(source)
     return models
 
 
-def _step_fns(model, images, labels, *, ours: bool):
-    def logits():
-        out = model(images)
+def _step_fns(model, images, labels, *, impl: str):
+    """(inference, training) step functions of one side. ours+graphs runs inference through
+    ``VisionTransformer.use_cuda_graphs`` and training through the trainer's graphed loss
+    (``train.graphs.GraphedLoss``, what ``train.cuda_graphs`` uses); off CUDA both stay eager."""
+    ours = impl.startswith("ours")
+    graphs = impl == "ours+graphs" and images.is_cuda
+    if ours:
+        model.use_cuda_graphs(graphs)
+
+    def logits(m, x):
+        out = m(x)
         return out.logits if ours else out
+
+    def loss_of(m, batch):
+        return F.cross_entropy(logits(m, batch["pixel_values"]).float(), batch["labels"])
+
+    graphed_loss = GraphedLoss(model, loss_of) if graphs else None
 
     def inference():
         with torch.inference_mode():
-            return logits()
+            return logits(model, images)
 
     def training():
-        loss = F.cross_entropy(logits().float(), labels)
+        batch = {"pixel_values": images, "labels": labels}
+        loss = graphed_loss(batch) if graphed_loss is not None else loss_of(model, batch)
         loss.backward()
         for p in model.parameters():
             p.grad = None
@@ -70,21 +89,22 @@ def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype,
         with torch.inference_mode():
             diff = (models["ours"](images).logits.float() - models["timm eager"](images).float()).abs().max().item()
         for mode in modes:
-            times = {}
+            rows = {}
             for impl, model in models.items():
                 model.train(mode == "training")
-                inference, training = _step_fns(model, images, labels, ours=impl == "ours")
+                inference, training = _step_fns(model, images, labels, impl=impl)
                 fn = inference if mode == "inference" else training
                 ms = time_fn(fn, device=device, warmup=5 if cuda else 1, repeats=repeats).median_ms
-                times[impl] = ms
-                result.add(model=name, batch=batch, mode=mode, impl=impl, ms=ms, img_s=batch / (ms * 1e-3),
-                           peak_MiB=peak_memory_bytes(fn) / 2**20 if cuda else None,
-                           max_diff=diff if impl == "ours" else None)
-            ours_row = next(r for r in reversed(result.rows) if r["impl"] == "ours")
-            for impl in times:
-                if impl != "ours":
-                    ours_row[f"x_vs_{impl.replace(' ', '_')}"] = times[impl] / times["ours"]
-            log.info("%s %s: %s", name, mode, {k: f"{v:.2f} ms" for k, v in times.items()})
+                rows[impl] = result.add(model=name, batch=batch, mode=mode, impl=impl, ms=ms, img_s=batch / (ms * 1e-3),
+                                        peak_MiB=peak_memory_bytes(fn) / 2**20 if cuda else None,
+                                        max_diff=diff if impl.startswith("ours") else None)
+            for impl, row in rows.items():
+                if impl.startswith("ours"):
+                    for peer in ("timm eager", "timm compile"):
+                        if peer in rows:
+                            row[f"x_vs_{peer.replace(' ', '_')}"] = rows[peer]["ms"] / row["ms"]
+            log.info("%s %s: %s", name, mode, {impl: f"{row['ms']:.2f} ms" for impl, row in rows.items()})
+        models["ours"].use_cuda_graphs(False)
         del models
         if cuda:
             torch.cuda.empty_cache()

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
+from ..modules.cuda_graphs import GraphedInference
 from ..registry import Family, Preset, register_family, register_preset
 from .common import PretrainedModel
 
@@ -152,6 +153,7 @@ class VisionTransformer(PretrainedModel):
         self.fc_norm = norm() if c.final_norm and c.use_fc_norm else None
         self.pooler = nn.Linear(d, d) if c.pooler else None
         self.head = nn.Linear(d, c.num_classes) if c.num_classes else None
+        self.graphed: GraphedInference | None = None  # set by use_cuda_graphs()
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -175,6 +177,26 @@ class VisionTransformer(PretrainedModel):
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, c.image_size, c.image_size):
             raise ValueError(f"pixel_values must be (B, {c.num_channels}, {c.image_size}, {c.image_size}), "
                              f"got {tuple(pixel_values.shape)}")
+        if labels is not None and self.head is None:
+            raise ValueError("labels given, but this ViT has no classification head (num_classes=0)")
+        if self.graphed is not None and pixel_values.is_cuda and not torch.is_grad_enabled() and not self.training:
+            logits, hidden, pooled = self.graphed(pixel_values)
+        else:
+            logits, hidden, pooled = self._encode(pixel_values)
+        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        return VisionOutput(logits=logits, loss=loss, last_hidden_state=hidden, pooler_output=pooled)
+
+    def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 8) -> VisionTransformer:
+        """Run eval-mode forwards without autograd (``torch.inference_mode()`` or ``no_grad``) on CUDA from CUDA
+        graphs, one per input shape and dtype (``modules.cuda_graphs``); the first batch of a new shape
+        captures its graph. Training forwards and CPU inputs stay eager. Call it after the model is on its
+        device and in its dtype: the graphs keep the weights' addresses. Returns the model."""
+        self.graphed = GraphedInference(self._encode, max_graphs=max_graphs) if enabled else None
+        return self
+
+    def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(logits or None, last hidden state after the final norm, pooled features) of checked pixel values."""
+        c = self.config
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)  # (B, N, D)
         B = x.shape[0]
         prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
@@ -198,12 +220,7 @@ class VisionTransformer(PretrainedModel):
         if self.pooler is not None:
             pooled = torch.tanh(self.pooler(pooled))
         logits = self.head(pooled) if self.head is not None else None
-        loss = None
-        if labels is not None:
-            if logits is None:
-                raise ValueError("labels given, but this ViT has no classification head (num_classes=0)")
-            loss = F.cross_entropy(logits.float(), labels)
-        return VisionOutput(logits=logits, loss=loss, last_hidden_state=x, pooler_output=pooled)
+        return logits, x, pooled
 
     def pool(self, x: torch.Tensor) -> torch.Tensor:
         kind, patches = self.config.global_pool, x[:, self.config.num_prefix_tokens:]

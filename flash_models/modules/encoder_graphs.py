@@ -25,6 +25,7 @@ import torch
 from flash_kernels._triton_utils import next_power_of_2
 
 from .attention import AttentionMask
+from .cuda_graphs import capture
 
 MIN_SEQLEN_BUCKET = 16
 
@@ -114,24 +115,11 @@ class GraphedEncoder:
             return self.encode(graph.ids, graph.positions, graph.token_types, mask)
 
         if device.type == "cuda":
-            graph.out, graph.replay = self._capture(run)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph.out, graph.replay = capture(run, self.pool)
         else:
             graph.out = run()
             graph.replay = lambda: graph.out.copy_(run())
         self.graphs[bucket] = graph
         return graph
-
-    def _capture(self, run: Callable[[], torch.Tensor]):
-        # Warm up on a side stream (allocator, Triton autotuning), as torch.cuda.graphs asks, then capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        cuda_graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(cuda_graph, pool=self.pool):
-            out = run()
-        return out, cuda_graph.replay

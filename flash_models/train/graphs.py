@@ -7,9 +7,9 @@ per batch signature (the shapes and dtypes of the batch tensors); the optimizer 
 accumulation stay eager (a few multi-tensor kernels).
 
 What it needs, checked when the Trainer starts (``check_graphable``): one CUDA device, no torch.compile, no
-activation checkpointing, and causal LM batches without packed-document offsets (those are read on the host).
-Classification tasks are refused for now: padded text batches are unpadded through a host read, and image
-classification has not been run under graphs on a GPU yet.
+activation checkpointing, and either causal LM batches without packed-document offsets (those are read on the
+host) or image classification (fixed image size; Mixup/CutMix runs eagerly before the graphed loss). Text
+classification is refused: its padded batches are unpadded through a host read.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def check_graphable(*, device: torch.device, task: str, packing: str, compile: b
         problems.append("train.activation_checkpointing=0")
     if strategy != "none":
         problems.append(f"distributed.strategy=none (got {strategy!r})")
-    if task != "causal_lm":
-        problems.append(f"model.task=causal_lm (got {task!r}: classification is not supported under graphs yet)")
-    elif packing != "stream":
+    if task == "sequence_classification":
+        problems.append("model.task causal_lm or image_classification (padded text batches are unpadded through a "
+                        "host read, which a graph cannot replay)")
+    elif task == "causal_lm" and packing != "stream":
         problems.append("data.packing=stream (packed documents carry cu_seqlens, which the model reads on the host)")
     if problems:
         raise ValueError("train.cuda_graphs=true needs " + "; ".join(problems))

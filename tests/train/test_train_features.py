@@ -116,6 +116,8 @@ def test_bench_train_dry_run(tmp_path, capsys):
     result = main(["--dry-run", "--cases", "gpt2", "--out", str(tmp_path / "b.json")])
     sides = [r["side"] for r in result.rows]
     assert sides == ["ours", "hf"] and all(r["tokens_per_s"] > 0 for r in result.rows)
+    assert result.rows[1]["x_vs_hf"] == 1.0
+    assert all("x_vs_hf_compile" not in r for r in result.rows)  # hf+compile did not run: blank, not NaN
     assert json.loads((tmp_path / "b.json").read_text())["env"]["dry_run"] is True
     assert "DRY RUN" in capsys.readouterr().out
 

@@ -13,6 +13,7 @@ OK = dict(device=torch.device("cuda"), task="causal_lm", packing="stream", compi
 
 def test_graphable_settings_pass():
     check_graphable(**OK)
+    check_graphable(**{**OK, "task": "image_classification", "packing": "documents"})  # packing is for text only
 
 
 @pytest.mark.parametrize("change, named", [
@@ -21,8 +22,7 @@ def test_graphable_settings_pass():
     ({"activation_checkpointing": 2}, "train.activation_checkpointing=0"),
     ({"strategy": "ddp"}, "distributed.strategy=none"),
     ({"packing": "documents"}, "data.packing=stream"),
-    ({"task": "sequence_classification"}, "model.task=causal_lm"),
-    ({"task": "image_classification"}, "model.task=causal_lm"),
+    ({"task": "sequence_classification"}, "model.task causal_lm or image_classification"),
 ])
 def test_each_blocking_setting_is_named(change, named):
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs") as err:

@@ -1,0 +1,85 @@
+"""modules.cuda_graphs.GraphedInference (per-signature graphs with static input buffers) and the ViT's
+``use_cuda_graphs``. Off CUDA the graph cache runs the same static buffers eagerly, which is what the CPU tests
+check (bookkeeping, copies, clones); the real capture is the gpu-marked test."""
+
+import pytest
+import torch
+
+import flash_models as fm
+from flash_models.modules.cuda_graphs import GraphedInference
+
+from test_vit import images, timm_vit
+
+
+class _Recorder:
+    """fn(x, y) -> (x * 2 + y, None, x.sum()), counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x, y):
+        self.calls += 1
+        return x * 2 + y, None, x.sum()
+
+
+def test_outputs_follow_each_call_and_are_fresh_tensors():
+    fn = _Recorder()
+    graphed = GraphedInference(fn)
+    for seed in range(3):
+        x, y = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed)), torch.randn(5)
+        out, nothing, total = graphed(x, y)
+        assert torch.equal(out, x * 2 + y) and nothing is None and torch.equal(total, x.sum())
+        out.zero_()  # a caller's change must not reach the graph's buffers
+    assert len(graphed.graphs) == 1
+    out, _, _ = graphed(x, y)
+    assert torch.equal(out, x * 2 + y)
+
+
+def test_one_graph_per_signature_and_the_oldest_dropped():
+    graphed = GraphedInference(_Recorder(), max_graphs=2)
+    for rows in (1, 2, 1, 3):
+        graphed(torch.ones(rows, 5), torch.ones(5))
+    assert [sig[0][0] for sig in graphed.graphs] == [(1, 5), (3, 5)]  # (2, 5) was the least recently used
+    graphed(torch.ones(1, 5, dtype=torch.float64), torch.ones(5, dtype=torch.float64))
+    assert [sig[0][1] for sig in graphed.graphs] == [torch.float32, torch.float64]
+
+
+def test_max_graphs_must_be_positive():
+    with pytest.raises(ValueError, match="max_graphs must be at least 1"):
+        GraphedInference(_Recorder(), max_graphs=0)
+
+
+def test_vit_use_cuda_graphs_toggles_and_keeps_cpu_and_training_eager():
+    model = fm.from_timm(timm_vit(seed=2)).eval()
+    assert model.use_cuda_graphs() is model and model.graphed is not None
+    x = images(seed=2)
+    with torch.inference_mode():
+        out = model(x)
+    assert len(model.graphed.graphs) == 0  # CPU input: eager
+    assert model.use_cuda_graphs(False).graphed is None
+    with torch.inference_mode():
+        assert torch.equal(model(x).logits, out.logits)
+
+
+def test_vit_labels_without_a_head_raise_before_any_work():
+    model = fm.from_timm(timm_vit(num_classes=0))
+    with pytest.raises(ValueError, match="no classification head"):
+        model(images(), labels=torch.tensor([0, 1]))
+
+
+@pytest.mark.gpu
+def test_vit_graphed_inference_equals_eager_on_cuda():
+    model = fm.from_timm(timm_vit(seed=3)).to("cuda", torch.bfloat16).eval()
+    batches = [images(batch, seed).to("cuda", torch.bfloat16) for batch, seed in ((4, 0), (4, 1), (3, 2))]
+    with torch.inference_mode():
+        eager = [model(x) for x in batches]
+        model.use_cuda_graphs()
+        graphed = [model(x) for x in batches]
+    assert len(model.graphed.graphs) == 2  # batch 4 (twice, one graph) and batch 3
+    for e, g in zip(eager, graphed):
+        for name in ("logits", "last_hidden_state", "pooler_output"):
+            torch.testing.assert_close(getattr(g, name), getattr(e, name))
+    with torch.no_grad():  # no_grad takes the graphs too; clones are ordinary tensors
+        out = model(batches[0], labels=torch.tensor([0, 1, 2, 3], device="cuda"))
+    assert not out.logits.is_inference() and out.loss is not None
+    torch.testing.assert_close(out.logits, eager[0].logits)
