@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..backward import backward_on_this_thread
 from .harness import BenchResult, measure_copy_bandwidth, time_cuda
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ def _time_fwd_bwd(make_fn, q, k, v, repeats, graphs=False):
             # Fresh leaves per call: a leaf's gradient accumulator remembers the stream it was made on, and one
             # made outside a graph capture would make the capture wait on another stream (an error).
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            torch.autograd.grad(make_fn(*leaves)(), leaves, dout)
+            with backward_on_this_thread():  # every side alike, as the Trainer runs its backward
+                torch.autograd.grad(make_fn(*leaves)(), leaves, dout)
 
         fwd_bwd()  # autotune outside any capture
         timed = (_graphed([fn]), _graphed([fwd_bwd])) if graphs else (fn, fwd_bwd)

@@ -22,6 +22,7 @@ import transformers
 
 from ..registry import get_preset
 from ..testing import ours_from_hf
+from ..backward import backward_on_this_thread
 from .harness import BenchResult, peak_memory_bytes
 from .utils import time_fn
 
@@ -72,7 +73,8 @@ def _step_fns(model, ids, mask, *, is_hf: bool):
 
     def training():
         loss = forward()[real].float().square().mean()
-        loss.backward()
+        with backward_on_this_thread():  # as the Trainer runs it, every side alike
+            loss.backward()
         for p in model.parameters():
             p.grad = None
         return loss

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 import flash_kernels as fk
 
+from ..backward import backward_on_this_thread
 from .harness import BenchResult
 
 HIDDEN, HEADS, HEAD_DIM, TOKENS = 768, 12, 64, 64
@@ -79,7 +80,8 @@ def bench(result: BenchResult, device: torch.device, dtype: torch.dtype, calls: 
                         return fn(x, q)
                 if mode == "forward":
                     return fn(x, q)
-                fn(xg, qg).float().sum().backward()
+                with backward_on_this_thread():  # as the Trainer runs it
+                    fn(xg, qg).float().sum().backward()
 
             t_torch = per_call_us(lambda: run(theirs), device, calls=calls)
             t_ours = per_call_us(lambda: run(ours), device, calls=calls)

@@ -7,7 +7,8 @@
     mem = benchmark_memory(model, input_ids)                       # peak bytes above the starting point
 
 On CUDA the timings come from CUDA events (``harness.time_cuda``); on the CPU from ``time.perf_counter``, so the
-same calls run (slowly, and as a smoke test) in CI. ``amp_dtype`` wraps the calls in autocast.
+same calls run (slowly, and as a smoke test) in CI. ``amp_dtype`` wraps the calls in autocast. Backward passes
+run on the calling thread (``flash_models.backward_on_this_thread``), as the Trainer runs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..backward import backward_on_this_thread
 from .harness import Timing, time_cuda
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,8 @@ def benchmark_backward(fn: Callable, *args, repeats: int = 10, warmup: int = 3, 
     grads = [torch.randn_like(o) for o in outs]
 
     def run():
-        torch.autograd.backward(outs, grads, retain_graph=True)
+        with backward_on_this_thread():
+            torch.autograd.backward(outs, grads, retain_graph=True)
 
     timing = time_fn(run, device=device, warmup=warmup, repeats=repeats)
     if verbose:
@@ -108,7 +111,8 @@ def benchmark_fwd_bwd(fn: Callable, *args, repeats: int = 10, warmup: int = 3, d
             outs = _outputs(fn(*args, **kwargs))
         if not grads:
             grads.extend(torch.randn_like(o) for o in outs)
-        torch.autograd.backward(outs, grads)
+        with backward_on_this_thread():
+            torch.autograd.backward(outs, grads)
 
     timing = time_fn(run, device=device, warmup=warmup, repeats=repeats)
     if verbose:

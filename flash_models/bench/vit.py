@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import from_timm
+from ..backward import backward_on_this_thread
 from ..train.graphs import GraphedLoss
 from .harness import BenchResult, peak_memory_bytes
 from .utils import time_fn
@@ -70,7 +71,8 @@ def _step_fns(model, images, labels, *, impl: str):
     def training():
         batch = {"pixel_values": images, "labels": labels}
         loss = graphed_loss(batch) if graphed_loss is not None else loss_of(model, batch)
-        loss.backward()
+        with backward_on_this_thread():  # as the Trainer runs it, every side alike
+            loss.backward()
         for p in model.parameters():
             p.grad = None
         return loss

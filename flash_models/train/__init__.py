@@ -4,7 +4,8 @@
     summary = train("configs/gpt2-small.yaml", ["train.max_steps=100"])
 """
 
+from ..backward import backward_on_this_thread
 from .config import ConfigError, ExperimentConfig, load_config
 from .trainer import Trainer, train
 
-__all__ = ["ConfigError", "ExperimentConfig", "Trainer", "load_config", "train"]
+__all__ = ["ConfigError", "ExperimentConfig", "Trainer", "backward_on_this_thread", "load_config", "train"]

@@ -24,6 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import distributed as D
+from ..backward import backward_on_this_thread
 from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
@@ -243,7 +244,8 @@ class Trainer:
                 self.model.set_requires_gradient_sync(last)
             with sync:
                 loss, _ = self.forward(batch, train=True)
-                (loss * (n * self.dist.dp_world / max(total, 1.0))).backward()
+                with backward_on_this_thread():
+                    (loss * (n * self.dist.dp_world / max(total, 1.0))).backward()
             loss_sum += loss.detach() * n
         loss_sum = D.all_reduce_sum(loss_sum, self.dist)  # read after the optimizer step is queued
         if self.master is not None:
