@@ -7,6 +7,8 @@ tens of microseconds per node on top of the work, and a step has hundreds of suc
 (docs/benchmarks.md, 2026-11-23): GPT-2 124M eager training step 52-60 ms -> 34-37 ms, BERT-base at 512
 tokens 41 -> 29-30 ms; HF's models, whose backward is native code, were unchanged (80.1 vs 80.2 ms). The worker
 threads only buy overlap between several devices' backward work, which one model on one device does not have.
+Not for DDP yet: on two H200s, DDP (bf16 compression hook) fell from 656k to 408k tokens/s with it, so the
+Trainer uses it in single-process runs only.
 
     with backward_on_this_thread():
         loss.backward()

@@ -160,3 +160,22 @@ def test_fused_lm_loss_equals_logits_path(amp):
     assert torch.allclose(loss_a, loss_b, rtol=tol)
     for a, b in zip(grads_a, grads_b):
         assert torch.allclose(a, b, rtol=tol, atol=tol * a.abs().max().item())
+
+
+def test_backward_runs_on_the_calling_thread_in_one_process(tiny_config, monkeypatch):
+    """The micro-step's backward runs under flash_models.backward_on_this_thread when the run is one process,
+    and under autograd's default threading when torchrun made it one of several (where DDP measured slower)."""
+    trainer = Trainer(tiny_config(train={"max_steps": 1}))
+    seen = []
+    original = torch.Tensor.backward
+
+    def recording_backward(tensor, *args, **kwargs):
+        seen.append(torch._C._is_multithreading_enabled())
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", recording_backward)
+    trainer.train_step()
+    assert seen and not any(seen) and torch._C._is_multithreading_enabled()  # one per micro-step, all off
+    monkeypatch.setattr(trainer.dist, "world", 2)
+    with trainer._backward_thread():
+        assert torch._C._is_multithreading_enabled()
