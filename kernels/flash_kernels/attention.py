@@ -30,6 +30,7 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
 from ._triton_utils import dropout_seed, dummy_pointer, eager_function, pick, placeholder
@@ -408,6 +409,7 @@ def _prune_big_head(configs, named_args, **kwargs):
     return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
 
 
+@cached_autotune
 @triton.autotune(configs=_fwd_configs(), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
@@ -584,6 +586,7 @@ def _bwd_configs(kind):
     return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4)])
 
 
+@cached_autotune
 @triton.autotune(configs=_bwd_configs("dkdv"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
@@ -678,6 +681,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, o
     return dq
 
 
+@cached_autotune
 @triton.autotune(configs=_bwd_configs("dq"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
