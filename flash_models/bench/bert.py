@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..backward import backward_on_this_thread
 from ..registry import get_preset
 from ..testing import ours_from_hf
-from ..backward import backward_on_this_thread
 from .harness import BenchResult, peak_memory_bytes
 from .utils import time_fn
 

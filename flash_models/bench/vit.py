@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import from_timm
 from ..backward import backward_on_this_thread
+from ..checkpoint import from_timm
 from ..train.graphs import GraphedLoss
 from .harness import BenchResult, peak_memory_bytes
 from .utils import time_fn

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import distributed as D
 from ..backward import backward_on_this_thread
+from . import distributed as D
 from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
