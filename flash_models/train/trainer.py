@@ -97,6 +97,8 @@ class Trainer:
         self.task = cfg.model.task
         # Our decoder LMs can skip the logits (fused LM head + loss); HF models and classifiers cannot.
         self.fused_loss = t.fused_loss and self.task == "causal_lm" and hasattr(raw, "fused_loss")
+        # What the throughput and MFU count as tokens: text tokens, or a ViT's patches and prefix tokens per image.
+        self.tokens_per_image = _tokens_per_image(raw) if self.task == "image_classification" else None
         vocab = _vocab_size(raw)
         if data is None:
             if self.dist.is_main:  # one rank tokenizes into the cache, the others open it
@@ -279,12 +281,19 @@ class Trainer:
         if self.ema is not None:
             self.ema.update(self.model)
         self.step += 1
-        tokens = sum(int(b["input_ids"].numel()) for b in batches) * self.dist.dp_world if "input_ids" in batches[0] else 0
+        tokens = sum(self._tokens_of(b) for b in batches) * self.dist.dp_world
         self.tokens_seen += tokens
         self.batches.prefetch()  # while the GPU still runs this step
         record = {"step": self.step, "lr": lr, "tokens": tokens, "tokens_seen": self.tokens_seen,
                   "rows": len(indices) * self.dist.dp_world}
         return _QueuedStep(record, *metrics, total)
+
+    def _tokens_of(self, batch: dict) -> int:
+        if "input_ids" in batch:
+            return int(batch["input_ids"].numel())
+        if self.tokens_per_image is not None:
+            return int(batch["pixel_values"].shape[0]) * self.tokens_per_image
+        return 0
 
     def _clips_in_optimizer(self) -> bool:
         """Whether clipping can ride on the optimizer: fused AdamW over plain (not DTensor) parameters, no
@@ -415,21 +424,28 @@ class Trainer:
     def fit(self) -> dict:
         t = self.cfg.train
         seq_len = self.cfg.data.seq_len
-        fpt = flops_per_token(D.unwrap(self.model), seq_len) if self.task == "causal_lm" else 0.0
+        if self.task == "causal_lm":
+            fpt = flops_per_token(D.unwrap(self.model), seq_len)
+        elif self.tokens_per_image:
+            fpt = flops_per_token(D.unwrap(self.model), self.tokens_per_image)
+        else:  # text classification: padded lengths vary by batch
+            fpt = 0.0
         peak = t.peak_tflops * 1e12 if t.peak_tflops else (measure_matmul_peak(self.device) if fpt else 0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         bar = tqdm(total=t.max_steps, initial=self.step, disable=not (t.progress and self.dist.is_main), desc="train", unit="step")
         profiler = self._profiler()
-        timed_tokens, timed_seconds = 0, 0.0
+        timed_tokens, timed_rows, timed_seconds = 0, 0, 0.0
         self.model.train()
         try:
             for record in self.iter_steps(t.max_steps):
                 elapsed = record.pop("seconds")
                 if record["step"] > 1 or record["step"] == t.max_steps:  # the first step pays for compilation
                     timed_tokens += record["tokens"]
+                    timed_rows += record["rows"]
                     timed_seconds += elapsed
                 record["tokens_per_s"] = record["tokens"] / elapsed
+                record["rows_per_s"] = record["rows"] / elapsed
                 record["mfu"] = record["tokens_per_s"] * fpt / peak / self.dist.world if peak else 0.0
                 if profiler is not None:
                     profiler.step()
@@ -439,7 +455,9 @@ class Trainer:
                 self.history.append(record)
                 if step % t.log_every == 0 or step == t.max_steps or "eval_loss" in record:
                     self.metrics.log(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", lr=f"{record['lr']:.2e}")
+                speed = ({"img_s": f"{record['rows_per_s']:.0f}"} if self.task == "image_classification"
+                         else {"tok_s": f"{record['tokens_per_s']:.0f}"})
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **speed, lr=f"{record['lr']:.2e}")
                 bar.update(1)
                 if t.save_every and step % t.save_every == 0 and step < t.max_steps:
                     self.save()
@@ -451,7 +469,7 @@ class Trainer:
         if t.save_every:
             self.save()
         exported = self.export() if t.export else None
-        summary = self._summary(timed_tokens, timed_seconds, fpt, peak, final_eval, exported)
+        summary = self._summary(timed_tokens, timed_rows, timed_seconds, fpt, peak, final_eval, exported)
         self.metrics.log({"summary": True, **summary})
         self.metrics.close()
         if self.dist.is_main:
@@ -470,7 +488,7 @@ class Trainer:
         prof.__enter__()
         return prof
 
-    def _summary(self, tokens, seconds, fpt, peak, final_eval, exported) -> dict:
+    def _summary(self, tokens, rows, seconds, fpt, peak, final_eval, exported) -> dict:
         tokens_per_s = tokens / seconds if seconds else 0.0
         if self.device.type == "cuda":
             peak_mem = torch.cuda.max_memory_allocated(self.device)
@@ -479,13 +497,24 @@ class Trainer:
         return {
             "steps": self.step, "tokens_seen": self.tokens_seen,
             "final_loss": self.history[-1]["loss"] if self.history else None,
-            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak / self.dist.world if peak else 0.0,
+            "tokens_per_s": tokens_per_s, "rows_per_s": rows / seconds if seconds else 0.0,
+            "mfu": tokens_per_s * fpt / peak / self.dist.world if peak else 0.0,
             "flops_per_token": fpt, "peak_flops": peak, "peak_memory_bytes": peak_mem, **final_eval,
             "exported": str(exported) if exported else None,
         }
 
     def close(self) -> None:
         D.teardown(self.dist)
+
+
+def _tokens_per_image(model: nn.Module) -> int | None:
+    """Sequence length of a ViT (patches + class/register tokens), ours or HF's; None if it is not one."""
+    config = getattr(model, "config", None)
+    if hasattr(config, "num_patches") and hasattr(config, "num_prefix_tokens"):  # ours
+        return config.num_patches + config.num_prefix_tokens
+    if hasattr(config, "image_size") and hasattr(config, "patch_size"):  # HF ViTConfig: one class token
+        return (config.image_size // config.patch_size) ** 2 + 1
+    return None
 
 
 def _vocab_size(model: nn.Module) -> int | None:

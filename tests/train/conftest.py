@@ -54,3 +54,24 @@ def tiny_config(tmp_path, corpus):
         return load_config(base)
 
     return make
+
+
+@pytest.fixture
+def tiny_vit_config(tmp_path):
+    """A factory: configs/vit-finetune.yaml on a tiny random timm ViT (32 px, 2 blocks, 2 classes) and a generated
+    two-colour image folder, with ``key=value`` overrides after the tiny ones."""
+    from pathlib import Path
+
+    from flash_models.testing import write_color_image_folder
+
+    images = write_color_image_folder(tmp_path / "images")
+    config = Path(__file__).resolve().parents[2] / "configs" / "vit-finetune.yaml"
+
+    def make(*overrides):
+        return load_config(config, [
+            "model.name=vit_tiny_patch16_224", "model.pretrained=false", "model.num_labels=2",
+            "model.overrides={img_size: 32, depth: 2}", "data.image_size=32", f"data.train={images}", "data.eval=null",
+            "train.global_batch_size=8", "train.micro_batch_size=8", "train.device=cpu", "train.precision=fp32",
+            "train.progress=false", "optim.warmup_steps=0", f"train.output_dir={tmp_path / 'run'}", *overrides])
+
+    return make

@@ -179,3 +179,15 @@ def test_backward_runs_on_the_calling_thread_in_one_process(tiny_config, monkeyp
     monkeypatch.setattr(trainer.dist, "world", 2)
     with trainer._backward_thread():
         assert torch._C._is_multithreading_enabled()
+
+
+def test_vit_finetune_reports_patch_tokens_images_per_second_and_mfu(tiny_vit_config):
+    """Image classification counts a ViT's sequence (patches + class token) as its tokens, so tokens/s and MFU
+    are those of the transformer; rows/s is images/s."""
+    trainer = Trainer(tiny_vit_config("train.max_steps=2"))
+    summary = trainer.fit()
+    tokens_per_image = (32 // 16) ** 2 + 1
+    assert trainer.tokens_per_image == tokens_per_image
+    assert summary["tokens_seen"] == 2 * 8 * tokens_per_image
+    assert summary["rows_per_s"] > 0 and summary["mfu"] > 0
+    assert summary["tokens_per_s"] == pytest.approx(summary["rows_per_s"] * tokens_per_image)

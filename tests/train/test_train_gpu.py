@@ -93,23 +93,14 @@ def test_clipping_inside_fused_adamw_equals_clipping_the_gradients(tiny_config, 
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)
 
 
-def test_cuda_graph_vit_finetune_equals_eager(tmp_path):
+def test_cuda_graph_vit_finetune_equals_eager(tiny_vit_config, tmp_path):
     """Image classification under train.cuda_graphs (Mixup/CutMix eager, then the graphed loss of soft targets):
     the losses and gradient norms of eager training, one capture for the run."""
-    from pathlib import Path
-
-    from flash_models.testing import write_color_image_folder
-    from flash_models.train import load_config
-
-    images = write_color_image_folder(tmp_path / "images")
-    config = Path(__file__).resolve().parents[2] / "configs" / "vit-finetune.yaml"
     runs = {}
     for graphs in (False, True):
-        trainer = Trainer(load_config(config, [
-            "model.name=vit_tiny_patch16_224", "model.pretrained=false", "model.num_labels=2",
-            "model.overrides={img_size: 32, depth: 2}", "data.image_size=32", f"data.train={images}", "data.eval=null",
-            "train.global_batch_size=8", "train.micro_batch_size=8", "train.device=cuda", "train.max_steps=5",
-            "optim.warmup_steps=0", f"train.cuda_graphs={str(graphs).lower()}", f"train.output_dir={tmp_path / str(graphs)}"]))
+        trainer = Trainer(tiny_vit_config("train.device=cuda", "train.precision=bf16_autocast", "train.max_steps=5",
+                                          f"train.cuda_graphs={str(graphs).lower()}",
+                                          f"train.output_dir={tmp_path / str(graphs)}"))
         trainer.fit()
         runs[graphs] = [h[key] for key in ("loss", "grad_norm") for h in trainer.history]
         if graphs:
