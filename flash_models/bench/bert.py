@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..backward import backward_on_this_thread
 from ..registry import get_preset
 from ..testing import ours_from_hf
 from .harness import BenchResult, peak_memory_bytes
-from .utils import time_fn
+from .utils import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +71,7 @@ def _step_fns(model, ids, mask, *, is_hf: bool):
             return forward()
 
     def training():
-        loss = forward()[real].float().square().mean()
-        with backward_on_this_thread():  # as the Trainer runs it, every side alike
-            loss.backward()
-        for p in model.parameters():
-            p.grad = None
-        return loss
+        return backward_and_drop_grads(forward()[real].float().square().mean(), model)
 
     return inference, training
 

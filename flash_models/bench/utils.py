@@ -81,6 +81,16 @@ def benchmark_forward(fn: Callable, *args, repeats: int = 10, warmup: int = 3, d
     return timing
 
 
+def backward_and_drop_grads(loss: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """The backward of one benchmarked training step, run as the Trainer runs it (on the calling thread), then
+    every gradient dropped so that the next step starts alike. Returns ``loss``."""
+    with backward_on_this_thread():
+        loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return loss
+
+
 def benchmark_backward(fn: Callable, *args, repeats: int = 10, warmup: int = 3, desc: str = "", amp_dtype=None,
                        verbose: bool = False, **kwargs) -> Timing:
     """Backward time alone: one forward, then repeated backward passes through the retained graph with fixed

@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..backward import backward_on_this_thread
 from ..checkpoint import from_timm
 from ..train.graphs import GraphedLoss
 from .harness import BenchResult, peak_memory_bytes
-from .utils import time_fn
+from .utils import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +70,7 @@ def _step_fns(model, images, labels, *, impl: str):
 
     def training():
         batch = {"pixel_values": images, "labels": labels}
-        loss = graphed_loss(batch) if graphed_loss is not None else loss_of(model, batch)
-        with backward_on_this_thread():  # as the Trainer runs it, every side alike
-            loss.backward()
-        for p in model.parameters():
-            p.grad = None
-        return loss
+        return backward_and_drop_grads(graphed_loss(batch) if graphed_loss is not None else loss_of(model, batch), model)
 
     return inference, training
 
