@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh bench-models   # bench bert (with ours+graphs), bench train (eager sides), bench overhead
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
 #   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
+#   bash scripts/gpu_check.sh bench-vit      # bench vit (ours, ours+graphs, timm eager, timm compile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.:kernels
@@ -32,7 +33,9 @@ case "${1:-}" in
     bench-generate)
         timeout 560 python -m flash_models bench generate --batches 1 16 --prompts 128 512 --repeats 3 --out "$OUT" 2>&1 \
             | tee "$OUT/bench-generate.log" | grep "^|" ;;
+    bench-vit)
+        timeout 560 python -m flash_models bench vit --out "$OUT" 2>&1 | tee "$OUT/bench-vit.log" | grep "^|" ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit}" >&2
         exit 2 ;;
 esac
