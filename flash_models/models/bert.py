@@ -176,9 +176,9 @@ class BertModel(BertPreTrainedModel):
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16) -> BertModel:
         """Inference on CUDA (eval mode, grad off, flash attention, an ``attention_mask``) replays the encoder
         from CUDA graphs, one per bucket of (tokens, sequences, longest sequence); see
-        ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Call it after the
-        model is on its device and in its dtype: the graphs keep the weights' addresses."""
-        self.graphed = GraphedEncoder(self._encode, seq_limit=self.config.max_position_embeddings,
+        ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Graphs read the
+        weights where they were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again."""
+        self.graphed = GraphedEncoder(self._encode, self, seq_limit=self.config.max_position_embeddings,
                                       max_graphs=max_graphs) if enabled else None
         return self
 

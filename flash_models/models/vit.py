@@ -189,9 +189,9 @@ class VisionTransformer(PretrainedModel):
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 8) -> VisionTransformer:
         """Run eval-mode forwards without autograd (``torch.inference_mode()`` or ``no_grad``) on CUDA from CUDA
         graphs, one per input shape and dtype (``modules.cuda_graphs``); the first batch of a new shape
-        captures its graph. Training forwards and CPU inputs stay eager. Call it after the model is on its
-        device and in its dtype: the graphs keep the weights' addresses. Returns the model."""
-        self.graphed = GraphedInference(self._encode, max_graphs=max_graphs) if enabled else None
+        captures its graph. Training forwards and CPU inputs stay eager. Graphs read the weights where they
+        were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again. Returns the model."""
+        self.graphed = GraphedInference(self._encode, self, max_graphs=max_graphs) if enabled else None
         return self
 
     def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:

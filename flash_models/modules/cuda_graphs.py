@@ -29,6 +29,28 @@ def capture(run: Callable[[], object], pool) -> tuple[object, Callable[[], None]
     return out, graph.replay
 
 
+class WeightsWatch:
+    """Notices when a module's weights move (``model.to(...)``, ``.half()``): a captured graph reads them at the
+    addresses it saw, so graphs must then be captured again. Watches the first parameter (object, storage
+    address, dtype, device), which any whole-model move changes: about a microsecond per check."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.seen = self._state()
+
+    def _state(self) -> tuple | None:
+        first = next(self.module.parameters(), None)
+        return None if first is None else (id(first), first.data_ptr(), first.dtype, first.device)
+
+    def moved(self) -> bool:
+        """True once after each move."""
+        now = self._state()
+        if now == self.seen:
+            return False
+        self.seen = now
+        return True
+
+
 Outputs = tuple[torch.Tensor | None, ...]
 
 
@@ -37,14 +59,16 @@ class GraphedInference:
 
     Each call copies its inputs into the signature's static buffers, replays, and returns clones of the
     outputs (ordinary tensors the caller may keep or change; the next replay overwrites the graph's own).
-    Graphs share one memory pool; the ``max_graphs`` most recently used are kept. The caller decides when to
-    take this path (eval mode, no autograd). Off CUDA (tests) the same static buffers are run eagerly at each call.
+    Graphs share one memory pool; the ``max_graphs`` most recently used are kept, and all are dropped when
+    ``module`` (the model whose weights ``fn`` reads) has moved since they were captured. The caller decides when
+    to take this path (eval mode, no autograd). Off CUDA (tests) the same static buffers are run eagerly.
     """
 
-    def __init__(self, fn: Callable[..., Outputs], *, max_graphs: int = 8):
+    def __init__(self, fn: Callable[..., Outputs], module: torch.nn.Module, *, max_graphs: int = 8):
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be at least 1, got {max_graphs}")
         self.fn, self.max_graphs = fn, max_graphs
+        self.weights = WeightsWatch(module)
         self.graphs: OrderedDict[tuple, tuple[tuple[torch.Tensor, ...], Outputs, Callable[[], None]]] = OrderedDict()
         self.pool = None
 
@@ -53,6 +77,9 @@ class GraphedInference:
         return tuple((tuple(t.shape), t.dtype, t.device) for t in inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> Outputs:
+        if self.weights.moved():
+            self.graphs.clear()
+            self.pool = None  # the weights may be on another device now
         sig = self.signature(inputs)
         # The static buffers and graph outputs are inference tensors, changed only in inference mode; the
         # clones are made outside it, as ordinary tensors.

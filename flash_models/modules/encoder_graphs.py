@@ -25,7 +25,7 @@ import torch
 from flash_kernels._triton_utils import next_power_of_2
 
 from .attention import AttentionMask
-from .cuda_graphs import capture
+from .cuda_graphs import WeightsWatch, capture
 
 MIN_SEQLEN_BUCKET = 16
 
@@ -72,8 +72,9 @@ class GraphedEncoder:
     """``encode(ids, positions, token_types, mask) -> hidden (1, tokens, hidden)`` for packed rows, run per bucket
     from a captured graph on CUDA. Off CUDA (tests) the same static buffers are run eagerly at each call."""
 
-    def __init__(self, encode: Callable, *, seq_limit: int, max_graphs: int = 16):
+    def __init__(self, encode: Callable, module: torch.nn.Module, *, seq_limit: int, max_graphs: int = 16):
         self.encode, self.seq_limit, self.max_graphs = encode, seq_limit, max_graphs
+        self.weights = WeightsWatch(module)  # graphs captured before the weights moved are dropped
         self.graphs: OrderedDict[Bucket, _Graph] = OrderedDict()
         self.pool = None
 
@@ -81,6 +82,9 @@ class GraphedEncoder:
                  lengths: list[int]) -> torch.Tensor:
         """ids/positions/token_types (total,) packed real tokens; lengths the rows' token counts (host ints).
         Returns (1, total, hidden), a fresh tensor."""
+        if self.weights.moved():
+            self.graphs.clear()
+            self.pool = None
         bucket = bucket_for(lengths, seq_limit=self.seq_limit)
         total = ids.numel()
         # The static buffers and graph outputs are inference tensors, changed only in inference mode; the

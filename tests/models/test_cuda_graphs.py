@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_models as fm
-from flash_models.modules.cuda_graphs import GraphedInference
+from flash_models.modules.cuda_graphs import GraphedInference, WeightsWatch
 
 from test_vit import images, timm_vit
 
@@ -24,7 +24,7 @@ class _Recorder:
 
 def test_outputs_follow_each_call_and_are_fresh_tensors():
     fn = _Recorder()
-    graphed = GraphedInference(fn)
+    graphed = GraphedInference(fn, torch.nn.Linear(1, 1))
     for seed in range(3):
         x, y = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed)), torch.randn(5)
         out, nothing, total = graphed(x, y)
@@ -36,7 +36,7 @@ def test_outputs_follow_each_call_and_are_fresh_tensors():
 
 
 def test_one_graph_per_signature_and_the_oldest_dropped():
-    graphed = GraphedInference(_Recorder(), max_graphs=2)
+    graphed = GraphedInference(_Recorder(), torch.nn.Linear(1, 1), max_graphs=2)
     for rows in (1, 2, 1, 3):
         graphed(torch.ones(rows, 5), torch.ones(5))
     assert [sig[0][0] for sig in graphed.graphs] == [(1, 5), (3, 5)]  # (2, 5) was the least recently used
@@ -44,9 +44,32 @@ def test_one_graph_per_signature_and_the_oldest_dropped():
     assert [sig[0][1] for sig in graphed.graphs] == [torch.float32, torch.float64]
 
 
+def test_weights_watch_notices_a_move_once():
+    layer = torch.nn.Linear(5, 3)
+    watch = WeightsWatch(layer)
+    assert not watch.moved()
+    layer.load_state_dict({k: v * 2 for k, v in layer.state_dict().items()})  # in place: graphs stay valid
+    assert not watch.moved()
+    layer.half()
+    assert watch.moved() and not watch.moved()
+
+
+def test_moving_the_weights_drops_the_graphs():
+    """Graphs read the weights at their capture-time addresses: after model.to()/.half() they are captured anew.
+    (Off CUDA a kept graph would recompute into its old float32 buffers: the output's dtype tells them apart.)"""
+    layer = torch.nn.Linear(5, 3)
+    graphed = GraphedInference(lambda x: (layer(x.to(layer.weight.dtype)),), layer)
+    x = torch.randn(2, 5)
+    assert graphed(x)[0].dtype == torch.float32
+    layer.to(torch.float64)
+    (out,) = graphed(x)
+    assert out.dtype == torch.float64 and len(graphed.graphs) == 1
+    torch.testing.assert_close(out, layer(x.double()))
+
+
 def test_max_graphs_must_be_positive():
     with pytest.raises(ValueError, match="max_graphs must be at least 1"):
-        GraphedInference(_Recorder(), max_graphs=0)
+        GraphedInference(_Recorder(), torch.nn.Linear(1, 1), max_graphs=0)
 
 
 def test_vit_use_cuda_graphs_toggles_and_keeps_cpu_and_training_eager():
@@ -83,3 +106,8 @@ def test_vit_graphed_inference_equals_eager_on_cuda():
         out = model(batches[0], labels=torch.tensor([0, 1, 2, 3], device="cuda"))
     assert not out.logits.is_inference() and out.loss is not None
     torch.testing.assert_close(out.logits, eager[0].logits)
+    model.float()  # moving the weights drops the bf16 graphs; the next call captures an fp32 one
+    with torch.inference_mode():
+        out = model(batches[0].float())
+    assert out.logits.dtype == torch.float32 and len(model.graphed.graphs) == 1
+    torch.testing.assert_close(out.logits, eager[0].logits.float(), atol=0.1, rtol=0.05)

@@ -58,7 +58,7 @@ def eager_packed(model, ids, positions, types, lengths):
 @torch.no_grad()
 def test_padded_bucket_runs_give_the_unpadded_outputs():
     model, batch = model_and_batch_maker()
-    graphed = GraphedEncoder(model._encode, seq_limit=64, max_graphs=2)
+    graphed = GraphedEncoder(model._encode, model, seq_limit=64, max_graphs=2)
     batches = [[5, 17, 0, 9], [12, 3, 30, 1], [40, 2], [7]]  # the first two share a bucket
     for lengths in batches:
         inputs = batch(lengths)
