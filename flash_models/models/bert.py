@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
+from ..modules.cuda_graphs import replays_graph
 from ..modules.mlp import activation
 from ..modules.encoder_graphs import GraphedEncoder
 from ..modules.padding import PackedBatch
@@ -152,7 +153,7 @@ class BertModel(BertPreTrainedModel):
         else:  # every layer runs on the real tokens only
             packed = PackedBatch.from_mask(attention_mask)
             input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
-            if self.graphed is not None and input_ids.is_cuda and not torch.is_grad_enabled() and not self.training:
+            if replays_graph(self, self.graphed, input_ids):
                 self.embed.check_ids(input_ids, token_type_ids)  # the captured runs skip it
                 lengths = packed.cu_seqlens.diff().tolist()
                 hidden = self.graphed(input_ids[0], position_ids[0], token_type_ids[0], lengths)

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import AttentionConfig, MLPConfig, check_choice
 from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
-from ..modules.cuda_graphs import GraphedInference
+from ..modules.cuda_graphs import GraphedInference, replays_graph
 from ..registry import Family, Preset, register_family, register_preset
 from .common import PretrainedModel
 
@@ -179,7 +179,7 @@ class VisionTransformer(PretrainedModel):
                              f"got {tuple(pixel_values.shape)}")
         if labels is not None and self.head is None:
             raise ValueError("labels given, but this ViT has no classification head (num_classes=0)")
-        if self.graphed is not None and pixel_values.is_cuda and not torch.is_grad_enabled() and not self.training:
+        if replays_graph(self, self.graphed, pixel_values):
             logits, hidden, pooled = self.graphed(pixel_values)
         else:
             logits, hidden, pooled = self._encode(pixel_values)

@@ -29,6 +29,13 @@ def capture(run: Callable[[], object], pool) -> tuple[object, Callable[[], None]
     return out, graph.replay
 
 
+def replays_graph(module: torch.nn.Module, graphed, x: torch.Tensor) -> bool:
+    """Whether a model with graphs enabled (``graphed`` not None) takes them for input ``x``: CUDA input, eval
+    mode, no autograd, and not while torch.compile traces (the compiled graph is the alternative)."""
+    return (graphed is not None and x.is_cuda and not torch.is_grad_enabled() and not module.training
+            and not torch.compiler.is_compiling())
+
+
 class WeightsWatch:
     """Notices when a module's weights move (``model.to(...)``, ``.half()``): a captured graph reads them at the
     addresses it saw, so graphs must then be captured again. Watches the first parameter (object, storage

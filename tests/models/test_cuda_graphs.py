@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_models as fm
-from flash_models.modules.cuda_graphs import GraphedInference, WeightsWatch
+from flash_models.modules.cuda_graphs import GraphedInference, WeightsWatch, replays_graph
 
 from test_vit import images, timm_vit
 
@@ -111,3 +111,22 @@ def test_vit_graphed_inference_equals_eager_on_cuda():
         out = model(batches[0].float())
     assert out.logits.dtype == torch.float32 and len(model.graphed.graphs) == 1
     torch.testing.assert_close(out.logits, eager[0].logits.float(), atol=0.1, rtol=0.05)
+
+
+class _CudaLike:
+    """Stands in for a CUDA tensor in the decision below (only ``is_cuda`` is read)."""
+
+    is_cuda = True
+
+
+def test_graphs_are_taken_only_in_eval_mode_without_autograd_on_cuda_and_not_while_compiling(monkeypatch):
+    module, graphed = torch.nn.Linear(1, 1).eval(), object()
+    assert not replays_graph(module, graphed, _CudaLike())  # grad mode on
+    with torch.no_grad():
+        assert replays_graph(module, graphed, _CudaLike())
+        assert not replays_graph(module, None, _CudaLike())
+        assert not replays_graph(module, graphed, torch.zeros(1))  # CPU input
+        assert not replays_graph(module.train(), graphed, _CudaLike())
+        module.eval()
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not replays_graph(module, graphed, _CudaLike())
