@@ -49,7 +49,7 @@ class _ActivationThenLinear(torch.autograd.Function):
 
 
 def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], layer: nn.Module, *,
-                           recompute: bool = True, recompute_weight_cast: bool = True) -> torch.Tensor:
+                           recompute: bool = True, recompute_weight_cast: bool = False) -> torch.Tensor:
     """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records and ``recompute`` is
     set (the weight is then always cast again in the backward; without recompute, ``recompute_weight_cast``
     says, see modules/linear.py). Under torch.compile the plain form is traced: the compiler makes its own

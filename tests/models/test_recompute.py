@@ -129,7 +129,7 @@ def test_recomputed_norm_outputs_give_the_same_bits(dtype, backend):
         assert torch.equal(got, want)
 
 
-def test_recomputed_norm_outputs_are_not_saved():
+def test_recomputed_norm_outputs_are_not_saved(monkeypatch):
     """With recompute on, nothing keeps the norm outputs alive between the forward and the backward, and the
     backward recomputes each of them once."""
     import gc
@@ -145,21 +145,18 @@ def test_recomputed_norm_outputs_are_not_saved():
             norm.register_forward_hook(lambda module, args, out: outputs.append(weakref.ref(out[0])))
     calls = []
     original = recompute._NormOutput.recompute
-    recompute._NormOutput.recompute = lambda self: calls.append(1) or original(self)
-    try:
-        for on in (False, True):
-            for block in model.blocks:
-                block.recompute_norm_outputs = on
-            outputs.clear()
-            loss = model(ids, labels=ids).loss
-            gc.collect()
-            alive = sum(ref() is not None for ref in outputs)
-            assert alive == (0 if on else 2 * len(model.blocks)), (on, alive)
-            calls.clear()
-            loss.backward()
-            assert len(calls) == (2 * len(model.blocks) if on else 0)
-    finally:
-        recompute._NormOutput.recompute = original
+    monkeypatch.setattr(recompute._NormOutput, "recompute", lambda self: calls.append(1) or original(self))
+    for on in (False, True):
+        for block in model.blocks:
+            block.recompute_norm_outputs = on
+        outputs.clear()
+        loss = model(ids, labels=ids).loss
+        gc.collect()
+        alive = sum(ref() is not None for ref in outputs)
+        assert alive == (0 if on else 2 * len(model.blocks)), (on, alive)
+        calls.clear()
+        loss.backward()
+        assert len(calls) == (2 * len(model.blocks) if on else 0)
 
 
 def test_only_gated_decoders_recompute_and_checkpointing_turns_norm_recompute_off():
