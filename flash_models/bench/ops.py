@@ -5,7 +5,8 @@ Shapes (bf16): norms 16k x 4096; rotary on LLaMA-7B q and k (4 x 4096 tokens, 32
 GeGLU / GELU on LLaMA-7B's MLP (8k tokens x 11008); cross-entropy 8k x 50304 and 8k x 128256; fused LM head +
 CE H=4096, V=128256, 16k tokens; the cuBLASLt GELU MLP at GPT-2 sizes (16k tokens, 768 -> 3072 -> 768).
 Memory-bound rows report GB/s from a minimal byte count (every tensor read or written once) and that as a
-fraction of the measured device copy bandwidth; CE and linear+CE report peak memory.
+fraction of the measured device copy bandwidth; CE and linear+CE report peak memory. Every side's backward
+runs on the calling thread, as the Trainer runs it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..backward import backward_on_this_thread
 from .harness import BenchResult, measure_copy_bandwidth, peak_memory_bytes, time_cuda
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,8 @@ def _fwd_bwd_step(fn, inputs):
     grads = [torch.randn_like(o) for o in _outputs(fn())]
 
     def step():
-        torch.autograd.grad(_outputs(fn()), inputs, grads)
+        with backward_on_this_thread():  # every side alike, as the Trainer runs its backward
+            torch.autograd.grad(_outputs(fn()), inputs, grads)
 
     return step
 

@@ -6,7 +6,7 @@ every tensor's dtype. That is 43 us per launch on the CI machine's CPU (and as m
 host's attention call), against 2.5 us for the lookup here, and an eager attention forward + backward makes
 three such launches. ``cached_autotune`` wraps an ``@triton.autotune`` kernel: the first launch per key goes
 through the Autotuner (which benchmarks or finds its choice); later ones call the JIT function directly with
-the chosen config's meta-parameters.
+the chosen config's meta-parameters, through ``_launch.lean_launch``.
 
 The key is the Autotuner's own (the values of its ``key`` arguments, then every tensor argument's dtype), built
 from precomputed argument positions, so a cached choice is only reused where Triton would reuse it. Configs
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ._launch import lean_launch
 from ._triton_compat import triton
 
 
@@ -33,7 +34,8 @@ def cached_autotune(kernel):
 class CachedAutotune:
     def __init__(self, autotuner):
         self.autotuner = autotuner
-        self.jit = autotuner.fn  # the @triton.jit function (an InterpretedFunction under TRITON_INTERPRET=1)
+        # The @triton.jit function (an InterpretedFunction under TRITON_INTERPRET=1), launched lean once tuned.
+        self.jit = lean_launch(autotuner.fn)
         positions = {name: i for i, name in enumerate(autotuner.arg_names)}
         self.key_args = [(name, positions[name]) for name in autotuner.keys]
         self.chosen: dict[tuple, dict] = {}  # key -> the chosen config's meta-parameters
@@ -52,7 +54,7 @@ class CachedAutotune:
         key = self.key(args, kwargs)
         meta = self.chosen.get(key)
         if meta is not None:
-            return self.jit.run(*args, grid=grid, warmup=False, **kwargs, **meta)
+            return self.jit[grid](*args, **kwargs, **meta)
         result = self.autotuner[grid](*args, **kwargs)
         config = self.autotuner.best_config
         if config.pre_hook is None:

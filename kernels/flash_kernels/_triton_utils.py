@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._triton_compat import triton
@@ -16,10 +18,16 @@ def warps_for_block(block: int, *, elems_per_thread: int = 8, max_warps: int = 1
     return max(1, min(max_warps, block // (32 * elems_per_thread)))
 
 
+@functools.cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: get_device_properties costs about 8 us a call)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def num_programs(device: torch.device, per_sm: int = 4) -> int:
     """Programs for a persistent-style grid: a few per SM on CUDA, a handful under the interpreter."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
+        return sm_count(device.index if device.index is not None else torch.cuda.current_device()) * per_sm
     return 4
 
 
@@ -34,6 +42,11 @@ def placeholder(device: torch.device, dtype: torch.dtype = torch.float32) -> tor
     return torch.empty(0, device=device, dtype=dtype)
 
 
+def or_placeholder(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """t, or an empty stand-in where t is None: what a custom op returns for an output its eager twin omits."""
+    return t if t is not None else placeholder(device, dtype)
+
+
 _DUMMIES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
@@ -44,6 +57,11 @@ def dummy_pointer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if key not in _DUMMIES:
         _DUMMIES[key] = torch.empty(1, device=device, dtype=dtype)
     return _DUMMIES[key]
+
+
+def or_dummy(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """t, or the dummy pointer where t is None (a kernel argument its constexpr flags never touch)."""
+    return t if t is not None else dummy_pointer(device, dtype)
 
 
 def dropout_seed(device: torch.device) -> torch.Tensor:

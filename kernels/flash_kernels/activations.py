@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import check_backend_name, use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import as_rows, eager_function, next_power_of_2, pick
 
@@ -84,6 +85,7 @@ def _blocks(F_OUT, BLOCK: tl.constexpr):
     return row, cols, cols < F_OUT
 
 
+@lean_launch
 @triton.jit
 def _act_fwd_kernel(X, OUT, stride_x, stride_o, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
     row, cols, mask = _blocks(F_OUT, BLOCK)
@@ -94,6 +96,7 @@ def _act_fwd_kernel(X, OUT, stride_x, stride_o, F_OUT, KIND: tl.constexpr, GATED
     tl.store(OUT + row * stride_o + cols, out.to(OUT.dtype.element_ty), mask=mask)
 
 
+@lean_launch
 @triton.jit
 def _act_bwd_kernel(
     X, DY, DX, stride_x, stride_dy, stride_dx, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,

@@ -32,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import dropout_seed, dummy_pointer, eager_function, pick, placeholder
 
@@ -476,6 +477,7 @@ def _attn_fwd_kernel(
     tl.store(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, lse, mask=row_ok)
 
 
+@lean_launch
 @triton.jit
 def _dropout_mask_kernel(M, Seed, dropout_p, n_heads, max_q, max_k, BLOCK: tl.constexpr):
     """keep[b, h, i, j] for all (i < max_q, j < max_k): the same Philox stream the attention kernels draw."""
@@ -505,6 +507,7 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: 
 # ---- backward -------------------------------------------------------------------------------------------
 
 
+@lean_launch
 @triton.jit
 def _bwd_preprocess_kernel(O, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
                            stride_lb, stride_lh, seqlen_q, n_heads,

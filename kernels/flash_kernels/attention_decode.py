@@ -15,12 +15,12 @@ read through the table, row by row, so any page size works.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
+from ._triton_utils import sm_count
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
 )
@@ -89,6 +89,7 @@ CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
 
 
+@lean_launch
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, Opart, Lpart, O, Seqlens, BlockTable, scale_log2, softcap,
@@ -155,6 +156,7 @@ def _decode_split_kernel(
     tl.store(Lpart + split * stride_lps + b64 * stride_lpb + h * stride_lph + i, lse2, mask=row_ok)
 
 
+@lean_launch
 @triton.jit
 def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
                            stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
@@ -179,16 +181,11 @@ def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
     tl.store(O + b * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _split_plan(q, capacity, n_prog_other):
     """(chunk, num_splits) for a cache of ``capacity`` keys and ``n_prog_other`` (batch x kv heads) programs
     per split."""
     if q.device.type == "cuda":
-        sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         if n_prog_other >= sms and capacity <= DECODE_SINGLE_SPLIT_MAX:
             splits = 1  # a wave of programs already, over a short cache: the merge launch would cost more
         else:

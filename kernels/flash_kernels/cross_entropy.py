@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import check_ids_in_range, use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import as_rows, eager_function, next_power_of_2, pick, warps_for_block
 
@@ -97,6 +98,7 @@ def _ce_row_loss(
     return lse, loss, label, valid
 
 
+@lean_launch
 @triton.jit
 def _ce_fwd_kernel(
     LOGITS, LABELS, LOSS, LSE, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
@@ -119,6 +121,7 @@ def _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
     return g * logit_scale
 
 
+@lean_launch
 @triton.jit
 def _ce_bwd_kernel(
     LOGITS, DLOGITS, LABELS, LSE, DLOSS, DLSE, stride_row, stride_drow, V, ignore_index, label_smoothing,
@@ -138,6 +141,7 @@ def _ce_bwd_kernel(
     tl.store(DLOGITS + row * stride_drow + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
 
 
+@lean_launch
 @triton.jit
 def _ce_fwd_bwd_kernel(
     LOGITS, LABELS, LOSS, DLOSS, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 
 
@@ -36,6 +37,7 @@ def kv_append_ref(
     v_cache[first, second] = v.to(v_cache.dtype)
 
 
+@lean_launch
 @triton.jit
 def _kv_append_kernel(
     KC, VC, K, V, SLOTS, TABLE, seqlen, head_dim, block_size,

@@ -19,10 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from .partial_sums import sum_partials
 from ._triton_utils import (
-    as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, pick, placeholder, warps_for_block,
+    as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, or_dummy, or_placeholder, pick, placeholder,
+    warps_for_block,
 )
 
 
@@ -157,6 +159,7 @@ def _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B: tl.constexpr,
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
 
 
+@lean_launch
 @triton.jit
 def _norm_fwd_kernel(
     X, RES, ROWSCALE, SEED, W, B, W1, B1, Y, Y1, RES_OUT, MASK_OUT, MEAN, RSTD,
@@ -273,6 +276,7 @@ def _bwd_store_dx(
     tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+@lean_launch
 @triton.jit
 def _norm_bwd_kernel(
     H, W, W1, DY, DY1, DRES_OUT, MEAN, RSTD, ROWSCALE, SEED, DX, DRES, DW, DB, DW1, DB1,
@@ -381,20 +385,22 @@ def _norm_fwd(
     x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
     residual_dtype, out_dtype, store_residual, store_mask,
 ):
-    """x, residual: (M, N) with unit last stride. Returns y, y1, residual_out, mean, rstd, seed, mask."""
+    """x, residual: (M, N) with unit last stride. Returns y, y1, residual_out, mean, rstd, seed, mask, with None
+    for those this call does not make (allocating nothing for them: the eager path's host cost)."""
     M, N = x.shape
     dev = x.device
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
-    y1 = torch.empty((M, N), device=dev, dtype=out_dtype) if weight1 is not None else placeholder(dev, out_dtype)
-    res_out = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_residual else placeholder(dev, residual_dtype)
+    y1 = torch.empty((M, N), device=dev, dtype=out_dtype) if weight1 is not None else None
+    res_out = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_residual else None
     mean = torch.empty((M,), device=dev, dtype=torch.float32)
     rstd = torch.empty((M,), device=dev, dtype=torch.float32)
-    seed = dropout_seed(dev) if dropout_p > 0.0 else placeholder(dev, torch.int64)
-    mask = torch.empty((M, N), device=dev, dtype=torch.uint8) if store_mask else placeholder(dev, torch.uint8)
+    seed = dropout_seed(dev) if dropout_p > 0.0 else None
+    mask = torch.empty((M, N), device=dev, dtype=torch.uint8) if store_mask else None
     block, single = _block(N, _MAX_FUSED_FWD)
     _norm_fwd_kernel[(M,)](
-        x, residual, rowscale, seed, weight, bias, weight1, bias1, y, y1, res_out, mask, mean, rstd,
-        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        x, residual, rowscale, or_dummy(seed, dev, torch.int64), weight, bias, weight1, bias1, y,
+        or_dummy(y1, dev, out_dtype), or_dummy(res_out, dev, residual_dtype), or_dummy(mask, dev, torch.uint8),
+        mean, rstd, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         y1.stride(0) if weight1 is not None else 0, res_out.stride(0) if store_residual else 0,
         N, eps, dropout_p,
         IS_RMS=is_rms_norm, HAS_RES=residual is not None, HAS_ROWSCALE=rowscale is not None,
@@ -403,14 +409,15 @@ def _norm_fwd(
         ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
         num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16),
     )
-    return y, y1, res_out, mean, rstd, seed, mask.view(torch.bool)
+    return y, y1, res_out, mean, rstd, seed, None if mask is None else mask.view(torch.bool)
 
 
 def _norm_bwd(
     h, dy, dy1, dres_out, weight, weight1, mean, rstd, rowscale, seed, dropout_p, is_rms_norm,
     zero_centered_weight, has_bias, has_bias1, has_residual, x_dtype, residual_dtype,
 ):
-    """Gradients of the fused norm. h is the saved residual stream (M, N). Returns dx, dres, dw, db, dw1, db1."""
+    """Gradients of the fused norm. h is the saved residual stream (M, N). Returns dx, dres, dw, db, dw1, db1,
+    with None for those absent (dres is dx itself where they are equal)."""
     M, N = h.shape
     dev = h.device
     # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
@@ -421,7 +428,7 @@ def _norm_bwd(
     dx = torch.empty((M, N), device=dev, dtype=x_dtype)
     # The residual gradient equals dh; it needs its own buffer only when dx differs from dh.
     store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or residual_dtype != x_dtype)
-    dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else placeholder(dev, residual_dtype)
+    dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else None
 
     block, single = _block(N, _MAX_FUSED_BWD)
     # Per-program partial sums of dw, db, dw1, db1 (those present) share one buffer, summed by one launch.
@@ -429,10 +436,11 @@ def _norm_bwd(
     # The single-block kernel writes every partial; the loop path accumulates into them.
     alloc = torch.empty if single else torch.zeros
     partials = alloc((sum(present), programs, N), device=dev, dtype=torch.float32)
-    views = iter(partials)
-    dw_p, db_p, dw1_p, db1_p = (next(views) if p else placeholder(dev) for p in present)
+    views, dummy = iter(partials), or_dummy(None, dev, torch.float32)
+    dw_p, db_p, dw1_p, db1_p = (next(views) if p else dummy for p in present)
     _norm_bwd_kernel[(programs,)](
-        h, weight, weight1, dy, dy1, dres_out, mean, rstd, rowscale, seed, dx, dres, dw_p, db_p, dw1_p, db1_p,
+        h, weight, weight1, dy, dy1, dres_out, mean, rstd, rowscale, or_dummy(seed, dev, torch.int64), dx,
+        or_dummy(dres, dev, residual_dtype), dw_p, db_p, dw1_p, db1_p,
         h.stride(0), dy.stride(0), dy1.stride(0) if dy1 is not None else 0,
         dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0) if store_dres else 0,
         M, N, rows_per_program, dropout_p,
@@ -444,7 +452,7 @@ def _norm_bwd(
     if has_residual and not store_dres:
         dres = dx
     sums = iter(sum_partials(partials))
-    dw, db, dw1, db1 = (next(sums) if p else placeholder(dev) for p in present)
+    dw, db, dw1, db1 = (next(sums) if p else None for p in present)
     return dx, dres, dw, db, dw1, db1
 
 
@@ -460,10 +468,13 @@ def _norm_fwd_op(
     dropout_p: float, is_rms_norm: bool, zero_centered_weight: bool, residual_dtype: torch.dtype,
     out_dtype: torch.dtype, store_residual: bool, store_mask: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _norm_fwd(
+    y, y1, res_out, mean, rstd, seed, mask = _norm_fwd(
         x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
         residual_dtype, out_dtype, store_residual, store_mask,
     )
+    dev = x.device
+    return (y, or_placeholder(y1, dev, out_dtype), or_placeholder(res_out, dev, residual_dtype), mean, rstd,
+            or_placeholder(seed, dev, torch.int64), or_placeholder(mask, dev, torch.bool))
 
 
 @_norm_fwd_op.register_fake
@@ -495,7 +506,9 @@ def _norm_bwd_op(
         zero_centered_weight, has_bias, has_bias1, has_residual, x_dtype, residual_dtype,
     )
     # Custom-op outputs may not alias each other: hand back a copy where the residual gradient is dx itself.
-    return dx, (dres.clone() if dres is dx else dres), dw, db, dw1, db1
+    dev = h.device
+    return (dx, dres.clone() if dres is dx else or_placeholder(dres, dev, residual_dtype), dw,
+            *(or_placeholder(g, dev) for g in (db, dw1, db1)))
 
 
 @_norm_bwd_op.register_fake

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import num_programs
 
@@ -21,6 +22,7 @@ _SUM_BLOCK_P, _SUM_MAX_BLOCK_N, _SUM_MIN_BLOCK_N = 32, 64, 16
 # ----------------------------------------------------------------------------------------------------------
 
 
+@lean_launch
 @triton.jit
 def _sum_partials_kernel(P, OUT0, OUT1, OUT2, OUT3, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """P (k, programs, N) -> column sums into OUT0..OUT(k-1), each (N,) float32; one program per

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from ._backend import use_triton
+from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import eager_function, next_power_of_2, pick
 
@@ -75,6 +76,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # heads x rotary-half elements per program
 
 
+@lean_launch
 @triton.jit
 def _rotary_kernel(
     X, OUT, COS, SIN, POS, OFFSETS, offset, S, H, HALF, max_pos,

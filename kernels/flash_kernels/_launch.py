@@ -1,0 +1,126 @@
+"""Launch ``@triton.jit`` kernels with less host work than ``kernel[grid](...)`` once a kernel is compiled.
+
+``JITFunction.run`` redoes at every launch what only changes when the compiled kernel would: it reads Triton's
+knobs, binds every argument through a generated function, specializes each one, builds and hashes a cache key
+from the specialization and the options, and checks the kernel's globals. On the lent H100's host that is
+28 us for a launch of 33 arguments like our norm kernel's, against 8.8 us for the compiled kernel's own
+launcher (``scripts/profile/launch_cost.py``); a norm forward + backward makes three such launches, an
+attention one four, and an eager training step hundreds.
+
+``lean_launch`` wraps a ``@triton.jit`` kernel behind the same ``kernel[grid](*args, **kwargs)`` call. The
+first launch of each *launch key* goes through Triton (which compiles or finds the kernel) and keeps the
+compiled kernel it returns; later launches with the same key call that compiled kernel directly.
+
+The launch key holds everything Triton's own specialization reads, never less:
+- per positional argument: a tensor's dtype and whether its address is 16-byte aligned; an int's three
+  classes (equal to 1, a multiple of 16, fits in int32); the type of a float, a bool or None; the value itself
+  for a ``tl.constexpr`` parameter;
+- every keyword argument's name and value (our constexprs and launch options: ``num_warps``, ``BLOCK``...);
+- the current CUDA device (a compiled kernel is loaded per device).
+It may be finer than Triton's (one compiled kernel under several keys), which costs only a first launch each.
+An argument of any other type (a tensor descriptor, a custom object) or a tensor passed by keyword takes
+Triton's own path at every launch. A grid given as a function is called as Triton calls it. Triton's global
+knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not seen here.
+
+Opt-in for now: ``FLASH_KERNELS_LEAN_LAUNCH=1``, read when flash_kernels is imported. The launch key was
+checked against Triton's specialization rules on the CPU, but the lean path has not yet run on a GPU (the
+device was not lent when it was written); ``tests/kernels/test_launch.py``'s GPU test and
+``scripts/profile/launch_cost.py`` are the checks to run before it becomes the default. Without the switch,
+under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs the kernels) or without Triton, the decorator
+returns the kernel unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+
+from ._triton_compat import TRITON_AVAILABLE, triton
+
+ENV_VAR = "FLASH_KERNELS_LEAN_LAUNCH"
+_INT32 = range(-(2**31), 2**31)  # `in range` is a constant-time bounds check for an int
+_Tensor = torch.Tensor
+
+
+class _Unkeyable(Exception):
+    """An argument whose specialization the launch key cannot express: Triton's own path launches it."""
+
+
+def _other_arg_key(arg) -> object:
+    """The launch key's part for an argument that is neither a plain tensor nor an int."""
+    if isinstance(arg, torch.Tensor):  # a subclass (nn.Parameter)
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    kind = type(arg)
+    if kind is float or kind is bool or arg is None:
+        return kind
+    raise _Unkeyable
+
+
+def lean_launch(kernel):
+    """Decorator over ``@triton.jit``: launches as ``kernel[grid](*args, **kwargs)``, cheaper after the first
+    launch of each key. Returns the kernel unchanged unless switched on (see the module docstring), under the
+    interpreter, or without Triton."""
+    if os.environ.get(ENV_VAR, "0") != "1" or not TRITON_AVAILABLE:
+        return kernel
+    if not isinstance(kernel, triton.runtime.jit.JITFunction):
+        return kernel
+    return LeanKernel(kernel)
+
+
+class LeanKernel:
+    def __init__(self, jit):
+        self.jit = jit
+        self.__name__ = jit.__name__
+        params = inspect.signature(jit.fn).parameters
+        self.arg_names = list(params)
+        self.defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+        self.constexpr_positions = tuple(p.num for p in jit.params if p.is_constexpr)
+        self.compiled: dict[tuple, tuple] = {}  # launch key -> (compiled kernel, the arguments after args)
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch_key(self, args: tuple, kwargs: dict) -> tuple:
+        """The key of a launch on the current device (which ``launch`` adds); raises _Unkeyable."""
+        # Plain tensors and ints take the inline branches: this runs at every launch, for 20-40 arguments.
+        specs = [
+            (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor
+            else (a == 1, a % 16 == 0, a in _INT32) if type(a) is int
+            else _other_arg_key(a)
+            for a in args
+        ]
+        if self.constexpr_positions:
+            specs += [("constexpr", args[i]) for i in self.constexpr_positions if i < len(args)]
+        return (*specs, *kwargs.items())
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        try:
+            key = (torch.cuda.current_device(), *self.launch_key(args, kwargs))
+            entry = self.compiled.get(key)
+        except (_Unkeyable, TypeError):  # TypeError: an unhashable keyword argument
+            return self.jit[grid](*args, **kwargs)
+        if entry is None:
+            return self._first_launch(key, grid, args, kwargs)
+        compiled, rest = entry
+        if callable(grid):  # as Triton calls it: with every parameter by name (autotuned block sizes included)
+            grid = grid(dict(zip(self.arg_names, (*args, *rest))))
+        # The compiled kernel's own launcher takes every parameter in order, constexprs included (it skips
+        # them), and a three-dimensional grid.
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        compiled[grid3](*args, *rest)
+        return compiled
+
+    def _first_launch(self, key: tuple, grid, args: tuple, kwargs: dict):
+        compiled = self.jit.run(*args, grid=grid, warmup=False, **kwargs)
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            return compiled  # a tensor's key is its specialization, not its value: never cache one by value
+        if not (hasattr(compiled, "run") and hasattr(compiled, "__getitem__")):
+            return compiled  # a Triton whose launch returns something else: keep its own path
+        try:
+            rest = tuple(kwargs[name] if name in kwargs else self.defaults[name] for name in self.arg_names[len(args):])
+        except KeyError:
+            return compiled
+        self.compiled[key] = (compiled, rest)
+        return compiled

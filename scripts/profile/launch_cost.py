@@ -1,0 +1,98 @@
+"""Host cost per call (us) of one Triton launch and its parts, on a CUDA GPU: torch allocations, a launch
+through ``kernel[grid]`` with few and with 33 arguments (like our norm kernel's), the same through
+``flash_kernels._launch.LeanKernel`` and through the compiled kernel's own launcher; then our layer_norm against
+torch's, and a cProfile of our layer_norm forward (no grad).
+
+    PYTHONPATH=.:kernels python scripts/profile/launch_cost.py                               # Triton's path
+    FLASH_KERNELS_LEAN_LAUNCH=1 PYTHONPATH=.:kernels python scripts/profile/launch_cost.py   # ops launched lean
+"""
+
+import cProfile
+import io
+import pstats
+import time
+
+import flash_kernels as fk
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from flash_kernels._launch import LeanKernel
+
+
+def host_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
+
+
+@triton.jit
+def _few_args(X, Y, N, BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    row = tl.program_id(0)
+    tl.store(Y + row * N + cols, tl.load(X + row * N + cols, mask=cols < N), mask=cols < N)
+
+
+@triton.jit
+def _many_args(X, R, RS, SEED, W, B, W1, B1, Y, Y1, RO, MASK, MEAN, RSTD, sx, sr, sy, sy1, sro, N, eps, p,
+               A: tl.constexpr, Bc: tl.constexpr, C: tl.constexpr, D: tl.constexpr, E: tl.constexpr,
+               F: tl.constexpr, G: tl.constexpr, H: tl.constexpr, I: tl.constexpr, J: tl.constexpr,
+               BLOCK: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    row = tl.program_id(0)
+    tl.store(Y + row * sy + cols, tl.load(X + row * sx + cols, mask=cols < N), mask=cols < N)
+
+
+def main():
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    dev = "cuda"
+    x = torch.randn(8, 256, device=dev, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    f = torch.empty(8, device=dev)
+    args = (x, x, f, f, f, f, f, f, y, y, y, f, f, f, 256, 256, 256, 0, 0, 256, 1e-5, 0.0)
+    kw = dict(A=False, Bc=True, C=False, D=False, E=True, F=False, G=False, H=False, I=False, J=False, BLOCK=256)
+    compiled = _many_args[(8,)](*args, **kw)
+    lean = LeanKernel(_many_args)
+    w, b = torch.ones(256, device=dev), torch.zeros(256, device=dev)
+    wb, bb = w.bfloat16(), b.bfloat16()
+    xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    rows = {
+        "torch.empty (8, 256) bf16": lambda: torch.empty((8, 256), device=dev, dtype=torch.bfloat16),
+        "torch.empty(0)": lambda: torch.empty(0, device=dev),
+        "torch.add": lambda: torch.add(x, x),
+        "3-argument kernel[grid]": lambda: _few_args[(8,)](x, y, 256, BLOCK=256),
+        "33-argument kernel[grid]": lambda: _many_args[(8,)](*args, **kw),
+        "33-argument LeanKernel[grid]": lambda: lean[(8,)](*args, **kw),
+        "33-argument compiled launcher": lambda: compiled[(8, 1, 1)](*args, *kw.values()),
+    }
+    with torch.no_grad():
+        rows["our layer_norm forward, no grad"] = lambda: fk.layer_norm(x, w, b)
+        rows["torch layer_norm forward, no grad"] = lambda: F.layer_norm(x, (256,), wb, bb)
+    for name, fn in rows.items():
+        grad = torch.no_grad() if "no grad" in name else torch.enable_grad()
+        with grad:
+            print(f"| {name} | {host_us(fn):.1f} |")
+    with torch.autograd.set_multithreading_enabled(False):
+        fb = lambda: torch.autograd.grad(fk.layer_norm(xg, wg, bg), (xg, wg, bg), dy)  # noqa: E731
+        print(f"| our layer_norm forward + backward (calling thread) | {host_us(fb, 500):.1f} |")
+    with torch.no_grad():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(2000):
+            fk.layer_norm(x, w, b)
+        profiler.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()

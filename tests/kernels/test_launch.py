@@ -1,0 +1,120 @@
+"""flash_kernels._launch: the launch key separates every launch Triton would compile differently, the
+decorator stays out of the interpreter's way, and on CUDA the lean path launches the kernel Triton compiled
+with the same results (never calling Triton's per-launch path again for a key it has seen)."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from flash_kernels._backend import triton_interpreter_enabled
+from flash_kernels._launch import ENV_VAR, LeanKernel, _Unkeyable, lean_launch
+
+
+def _copy_scaled(X, Y, n, scale, stride, BLOCK: tl.constexpr, SCALE_IT: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(X + offsets * stride, mask=mask)
+    if SCALE_IT:
+        x = x * scale
+    tl.store(Y + offsets, x, mask=mask)
+
+
+_copy_scaled_jit = triton.jit(_copy_scaled)
+
+
+def _keys() -> LeanKernel:
+    """A LeanKernel over a compiled-mode JITFunction, built directly: its launch key needs no GPU."""
+    return LeanKernel(JITFunction(_copy_scaled))
+
+
+def test_interpreted_kernels_are_left_unchanged(monkeypatch):
+    if not triton_interpreter_enabled():
+        pytest.skip("the interpreter is on only without CUDA")
+    monkeypatch.setenv(ENV_VAR, "1")
+    kernel = lean_launch(_copy_scaled_jit)
+    assert kernel is _copy_scaled_jit
+    x = torch.arange(10.0)
+    y = torch.empty_like(x)
+    kernel[(1,)](x, y, 10, 2.0, 1, BLOCK=16, SCALE_IT=True)
+    torch.testing.assert_close(y, 2 * x)
+
+
+def test_off_unless_switched_on(monkeypatch):
+    compiled_mode_kernel = JITFunction(_copy_scaled)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert lean_launch(compiled_mode_kernel) is compiled_mode_kernel
+    monkeypatch.setenv(ENV_VAR, "1")
+    assert isinstance(lean_launch(compiled_mode_kernel), LeanKernel)
+
+
+def test_launch_key_separates_what_triton_specializes():
+    lean = _keys()
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    y = torch.zeros(64, dtype=torch.bfloat16)
+    kw = dict(BLOCK=16, SCALE_IT=True)
+
+    def key(*args, **kwargs):
+        return lean.launch_key(args, kwargs or kw)
+
+    base = key(x, y, 48, 1.5, 2)
+    assert key(torch.ones(64, dtype=torch.bfloat16), y, 48, 0.5, 2) == base  # values and float values: same
+    assert key(x, y, 64, 1.5, 2) == base  # another multiple of 16
+    assert key(x, y, 48, 1.5, 3) == key(x, y, 48, 1.5, 5)  # two non-multiples of 16 other than 1
+    different = [
+        key(x[1:], y, 48, 1.5, 2),  # a 2-byte offset: not 16-byte aligned
+        key(x, y[3:], 48, 1.5, 2),  # the second argument misaligned
+        key(x.float(), y, 48, 1.5, 2),  # dtype
+        key(x, y, 1, 1.5, 2),  # the int 1
+        key(x, y, 47, 1.5, 2),  # not a multiple of 16
+        key(x, y, 2**31, 1.5, 2),  # beyond int32
+        key(x, y, 48, 1.5, 2, BLOCK=32, SCALE_IT=True),  # a constexpr by keyword
+        key(x, y, 48, 1.5, 2, BLOCK=16, SCALE_IT=True, num_warps=8),  # a launch option
+        key(x, y, 48, None, 2),  # None instead of a float
+    ]
+    assert key(x, y[8:], 48, 1.5, 2) == base  # 8 bf16 elements = 16 bytes: still aligned
+    for other in different:
+        assert other != base
+    assert len(set(different)) == len(different)
+
+
+def test_launch_key_of_positional_constexprs_holds_their_values():
+    lean = _keys()
+    x = torch.zeros(64)
+    assert lean.launch_key((x, x, 48, 1.5, 2, 16, True), {}) != lean.launch_key((x, x, 48, 1.5, 2, 32, True), {})
+    assert lean.launch_key((x, x, 48, 1.5, 2, 16, True), {}) != lean.launch_key((x, x, 48, 1.5, 2, 16, False), {})
+
+
+def test_parameters_key_like_tensors_and_unknown_arguments_are_refused():
+    lean = _keys()
+    x = torch.zeros(64)
+    kw = dict(BLOCK=16, SCALE_IT=True)
+    assert lean.launch_key((torch.nn.Parameter(x), x, 48, 1.5, 2), kw) == lean.launch_key((x, x, 48, 1.5, 2), kw)
+    with pytest.raises(_Unkeyable):
+        lean.launch_key((x, x, [48], 1.5, 2), kw)
+
+
+@pytest.mark.gpu
+def test_gpu_lean_launches_match_and_skip_tritons_path(monkeypatch):
+    kernel = LeanKernel(_copy_scaled_jit)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    base = torch.randn(4096, device="cuda", dtype=torch.float16, generator=gen)
+    # Aligned and misaligned inputs, strides 1 and 3, n of 1, 17 and 1024: several launch keys, each launched
+    # twice (the second time by the lean path).
+    cases = [(base, 1, 1024), (base[1:], 1, 1024), (base, 3, 17), (base[3:], 1, 1), (base, 1, 1)]
+    for x, stride, n in cases * 2:
+        y = torch.empty(n, device="cuda", dtype=torch.float16)
+        kernel[(triton.cdiv(n, 128),)](x, y, n, 0.5, stride, BLOCK=128, SCALE_IT=True)
+        torch.testing.assert_close(y, x[: n * stride : stride] * 0.5, rtol=0, atol=0)
+    assert len(kernel.compiled) == len(cases)
+
+    # Once a key is known, Triton's per-launch path is not taken again.
+    def refuse(*args, **kwargs):
+        raise AssertionError("Triton's own launch path ran for a known key")
+
+    monkeypatch.setattr(kernel.jit, "run", refuse)
+    x, stride, n = cases[1]
+    y = torch.empty(n, device="cuda", dtype=torch.float16)
+    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n, 2.0, stride, BLOCK=128, SCALE_IT=True)
+    torch.testing.assert_close(y, x[:n] * 2.0, rtol=0, atol=0)
