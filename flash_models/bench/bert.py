@@ -4,8 +4,11 @@ Grid: BERT-base and BERT-large shapes, bf16, sequence length 128 and 512, 0% and
 row lengths spread uniformly), inference (forward under inference_mode) and training (forward + backward of a
 loss on the real tokens' hidden states; no optimizer step, the same for both). Reports useful tokens/s (real
 tokens only: padding is work HF does and we skip), speedup over HF, peak memory, and our outputs' max
-difference from HF's on the real tokens. On CUDA, inference also runs as "ours+graphs": the encoder replayed
-from CUDA graphs per shape bucket (``BertModel.use_cuda_graphs``).
+difference from HF's on the real tokens. Both modes also run as "ours+graphs" (on CUDA; the dry run takes the
+same code path eagerly): inference with the encoder replayed from CUDA graphs per shape bucket
+(``BertModel.use_cuda_graphs``), training with the rows packed on the host into a bucket and forward +
+backward replayed from CUDA graphs, as ``train.cuda_graphs`` runs text classification (no peak memory: a
+graph's memory is its private pool).
 
 ``--dry-run`` runs the whole script on tiny shapes on the CPU (wall-clock timer, fp32 and HF sdpa): it checks
 the code path, not speed.
@@ -22,6 +25,8 @@ import transformers
 
 from ..registry import get_preset
 from ..testing import ours_from_hf
+from ..train.classification import collate_packed_classification
+from ..train.graphs import GraphedLoss
 from .harness import BenchResult, peak_memory_bytes
 from .utils import backward_and_drop_grads, time_fn
 
@@ -76,6 +81,35 @@ def _step_fns(model, ids, mask, *, is_hf: bool):
     return inference, training
 
 
+def _packed_bucket(ids, mask, seq: int) -> dict:
+    """The right-padded rows packed on the host into a bucket, as ``train.cuda_graphs`` collates text rows
+    (``collate_packed_classification``): the real tokens first, in row order, then the padding sequences."""
+    rows = [{"input_ids": row[:n].tolist(), "labels": 0, "pad_id": 0} for row, n in zip(ids.cpu(), mask.sum(1).tolist())]
+    batch = collate_packed_classification(rows, seq_len=seq)
+    del batch["labels"]
+    return {k: v.to(ids.device) for k, v in batch.items()}
+
+
+def _graphed_training(model, ids, mask, seq: int):
+    """Our training step on the packed bucket, forward + backward of the eager step's loss replayed from CUDA
+    graphs through the trainer's graphed loss (``train.graphs.GraphedLoss``); off CUDA, run eagerly."""
+    batch, useful = _packed_bucket(ids, mask, seq), int(mask.sum())
+
+    def loss_of(m, b):
+        return m(**b, max_seqlen=seq).last_hidden_state[0, :useful].float().square().mean()
+
+    graphed = GraphedLoss(model, loss_of) if ids.is_cuda else None
+    return lambda: backward_and_drop_grads(graphed(batch) if graphed else loss_of(model, batch), model)
+
+
+@torch.inference_mode()
+def _packed_max_diff(ours, hf, ids, mask, seq: int) -> float:
+    """_max_diff for the packed bucket's forward (what the graphed training step replays)."""
+    real = mask.bool()
+    packed = ours(**_packed_bucket(ids, mask, seq), max_seqlen=seq).last_hidden_state[0, : int(real.sum())].float()
+    return (packed - hf(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()).abs().max().item()
+
+
 def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int, repeats: int, dtype, device, dry_run: bool):
     cuda = device.type == "cuda"
     for preset in presets:
@@ -89,25 +123,32 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                 diff = _max_diff(ours, hf, ids, mask)
                 for mode in modes:
                     sides = [("HF sdpa", hf), ("ours", ours)]
-                    if cuda and mode == "inference":
-                        sides.append(("ours+graphs", ours))  # BertModel.use_cuda_graphs
+                    # Inference: BertModel.use_cuda_graphs; training: the trainer's graphed loss. Off CUDA both
+                    # run eagerly (the dry run checks the code path).
+                    sides.append(("ours+graphs", ours))
                     times = {}
                     for name, model in sides:
-                        if name == "ours+graphs":
+                        graphed = name == "ours+graphs"
+                        if graphed and mode == "inference":
                             model.use_cuda_graphs(True)
                         inference, training = _step_fns(model, ids, mask, is_hf=model is hf)
+                        if graphed and mode == "training":
+                            training = _graphed_training(model, ids, mask, seq)
                         fn = inference if mode == "inference" else training
                         model.train(mode == "training")
                         ms = time_fn(fn, device=device, warmup=5 if cuda else 1, repeats=repeats).median_ms
-                        peak = peak_memory_bytes(fn) / 2**20 if cuda else None
-                        if name == "ours+graphs":
-                            graphed_diff = _max_diff(ours, hf, ids, mask)
+                        # A graph's memory is its private pool, allocated at capture, which a replay's peak misses.
+                        peak = peak_memory_bytes(fn) / 2**20 if cuda and not graphed else None
+                        max_diff = None if model is hf else diff
+                        if graphed and mode == "inference":
+                            max_diff = _max_diff(ours, hf, ids, mask)
                             model.use_cuda_graphs(False)
+                        elif graphed:
+                            max_diff = _packed_max_diff(ours, hf, ids, mask, seq)
                         times[name] = ms
                         result.add(model=preset, seq=seq, batch=batch, padding=f"{1 - useful / mask.numel():.0%}",
                                    mode=mode, impl=name, ms=ms, useful_tok_s=useful / (ms * 1e-3), peak_MiB=peak,
-                                   speedup=None if model is hf else times["HF sdpa"] / ms,
-                                   max_diff=None if model is hf else graphed_diff if name == "ours+graphs" else diff)
+                                   speedup=None if model is hf else times["HF sdpa"] / ms, max_diff=max_diff)
                     log.info("%s S=%d pad=%.0f%% %s: %s", preset, seq, 100 * padding, mode,
                              ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
         del hf, ours

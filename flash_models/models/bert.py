@@ -20,7 +20,7 @@ from ..modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_att
 from ..modules.cuda_graphs import replays_graph
 from ..modules.mlp import activation
 from ..modules.encoder_graphs import GraphedEncoder
-from ..modules.padding import PackedBatch
+from ..modules.padding import PackedBatch, positions_in_documents
 from ..registry import Family, Preset, register_family, register_preset
 from .common import PROBLEM_TYPES, EncoderOutput, HeadOutput, PretrainedModel, classification_loss, cross_entropy
 
@@ -131,8 +131,19 @@ class BertModel(BertPreTrainedModel):
             self.init_weights()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> EncoderOutput:
-        """input_ids (B, S); attention_mask (B, S), 1 = token, 0 = padding (left or right)."""
+                token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> EncoderOutput:
+        """input_ids (B, S); attention_mask (B, S), 1 = token, 0 = padding (left or right).
+
+        Or a packed batch (FlashAttention's varlen convention): input_ids (1, total) holding N sequences back to
+        back and ``cu_seqlens`` (N + 1,) int32 their offsets, ending at total (empty sequences allowed);
+        position_ids restart at 0 in each sequence (derived when not given). ``max_seqlen``, an upper bound of
+        the sequence lengths, spares the host read that would find it, so a CUDA graph can capture the call.
+        Then last_hidden_state is (1, total, hidden) and pooler_output (N, hidden), from each sequence's first
+        token (an empty sequence gets an arbitrary row: leave it out of any loss).
+        """
+        if cu_seqlens is not None:
+            return self._forward_packed(input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
@@ -162,8 +173,34 @@ class BertModel(BertPreTrainedModel):
                                             cu_seqlens=packed.cu_seqlens)
                 hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
             hidden = packed.unpack(hidden)
-        pooled = torch.tanh(self.pooler(hidden[:, 0])) if self.pooler is not None else None
-        return EncoderOutput(last_hidden_state=hidden, pooler_output=pooled)
+        return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
+
+    def _forward_packed(self, input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):
+        if attention_mask is not None:
+            raise ValueError("pass attention_mask (a padded batch) or cu_seqlens (a packed one), not both")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens, input_ids is one packed row (1, total), got {tuple(input_ids.shape)}")
+        total, limit = input_ids.shape[1], self.config.max_position_embeddings
+        if max_seqlen is not None and max_seqlen > limit:
+            raise ValueError(f"max_seqlen={max_seqlen} exceeds BERT's {limit} positions; truncate the sequences")
+        for name, t in (("token_type_ids", token_type_ids), ("position_ids", position_ids)):
+            if t is not None and t.shape != input_ids.shape:
+                raise ValueError(f"{name} shape {tuple(t.shape)} != input_ids {tuple(input_ids.shape)}")
+        mask = build_attention_mask(None, q_len=total, past_len=0, causal=False, sliding_window=None,
+                                    cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if mask.max_seqlen > limit:
+            raise ValueError(f"a sequence of {mask.max_seqlen} tokens exceeds BERT's {limit} positions; truncate it")
+        if position_ids is None:
+            position_ids = positions_in_documents(cu_seqlens, total).unsqueeze(0)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
+        # Each sequence's first token; an empty one's offset may equal total, hence the clamp (no host read).
+        first = cu_seqlens[:-1].clamp(max=max(total - 1, 0)).long()
+        return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[0, first]))
+
+    def _pool(self, first_tokens: torch.Tensor) -> torch.Tensor | None:
+        return torch.tanh(self.pooler(first_tokens)) if self.pooler is not None else None
 
     def _encode(self, input_ids, position_ids, token_type_ids, mask) -> torch.Tensor:
         """Embeddings and every block: (B, S) or packed (1, total) ids -> hidden states of the same layout."""
@@ -218,6 +255,16 @@ class _BertWithHead(BertPreTrainedModel):
         self.bert.use_cuda_graphs(enabled, max_graphs=max_graphs)
         return self
 
+    @staticmethod
+    def labelled_sequences(logits: torch.Tensor, labels: torch.Tensor, packed: bool) -> torch.Tensor:
+        """The per-sequence logits that ``labels`` covers. A packed batch may carry more sequences than labels
+        (the padding sequences of a CUDA-graph bucket come last): its first len(labels) sequences are scored."""
+        if not packed:
+            return logits
+        if labels.shape[0] > logits.shape[0]:
+            raise ValueError(f"{labels.shape[0]} labels for a packed batch of {logits.shape[0]} sequences")
+        return logits[: labels.shape[0]]
+
     def classifier_dropout(self, x: torch.Tensor) -> torch.Tensor:
         p = self.config.classifier_dropout if self.config.classifier_dropout is not None else self.config.hidden_dropout_prob
         return F.dropout(x, p, self.training)
@@ -227,8 +274,10 @@ class BertForMaskedLM(_BertWithHead):
     def head(self, config):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
-        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen).last_hidden_state
         logits = self.mlm(hidden, self.bert.embed.tokens.weight)
         loss = cross_entropy(logits, labels) if labels is not None else None
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
@@ -242,13 +291,15 @@ class BertForPreTraining(_BertWithHead):
         self.nsp = nn.Linear(config.hidden_size, 2)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
-                next_sentence_label=None) -> HeadOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
+                next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen)
         mlm_logits = self.mlm(out.last_hidden_state, self.bert.embed.tokens.weight)
         nsp_logits = self.nsp(out.pooler_output)
         loss = None
         if labels is not None and next_sentence_label is not None:  # HF: the sum, only when both are given
-            loss = cross_entropy(mlm_logits, labels) + cross_entropy(nsp_logits, next_sentence_label)
+            nsp = self.labelled_sequences(nsp_logits, next_sentence_label, cu_seqlens is not None)
+            loss = cross_entropy(mlm_logits, labels) + cross_entropy(nsp, next_sentence_label)
         return HeadOutput(prediction_logits=mlm_logits, seq_relationship_logits=nsp_logits, loss=loss,
                           last_hidden_state=out.last_hidden_state)
 
@@ -259,10 +310,15 @@ class BertForSequenceClassification(_BertWithHead):
     def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
-        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
-        logits = self.classifier(self.classifier_dropout(out.pooler_output))  # (B, num_labels)
-        loss = None if labels is None else classification_loss(logits, labels, problem_type=self.config.problem_type)
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen)
+        logits = self.classifier(self.classifier_dropout(out.pooler_output))  # (B or N sequences, num_labels)
+        loss = None
+        if labels is not None:
+            scored = self.labelled_sequences(logits, labels, cu_seqlens is not None)
+            loss = classification_loss(scored, labels, problem_type=self.config.problem_type)
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=out.last_hidden_state)
 
 
@@ -270,9 +326,11 @@ class BertForTokenClassification(_BertWithHead):
     def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None) -> HeadOutput:
-        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids).last_hidden_state
-        logits = self.classifier(self.classifier_dropout(hidden))  # (B, S, num_labels)
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen).last_hidden_state
+        logits = self.classifier(self.classifier_dropout(hidden))  # (B, S, num_labels), or (1, total, ...) packed
         loss = cross_entropy(logits, labels) if labels is not None else None
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 

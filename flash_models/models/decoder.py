@@ -17,6 +17,7 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask
+from ..modules.padding import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 
 
@@ -31,12 +32,6 @@ class CausalLMOutput:
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position of each token = number of real tokens before it, so padding never shifts positions."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of each packed token within its own document: (total,)."""
-    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long(), output_size=total)
-    return torch.arange(total, device=cu_seqlens.device) - starts
 
 
 class DecoderLM(nn.Module):

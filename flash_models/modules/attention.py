@@ -115,14 +115,24 @@ class AttentionMask:
 
 def build_attention_mask(
     attention_mask: torch.Tensor | None, *, q_len: int, past_len: int, causal: bool, sliding_window: int | None,
-    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None,
 ) -> AttentionMask:
     """Check HF's (B, past + Sq) attention_mask, or packed-document offsets, and wrap them (see
-    ``AttentionMask``)."""
+    ``AttentionMask``). Offsets are read back and checked, which also finds the longest document, unless
+    ``max_seqlen`` (an upper bound of the document lengths) is given: then nothing is read from the device,
+    so a CUDA graph can capture the call, and the offsets are the caller's to get right."""
     k_len = past_len + q_len
     if cu_seqlens is not None:
         if attention_mask is not None or past_len:
             raise ValueError("cu_seqlens (packed documents) cannot be combined with attention_mask or a KV cache")
+        if max_seqlen is not None:
+            if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                raise ValueError(f"cu_seqlens must be 1-D int32 offsets with at least 2 entries, got "
+                                 f"{tuple(cu_seqlens.shape)} ({cu_seqlens.dtype})")
+            if max_seqlen < 0:
+                raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
+            return AttentionMask(q_len=q_len, past_len=0, causal=causal, sliding_window=sliding_window,
+                                 key_padding=None, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         offsets = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else []  # one host read per forward
         lengths = [b - a for a, b in zip(offsets, offsets[1:])]
         if cu_seqlens.dtype != torch.int32 or not offsets or offsets[0] != 0 or offsets[-1] != q_len or min(lengths, default=0) < 0:

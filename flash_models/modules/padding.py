@@ -39,3 +39,10 @@ class PackedBatch:
         out = t.new_zeros(self.batch_size * self.seq_len, *t.shape[2:])
         out[self.index] = t[0]
         return out.view(self.batch_size, self.seq_len, *t.shape[2:])
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Position of each packed token within its own document: (total,). No host read (``output_size``), so a
+    CUDA graph can capture it."""
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long(), output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,9 @@ from typing import Callable
 from torch import nn
 
 from .config import ExperimentConfig
-from .classification import ImageFolderData, TextClassification, collate_classification, collate_images
+from .classification import (
+    ImageFolderData, TextClassification, collate_classification, collate_images, collate_packed_classification,
+)
 from .data import LMWindows, PackedExamples, build_token_store, collate_lm, load_tokenizer, synthetic_store
 
 log = logging.getLogger(__name__)
@@ -132,7 +135,10 @@ def build_data(cfg: ExperimentConfig, *, vocab_size: int | None = None) -> DataB
     if d.format == "classification":
         train = TextClassification(d.train, tokenizer, d)
         evaluation = TextClassification(d.eval, tokenizer, d, label_names=train.label_names) if d.eval else None
-        return DataBundle(train, evaluation, collate_classification, tokenizer)
+        # Graph replays need fixed shapes and no host reads: rows are packed into buckets on the host.
+        collate = (functools.partial(collate_packed_classification, seq_len=d.seq_len) if cfg.train.cuda_graphs
+                   else collate_classification)
+        return DataBundle(train, evaluation, collate, tokenizer)
     sft = d.format == "sft"
 
     def dataset(spec):

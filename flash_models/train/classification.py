@@ -52,6 +52,45 @@ def collate_classification(items: list[dict]) -> dict:
     return out
 
 
+def collate_packed_classification(items: list[dict], *, seq_len: int, token_buckets: int = 4) -> dict:
+    """The rows packed into one, in fixed-shape buckets, for training replayed from CUDA graphs.
+
+    A graph replays fixed shapes without reading anything back, so the packing (which a padded batch would
+    do on the device, through a host read) happens here, on the host, and the packed row's length is rounded
+    up to one of ``token_buckets`` sizes: multiples of rows x seq_len / token_buckets. The extra tokens form
+    padding sequences of at most seq_len tokens (id ``pad_id``, positions from 0) that attend only to
+    themselves; the sequence count is fixed per row count by trailing empty sequences. The rows' sequences
+    come first, so ``labels`` (one per row) scores exactly them (``BertForSequenceClassification``).
+
+    Returns input_ids, token_type_ids, position_ids (1, tokens), cu_seqlens (sequences + 1,) int32 and
+    labels (rows,); pass ``max_seqlen=seq_len`` to the model with them.
+    """
+    rows = [list(it["input_ids"]) for it in items]
+    longest = max(len(r) for r in rows)
+    if longest > seq_len:
+        raise ValueError(f"a row of {longest} tokens is longer than seq_len={seq_len}")
+    quantum = -(-len(rows) * seq_len // token_buckets)
+    total = sum(len(r) for r in rows)
+    tokens = max(-(-total // quantum), 1) * quantum
+    pad_lengths = [min(seq_len, tokens - total - k) for k in range(0, tokens - total, seq_len)]
+    sequences = len(rows) + -(-quantum // seq_len)  # the most padding sequences any bucket needs
+    lengths = [len(r) for r in rows] + pad_lengths
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    offsets += [tokens] * (sequences + 1 - len(offsets))
+    pad_id = items[0]["pad_id"]
+    types = [list(it.get("token_type_ids", [0] * len(r))) for it, r in zip(items, rows)]
+    flat = lambda parts: torch.tensor([x for part in parts for x in part], dtype=torch.long)[None]  # noqa: E731
+    return {
+        "input_ids": flat(rows + [[pad_id] * n for n in pad_lengths]),
+        "token_type_ids": flat(types + [[0] * n for n in pad_lengths]),
+        "position_ids": flat([range(n) for n in lengths]),
+        "cu_seqlens": torch.tensor(offsets, dtype=torch.int32),
+        "labels": torch.tensor([it["labels"] for it in items], dtype=torch.long),
+    }
+
+
 class ImageFolderData:
     """An image folder (one subfolder per class) through timm's dataset and transforms."""
 

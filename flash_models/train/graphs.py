@@ -7,9 +7,11 @@ per batch signature (the shapes and dtypes of the batch tensors); the optimizer 
 accumulation stay eager (a few multi-tensor kernels).
 
 What it needs, checked when the Trainer starts (``check_graphable``): one CUDA device, no torch.compile, no
-activation checkpointing, and either causal LM batches without packed-document offsets (those are read on the
-host) or image classification (fixed image size; Mixup/CutMix runs eagerly before the graphed loss). Text
-classification is refused: its padded batches are unpadded through a host read.
+activation checkpointing, and one of: causal LM batches without packed-document offsets (those are read on the
+host); image classification (fixed image size; Mixup/CutMix runs eagerly before the graphed loss); text
+classification, whose rows the collate then packs on the host into a few fixed-size buckets
+(``classification.collate_packed_classification``), since unpadding a padded batch on the device reads its
+mask back.
 """
 
 from __future__ import annotations
@@ -41,10 +43,7 @@ def check_graphable(*, device: torch.device, task: str, packing: str, compile: b
         problems.append("train.activation_checkpointing=0")
     if strategy != "none":
         problems.append(f"distributed.strategy=none (got {strategy!r})")
-    if task == "sequence_classification":
-        problems.append("model.task causal_lm or image_classification (padded text batches are unpadded through a "
-                        "host read, which a graph cannot replay)")
-    elif task == "causal_lm" and packing != "stream":
+    if task == "causal_lm" and packing != "stream":
         problems.append("data.packing=stream (packed documents carry cu_seqlens, which the model reads on the host)")
     if problems:
         raise ValueError("train.cuda_graphs=true needs " + "; ".join(problems))

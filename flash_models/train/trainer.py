@@ -221,7 +221,12 @@ class Trainer:
                 kwargs["return_logits"] = False
             return model(batch["input_ids"], labels=batch["labels"], **kwargs).loss.float(), None
         targets = batch["labels"]
-        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if "cu_seqlens" in inputs:  # packed text rows (train.cuda_graphs): one logit row per sequence
+            logits = model(**inputs, max_seqlen=self.cfg.data.seq_len).logits.float()
+            logits = logits[: targets.shape[0]]  # the rows come first, the bucket's padding sequences after them
+        else:
+            logits = model(**inputs).logits.float()
         if targets.dim() == 2:  # mixup/cutmix soft targets
             loss = torch.sum(-targets * torch.log_softmax(logits, dim=-1), dim=-1).mean()
         else:

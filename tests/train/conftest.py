@@ -1,6 +1,7 @@
 """Shared fixtures for the training tests: a small text corpus and tiny experiment configs on it."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,5 +74,30 @@ def tiny_vit_config(tmp_path):
             "model.overrides={img_size: 32, depth: 2}", "data.image_size=32", f"data.train={images}", "data.eval=null",
             "train.global_batch_size=8", "train.micro_batch_size=8", "train.device=cpu", "train.precision=fp32",
             "train.progress=false", "optim.warmup_steps=0", f"train.output_dir={tmp_path / 'run'}", *overrides])
+
+    return make
+
+
+@pytest.fixture
+def bert_example(monkeypatch):
+    """(CONFIG, tiny_sentiment) of examples/finetune_bert_classification.py: its YAML and a tiny labelled corpus."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    from finetune_bert_classification import CONFIG, tiny_sentiment
+
+    return CONFIG, tiny_sentiment
+
+
+@pytest.fixture
+def tiny_bert_overrides():
+    """Config overrides for a 2-layer random-init BERT classifier (MiniLM's tokenizer, dropout off, head dim
+    32 for the flash kernels) on ``train``, 5 steps of 8 rows, writing to ``output_dir``."""
+
+    def make(output_dir, train) -> list[str]:
+        model = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return ["model.name=bert-base", "model.pretrained=false", "data.tokenizer=minilm", f"data.train={train}",
+                "data.eval=null", "data.seq_len=32", "train.max_steps=5", "train.global_batch_size=8",
+                "train.micro_batch_size=8", f"train.output_dir={output_dir}",
+                *(f"model.overrides.{k}={v}" for k, v in model.items())]
 
     return make

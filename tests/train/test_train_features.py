@@ -191,3 +191,28 @@ def test_vit_finetune_reports_patch_tokens_images_per_second_and_mfu(tiny_vit_co
     assert summary["tokens_seen"] == 2 * 8 * tokens_per_image
     assert summary["rows_per_s"] > 0 and summary["mfu"] > 0
     assert summary["tokens_per_s"] == pytest.approx(summary["rows_per_s"] * tokens_per_image)
+
+
+def test_packed_classification_buckets():
+    """Rows packed for CUDA-graph training: at most token_buckets shapes per row count, padding sequences no
+    longer than seq_len, positions restarting per sequence, labels one per row."""
+    from flash_models.train.classification import collate_packed_classification
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = set()
+    for trial in range(40):
+        lengths = torch.randint(1, 17, (6,), generator=gen).tolist()
+        items = [{"input_ids": [7] * n, "labels": i % 2, "pad_id": 0} for i, n in enumerate(lengths)]
+        batch = collate_packed_classification(items, seq_len=16, token_buckets=4)
+        tokens = batch["input_ids"].shape[1]
+        offsets = batch["cu_seqlens"].tolist()
+        shapes.add((tokens, len(offsets)))
+        assert tokens % 24 == 0 and sum(lengths) <= tokens < sum(lengths) + 24  # quantum 6 x 16 / 4
+        seq_lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+        assert seq_lengths[:6] == lengths and offsets[-1] == tokens
+        assert all(0 <= n <= 16 for n in seq_lengths[6:])
+        assert batch["position_ids"][0].tolist() == [p for n in seq_lengths for p in range(n)]
+        assert batch["input_ids"][0, sum(lengths):].eq(0).all() and batch["labels"].tolist() == [0, 1] * 3
+    assert len({n for _, n in shapes}) == 1 and len(shapes) <= 4
+    with pytest.raises(ValueError, match="longer than seq_len=16"):
+        collate_packed_classification([{"input_ids": [1] * 17, "labels": 0, "pad_id": 0}], seq_len=16)

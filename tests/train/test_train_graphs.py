@@ -14,6 +14,7 @@ OK = dict(device=torch.device("cuda"), task="causal_lm", packing="stream", compi
 def test_graphable_settings_pass():
     check_graphable(**OK)
     check_graphable(**{**OK, "task": "image_classification", "packing": "documents"})  # packing is for text only
+    check_graphable(**{**OK, "task": "sequence_classification"})  # rows packed into buckets by the collate
 
 
 @pytest.mark.parametrize("change, named", [
@@ -22,7 +23,6 @@ def test_graphable_settings_pass():
     ({"activation_checkpointing": 2}, "train.activation_checkpointing=0"),
     ({"strategy": "ddp"}, "distributed.strategy=none"),
     ({"packing": "documents"}, "data.packing=stream"),
-    ({"task": "sequence_classification"}, "model.task causal_lm or image_classification"),
 ])
 def test_each_blocking_setting_is_named(change, named):
     with pytest.raises(ValueError, match="train.cuda_graphs=true needs") as err:
@@ -89,3 +89,28 @@ def test_prepare_grads_clears_for_a_single_micro_step():
     graphs.prepare_grads(2)
     graphs.prepare_grads(1)
     assert model.w.grad is None and model.unused.grad is None
+
+
+def test_packed_text_batches_give_the_padded_batches_loss(tmp_path, bert_example, tiny_bert_overrides):
+    """Text classification under train.cuda_graphs: the collate packs rows into buckets, and the Trainer's
+    loss over the packed batch (one logit row per sequence, the bucket's padding sequences left out) equals
+    the padded batch's. A tiny BERT, fp32 on the CPU."""
+    from flash_models.train import load_config
+    from flash_models.train.classification import collate_classification, collate_packed_classification
+
+    config, tiny_sentiment = bert_example
+    train, _ = tiny_sentiment(tmp_path)
+    trainer = Trainer(load_config(config, tiny_bert_overrides(tmp_path / "out", train) + [
+        "train.device=cpu", "train.precision=fp32"]))
+    try:
+        items = [trainer.data.train[i] for i in range(8)]
+        padded = collate_classification(items)
+        packed = collate_packed_classification(items, seq_len=32)
+        with torch.no_grad():
+            loss_padded, logits_padded = trainer.loss_of(trainer.model, padded, train=True)
+            loss_packed, logits_packed = trainer.loss_of(trainer.model, packed, train=True)
+        assert logits_packed.shape == logits_padded.shape == (8, 2)
+        torch.testing.assert_close(loss_packed, loss_padded, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits_packed, logits_padded, rtol=1e-4, atol=1e-5)
+    finally:
+        trainer.close()
