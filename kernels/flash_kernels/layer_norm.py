@@ -23,8 +23,8 @@ from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from .partial_sums import sum_partials
 from ._triton_utils import (
-    as_rows, dropout_seed, eager_function, next_power_of_2, num_programs, or_dummy, or_placeholder, pick, placeholder,
-    warps_for_block,
+    as_rows, dropout_seed, dummy_pointer, eager_function, next_power_of_2, num_programs, or_dummy, or_placeholder, pick,
+    placeholder, warps_for_block,
 )
 
 
@@ -436,7 +436,7 @@ def _norm_bwd(
     # The single-block kernel writes every partial; the loop path accumulates into them.
     alloc = torch.empty if single else torch.zeros
     partials = alloc((sum(present), programs, N), device=dev, dtype=torch.float32)
-    views, dummy = iter(partials), or_dummy(None, dev, torch.float32)
+    views, dummy = iter(partials), dummy_pointer(dev, torch.float32)
     dw_p, db_p, dw1_p, db1_p = (next(views) if p else dummy for p in present)
     _norm_bwd_kernel[(programs,)](
         h, weight, weight1, dy, dy1, dres_out, mean, rstd, rowscale, or_dummy(seed, dev, torch.int64), dx,

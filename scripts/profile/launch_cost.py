@@ -10,7 +10,6 @@ torch's, and a cProfile of our layer_norm forward (no grad).
 import cProfile
 import io
 import pstats
-import time
 
 import flash_kernels as fk
 import torch
@@ -18,18 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from flash_kernels._launch import LeanKernel
-
-
-def host_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
+from host_cost import host_us  # this folder's sibling script
 
 
 @triton.jit
@@ -78,7 +66,7 @@ def main():
     for name, fn in rows.items():
         grad = torch.no_grad() if "no grad" in name else torch.enable_grad()
         with grad:
-            print(f"| {name} | {host_us(fn):.1f} |")
+            print(f"| {name} | {host_us(fn, 2000):.1f} |")
     with torch.autograd.set_multithreading_enabled(False):
         fb = lambda: torch.autograd.grad(fk.layer_norm(xg, wg, bg), (xg, wg, bg), dy)  # noqa: E731
         print(f"| our layer_norm forward + backward (calling thread) | {host_us(fb, 500):.1f} |")
