@@ -3,7 +3,6 @@
     PYTHONPATH=.:kernels python scripts/profile/decode_kernels.py [gpt2-124m|llama-1.1b] [batch]   # on a CUDA GPU
 """
 
-import collections
 import sys
 
 import torch
@@ -11,6 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flash_models.bench.generate import MODELS
 from flash_models.checkpoint import create_model
+from kernel_table import kernels_per_step, print_top  # this folder's sibling module
 
 
 def main():
@@ -26,18 +26,12 @@ def main():
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         generate(steps + 1)
         torch.cuda.synchronize()
-    kernels = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            k = kernels[e.name[:90]]
-            k[0] += 1
-            k[1] += e.time_range.end - e.time_range.start
+    kernels = kernels_per_step(prof, steps, name_chars=90)
     total = sum(t for _, t in kernels.values())
     launches = sum(n for n, _ in kernels.values())
-    print(f"{name} batch {batch}: {launches / steps:.0f} kernels and {total / steps / 1e3:.3f} ms of kernel time per "
-          f"step (prefill included, spread over {steps} steps)")
-    for kname, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]:
-        print(f"  {t / steps:8.1f} us/step  {n / steps:5.1f}/step  {kname}")
+    print(f"{name} batch {batch}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
+          f"included, spread over {steps} steps)")
+    print_top(kernels)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Prints, per side, the wall time of a step, the GPU kernel time inside it (their 
 25 most expensive kernels per step.
 """
 
-import collections
 import sys
 import time
 
@@ -14,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flash_models.bench.vit import _step_fns, build_models
+from kernel_table import kernels_per_step, print_top  # this folder's sibling module
 
 
 def kernel_table(fn, steps: int = 5):
@@ -29,13 +29,7 @@ def kernel_table(fn, steps: int = 5):
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    kernels = collections.defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type.name == "CUDA":
-            k = kernels[e.name[:100]]
-            k[0] += 1 / steps
-            k[1] += (e.time_range.end - e.time_range.start) / steps
-    return wall_ms, kernels
+    return wall_ms, kernels_per_step(prof, steps)
 
 
 def main():
@@ -48,13 +42,12 @@ def main():
     labels = torch.randint(0, 1000, (batch,), device=device)
     for impl, model in models.items():
         model.train(mode == "training")
-        inference, training = _step_fns(model, images, labels, ours=impl == "ours")
+        inference, training = _step_fns(model, images, labels, impl=impl)
         wall_ms, kernels = kernel_table(training if mode == "training" else inference)
         total_us = sum(t for _, t in kernels.values())
         print(f"\n{name} {mode} batch {batch}, {impl}: {wall_ms:.2f} ms wall, {total_us / 1e3:.2f} ms of kernels, "
               f"{sum(n for n, _ in kernels.values()):.0f} launches per step")
-        for kname, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]:
-            print(f"  {t:8.1f} us  {n:5.0f}x  {kname}")
+        print_top(kernels)
 
 
 if __name__ == "__main__":
