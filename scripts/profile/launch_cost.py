@@ -3,8 +3,8 @@ through ``kernel[grid]`` with few and with 33 arguments (like our norm kernel's)
 ``flash_kernels._launch.LeanKernel`` and through the compiled kernel's own launcher; then our layer_norm against
 torch's, and a cProfile of our layer_norm forward (no grad).
 
-    PYTHONPATH=.:kernels python scripts/profile/launch_cost.py                               # Triton's path
-    FLASH_KERNELS_LEAN_LAUNCH=1 PYTHONPATH=.:kernels python scripts/profile/launch_cost.py   # ops launched lean
+    PYTHONPATH=.:kernels python scripts/profile/launch_cost.py                               # ops launched lean
+    FLASH_KERNELS_LEAN_LAUNCH=0 PYTHONPATH=.:kernels python scripts/profile/launch_cost.py   # Triton's path
 """
 
 import cProfile

@@ -29,20 +29,21 @@ def _keys() -> LeanKernel:
 
 
 def test_interpreted_kernels_are_left_unchanged(monkeypatch):
-    """Even switched on, the decorator leaves a kernel of Triton's interpreter (how CI runs them) as it is."""
+    """Switched on (the default), the decorator still leaves a kernel of Triton's interpreter (how CI runs
+    them) as it is."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    monkeypatch.setenv(ENV_VAR, "1")
+    monkeypatch.delenv(ENV_VAR, raising=False)
     interpreted = InterpretedFunction(_copy_scaled)
     assert lean_launch(interpreted) is interpreted
 
 
-def test_off_unless_switched_on(monkeypatch):
+def test_on_by_default_and_switched_off_by_zero(monkeypatch):
     compiled_mode_kernel = JITFunction(_copy_scaled)
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert lean_launch(compiled_mode_kernel) is compiled_mode_kernel
-    monkeypatch.setenv(ENV_VAR, "1")
     assert isinstance(lean_launch(compiled_mode_kernel), LeanKernel)
+    monkeypatch.setenv(ENV_VAR, "0")
+    assert lean_launch(compiled_mode_kernel) is compiled_mode_kernel
 
 
 def test_launch_key_separates_what_triton_specializes():

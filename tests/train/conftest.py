@@ -89,13 +89,13 @@ def bert_example(monkeypatch):
 
 @pytest.fixture
 def tiny_bert_overrides():
-    """Config overrides for a 2-layer random-init BERT classifier (MiniLM's tokenizer, dropout off, head dim
-    32 for the flash kernels) on ``train``, 5 steps of 8 rows, writing to ``output_dir``."""
+    """Config overrides for a 2-layer random-init BERT classifier (MiniLM's tokenizer unless told otherwise,
+    dropout off, head dim 32 for the flash kernels) on ``train``, 5 steps of 8 rows, writing to ``output_dir``."""
 
-    def make(output_dir, train) -> list[str]:
+    def make(output_dir, train, tokenizer: str = "minilm") -> list[str]:
         model = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        return ["model.name=bert-base", "model.pretrained=false", "data.tokenizer=minilm", f"data.train={train}",
+        return ["model.name=bert-base", "model.pretrained=false", f"data.tokenizer={tokenizer}", f"data.train={train}",
                 "data.eval=null", "data.seq_len=32", "train.max_steps=5", "train.global_batch_size=8",
                 "train.micro_batch_size=8", f"train.output_dir={output_dir}",
                 *(f"model.overrides.{k}={v}" for k, v in model.items())]

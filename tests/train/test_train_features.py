@@ -85,6 +85,21 @@ def test_classification_rows_and_string_labels(tmp_path):
         TextClassification(str(tmp_path / "v.jsonl"), Tok(), cfg, label_names=ds.label_names)
 
 
+def test_classification_rows_in_byte_tokens(tmp_path):
+    """data.tokenizer=bytes for text classification: the text, then EOS and the pair, cut to seq_len, with
+    token_type_ids marking the pair."""
+    from flash_models.train.data import ByteTokenizer
+
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"text": "ab", "other": "cd", "label": 1}, {"text": "abcdef", "other": "g", "label": 0}]))
+    cfg = DataSection(format="classification", train=str(tmp_path / "p.jsonl"), seq_len=5, text_pair_field="other")
+    ds = TextClassification(cfg.train, ByteTokenizer(), cfg)
+    eos = ByteTokenizer.eos_token_id
+    assert ds[0]["input_ids"] == [97, 98, eos, 99, 100] and ds[0]["token_type_ids"] == [0, 0, 1, 1, 1]
+    assert ds[1]["input_ids"] == [97, 98, 99, 100, 101] and ds[1]["token_type_ids"] == [0] * 5
+    assert ds[1]["attention_mask"] == [1] * 5 and ds.labels == [1, 0] and ds[0]["pad_id"] == eos
+
+
 def test_cli_train(tiny_config, tmp_path, capsys):
     from flash_models.cli import main
 

@@ -100,7 +100,7 @@ def test_packed_text_batches_give_the_padded_batches_loss(tmp_path, bert_example
 
     config, tiny_sentiment = bert_example
     train, _ = tiny_sentiment(tmp_path)
-    trainer = Trainer(load_config(config, tiny_bert_overrides(tmp_path / "out", train) + [
+    trainer = Trainer(load_config(config, tiny_bert_overrides(tmp_path / "out", train, "bytes") + [
         "train.device=cpu", "train.precision=fp32"]))
     try:
         items = [trainer.data.train[i] for i in range(8)]
