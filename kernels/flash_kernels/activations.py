@@ -50,6 +50,10 @@ def gelu_ref(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 2048
+# A plain (non-gated) activation on contiguous memory runs as one flat row: no per-row tail block half
+# masked (11008 = 5 x 2048 + 768), and a block size of its own.
+_FLAT_BLOCK = 2048
+_FLAT_WARPS = 8
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _SQRT_2_OVER_PI = 0.7978845608028654
 _INV_SQRT_2 = 0.7071067811865476
@@ -113,34 +117,45 @@ def _act_bwd_kernel(
         tl.store(DX + row * stride_dx + cols, (dy * da).to(DX.dtype.element_ty), mask=mask)
 
 
-def _launch_grid(rows: int, f_out: int) -> tuple[tuple[int], int]:
-    """Grid and block: _BLOCK, or half of it when that divides the row and _BLOCK does not (GPT-2's 3072 takes
-    1024 rather than 2048 with its second block half masked). Smaller blocks would cost more in per-program
-    overhead than the masked lanes they save."""
+def _launch_grid(rows: int, f_out: int) -> tuple[tuple[int], int, int]:
+    """Grid, block and warps. A single (flat) row takes _FLAT_BLOCK. Otherwise _BLOCK, or half of it when that
+    divides the row and _BLOCK does not (GPT-2's 3072 takes 1024 rather than 2048 with its second block half
+    masked): smaller blocks would cost more in per-program overhead than the masked lanes they save."""
+    if rows == 1:
+        block = min(_FLAT_BLOCK, next_power_of_2(f_out))
+        return (triton.cdiv(f_out, block),), block, _FLAT_WARPS if block >= 2048 else 4
     block = min(_BLOCK, next_power_of_2(f_out))
     if f_out % _BLOCK and f_out % (_BLOCK // 2) == 0:
         block = _BLOCK // 2
-    return (rows * triton.cdiv(f_out, block),), block
+    return (rows * triton.cdiv(f_out, block),), block, 4 if block <= 1024 else 8
+
+
+def _as_launch_rows(gated: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """2-D views to launch on: one flat row when the activation is plain and every tensor contiguous (the
+    elementwise map ignores rows), else (rows, last dim)."""
+    if not gated and all(t.is_contiguous() for t in tensors):
+        return [t.view(1, -1) for t in tensors]
+    return [as_rows(t) for t in tensors]
 
 
 def _act_fwd(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
-    x2 = as_rows(x)
+    (x2,) = _as_launch_rows(gated, x)
     rows, width = x2.shape
     f_out = width // 2 if gated else width
     out = torch.empty((rows, f_out), device=x.device, dtype=x.dtype)
-    grid, block = _launch_grid(rows, f_out)
+    grid, block, warps = _launch_grid(rows, f_out)
     _act_fwd_kernel[grid](x2, out, x2.stride(0), out.stride(0), f_out, KIND=_KINDS[kind], GATED=gated, BLOCK=block,
-                          num_warps=4 if block <= 1024 else 8)
-    return out.view(*x.shape[:-1], f_out)
+                          num_warps=warps)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2 if gated else x.shape[-1])
 
 
 def _act_bwd(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
-    x2, dy2 = as_rows(x), as_rows(dy)
+    x2, dy2 = _as_launch_rows(gated, x, dy)
     rows, width = x2.shape
     dx = torch.empty((rows, width), device=x.device, dtype=x.dtype)
-    grid, block = _launch_grid(rows, dy2.shape[1])
+    grid, block, warps = _launch_grid(rows, dy2.shape[1])
     _act_bwd_kernel[grid](x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), dy2.shape[1], KIND=_KINDS[kind],
-                          GATED=gated, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                          GATED=gated, BLOCK=block, num_warps=warps)
     return dx.view(x.shape)
 
 

@@ -7,29 +7,11 @@ Prints, per side, the wall time of a step, the GPU kernel time inside it (their 
 """
 
 import sys
-import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from flash_models.bench.vit import _step_fns, build_models
-from kernel_table import kernels_per_step, print_top  # this folder's sibling module
-
-
-def kernel_table(fn, steps: int = 5):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return wall_ms, kernels_per_step(prof, steps)
+from kernel_table import print_step, time_and_profile  # this folder's sibling module
 
 
 def main():
@@ -43,11 +25,7 @@ def main():
     for impl, model in models.items():
         model.train(mode == "training")
         inference, training = _step_fns(model, images, labels, impl=impl)
-        wall_ms, kernels = kernel_table(training if mode == "training" else inference)
-        total_us = sum(t for _, t in kernels.values())
-        print(f"\n{name} {mode} batch {batch}, {impl}: {wall_ms:.2f} ms wall, {total_us / 1e3:.2f} ms of kernels, "
-              f"{sum(n for n, _ in kernels.values()):.0f} launches per step")
-        print_top(kernels)
+        print_step(f"{name} {mode} batch {batch}, {impl}", *time_and_profile(training if mode == "training" else inference))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,22 @@ def test_fwd_bwd(name, dtype, scale):
     assert_close(torch.autograd.grad(out, x, g)[0], torch.autograd.grad(ref, x, g)[0], dtype, scale=scale, name="grad")
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_plain_gelu_flat_and_by_rows(approximate):
+    """A plain GELU on contiguous memory runs as one flat row; a strided input or gradient runs row by row.
+    Both layouts, with a width (150) that no block size divides, match the reference."""
+    contiguous = (3 * torch.randn(5, 13, 150, device=DEVICE)).requires_grad_()
+    strided = (3 * torch.randn(5, 13, 200, device=DEVICE))[..., :150].requires_grad_()
+    assert not strided.is_contiguous()
+    for x in (contiguous, strided):
+        g = torch.randn(5, 13, 300, device=DEVICE)[..., ::2]  # a non-contiguous gradient: rows again
+        for grad_out in (g.contiguous(), g):
+            out, ref = gelu(x, approximate=approximate, backend="triton"), act.gelu_ref(x, approximate=approximate)
+            assert_close(out, ref, torch.float32, name="out")
+            assert_close(torch.autograd.grad(out, x, grad_out)[0], torch.autograd.grad(ref, x, grad_out)[0],
+                         torch.float32, name="grad")
+
+
 def test_matches_torch_functional():
     """Against torch.nn.functional written out on the split projection (the unfused module form)."""
     x = torch.randn(5, 7, 2 * 33, device=DEVICE)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from flash_kernels import fused_dense, fused_dense_gelu_dense
 from flash_kernels._testing import assert_close
-from flash_kernels.fused_dense import fused_dense_gelu_dense_ref
+from flash_kernels.fused_dense import fused_dense_gelu_dense_ref, load_extension
 
 
 def _mlp_params(d, hidden, dtype, device):
@@ -66,3 +66,29 @@ def test_gpu_compile_fullgraph():
     params = _mlp_params(768, 3072, torch.bfloat16, "cuda")
     fn = torch.compile(lambda x, *p: fused_dense_gelu_dense(x, *p, backend="cuda"), fullgraph=True)
     assert_close(fn(x, *params), fused_dense_gelu_dense(x, *params, backend="cuda"), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_first_call_inside_a_cuda_graph_capture():
+    """The first call of a shape times cuBLASLt's candidate algorithms, which cannot happen inside a CUDA-graph
+    capture: a shape first met there runs the heuristic's first answer, the replay matches torch, and the next
+    eager call (which times the candidates, on scratch outputs) matches too, forward and backward."""
+    dtype = torch.bfloat16
+    x = torch.randn(200, 136, dtype=dtype, device="cuda")  # a shape no other test uses
+    w, b = (torch.randn(264, 136, dtype=dtype, device="cuda") / 12), torch.randn(264, dtype=dtype, device="cuda")
+    want = F.linear(x.float(), w.float(), b.float())
+    load_extension()  # built outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fused_dense(x, w, b, backend="cuda")
+    graph.replay()
+    assert_close(captured, want, dtype, name="replayed")
+    assert_close(fused_dense(x, w, b, backend="cuda"), want, dtype, name="eager after capture")
+
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    dy = torch.randn(200, 264, dtype=dtype, device="cuda")
+    got = torch.autograd.grad(fused_dense(xg, wg, bg, backend="cuda"), (xg, wg, bg), dy)
+    ref = torch.autograd.grad(F.linear(*(t.float() for t in (xg, wg, bg))), (xg, wg, bg), dy.float())
+    for name, a, r in zip(("x", "w", "b"), got, ref):
+        assert_close(a, r.to(dtype), dtype, scale=2, name=f"grad {name}")
