@@ -22,8 +22,9 @@ An argument of any other type (a tensor descriptor, a custom object) or a tensor
 Triton's own path at every launch. A grid given as a function is called as Triton calls it. Triton's global
 knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not seen here.
 
-On by default since its GPU check (2026-11-23, H100: every kernel GPU test passed with it, and a 33-argument
-launch costs 19.8 us against Triton's 26.3; ``scripts/profile/launch_cost.py``). ``FLASH_KERNELS_LEAN_LAUNCH=0``,
+On by default since its GPU check (2026-11-23, H100: every kernel GPU test passed with it; a 33-argument
+launch cost 19.8 us against Triton's 26.3 in one process, 25.8 against 27.5 in another, on a noisy host;
+``scripts/profile/launch_cost.py``, docs/benchmarks.md). ``FLASH_KERNELS_LEAN_LAUNCH=0``,
 read when flash_kernels is imported, turns it off: every kernel then launches through Triton's own path. Under
 Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs the kernels) or without Triton, the decorator returns
 the kernel unchanged.
