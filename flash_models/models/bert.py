@@ -161,18 +161,15 @@ class BertModel(BertPreTrainedModel):
         if attention_mask is None or self.blocks[0].attn.backend_for(self.embed.tokens.weight) != "flash":
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
             hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
+        elif replays_graph(self, self.graphed, input_ids):  # packed, encoded and unpacked inside the graph
+            self.embed.check_ids(input_ids, token_type_ids)  # the captured runs skip it
+            hidden = self.graphed(input_ids, position_ids, token_type_ids, attention_mask)
         else:  # every layer runs on the real tokens only
             packed = PackedBatch.from_mask(attention_mask)
             input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
-            if replays_graph(self, self.graphed, input_ids):
-                self.embed.check_ids(input_ids, token_type_ids)  # the captured runs skip it
-                lengths = packed.cu_seqlens.diff().tolist()
-                hidden = self.graphed(input_ids[0], position_ids[0], token_type_ids[0], lengths)
-            else:
-                mask = build_attention_mask(None, q_len=packed.total, past_len=0, causal=False, sliding_window=None,
-                                            cu_seqlens=packed.cu_seqlens)
-                hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
-            hidden = packed.unpack(hidden)
+            mask = build_attention_mask(None, q_len=packed.total, past_len=0, causal=False, sliding_window=None,
+                                        cu_seqlens=packed.cu_seqlens)
+            hidden = packed.unpack(self._encode(input_ids, position_ids, token_type_ids, mask))
         return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
 
     def _forward_packed(self, input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):
@@ -213,7 +210,7 @@ class BertModel(BertPreTrainedModel):
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16) -> BertModel:
         """Inference on CUDA (eval mode, grad off, flash attention, an ``attention_mask``) replays the encoder
-        from CUDA graphs, one per bucket of (tokens, sequences, longest sequence); see
+        from CUDA graphs, one per bucket of (rows, columns, packed tokens, sequences, longest sequence); see
         ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Graphs read the
         weights where they were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again."""
         self.graphed = GraphedEncoder(self._encode, self, seq_limit=self.config.max_position_embeddings,

@@ -1,6 +1,7 @@
-"""Graphed packed-encoder inference (BERT): the bucket padding leaves the real tokens' outputs unchanged, and
-the static buffers are refilled correctly from one batch to the next. Off CUDA the GraphedEncoder runs its
-static buffers eagerly, which is what these CPU tests check; the GPU test compares captured graphs with eager."""
+"""Graphed encoder inference (BERT) on padded batches: the packing done on the device finds the real tokens and
+their sequences, the bucket padding leaves the real tokens' outputs unchanged, and the static buffers are
+refilled correctly from one batch to the next. Off CUDA the GraphedEncoder runs its static buffers eagerly,
+which is what these CPU tests check; the GPU test compares captured graphs with eager."""
 
 import random
 
@@ -9,7 +10,7 @@ import torch
 import transformers
 
 from flash_models.modules.attention import build_attention_mask
-from flash_models.modules.encoder_graphs import GraphedEncoder, bucket_for, padded_offsets
+from flash_models.modules.encoder_graphs import GraphedEncoder, GraphKey, bucket_for, graph_key, packed_layout
 from flash_models.testing import ours_from_hf, random_hf_model
 
 CONFIG = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
@@ -24,10 +25,33 @@ def test_buckets_hold_the_batch_and_pad_with_one_sequence(seed):
     assert max(lengths) <= b.max_seqlen <= 64 and b.max_seqlen >= 16
     assert b.tokens % b.max_seqlen == 0 and 0 <= b.tokens - sum(lengths) < b.max_seqlen or b.tokens == b.max_seqlen
     assert b.sequences > len(lengths) and b.sequences & (b.sequences - 1) == 0
-    offsets = padded_offsets(lengths, b)
-    assert len(offsets) == b.sequences + 1 and offsets[0] == 0 and offsets[-1] == b.tokens
-    sizes = [y - x for x, y in zip(offsets, offsets[1:])]
-    assert sizes[:len(lengths)] == lengths and all(0 <= n <= b.max_seqlen for n in sizes)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_packed_layout_finds_the_real_tokens_on_the_device(seed):
+    """Any pattern of real tokens (right, left or scattered padding, empty rows): the index lists each row's
+    real positions in order, then the dummy slot; the offsets bound each row's run, then the padding sequence
+    (shorter than max_seqlen) and empty ones."""
+    rng = random.Random(seed)
+    rows, columns = rng.randint(1, 9), rng.randint(1, 40)
+    real = torch.rand(rows, columns, generator=torch.Generator().manual_seed(seed)) < rng.random()
+    lengths = real.sum(1).tolist()
+    b = bucket_for(lengths, seq_limit=64)
+    index, offsets = packed_layout(real, b)
+    flat = real.flatten().nonzero().squeeze(1).tolist()
+    assert index.tolist() == flat + [real.numel()] * (b.tokens - len(flat))
+    sizes = offsets.diff().tolist()
+    assert offsets.dtype == torch.int32 and offsets.numel() == b.sequences + 1 and offsets[-1] == b.tokens
+    assert sizes[:rows] == lengths and 0 <= sizes[rows] <= b.max_seqlen and sizes[rows + 1:] == [0] * (b.sequences - rows - 1)
+
+
+def test_graph_keys_round_the_batch_up():
+    key = graph_key([5, 0, 9], 20, seq_limit=64)
+    assert key == GraphKey(rows=4, columns=32, bucket=bucket_for([5, 0, 9, 0], seq_limit=64))
+    assert graph_key([9, 5, 0], 17, seq_limit=64) == key  # another batch of the same bucket
+    assert graph_key([3], 5, seq_limit=64).columns == 16 and graph_key([3], 60, seq_limit=60).columns == 60
+    with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
+        graph_key([3], 65, seq_limit=64)
 
 
 def test_bucket_refuses_too_long_sequences():
@@ -39,34 +63,45 @@ def model_and_batch_maker():
     model = ours_from_hf(random_hf_model(transformers.BertConfig(**CONFIG), seed=0, auto_class="AutoModel"), attn_impl="sdpa").eval()
     gen = torch.Generator().manual_seed(0)
 
-    def batch(lengths):
-        total = sum(lengths)
-        ids = torch.randint(1, CONFIG["vocab_size"], (total,), generator=gen)
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        types = torch.randint(0, 2, (total,), generator=gen)
-        return ids, positions, types
+    def batch(lengths, columns, left=False):
+        """Padded (B, columns) ids, positions, token types and mask with ``lengths`` real tokens per row."""
+        B = len(lengths)
+        ids = torch.randint(1, CONFIG["vocab_size"], (B, columns), generator=gen)
+        arange = torch.arange(columns)[None]
+        mask = (arange >= columns - torch.tensor(lengths)[:, None]) if left else (arange < torch.tensor(lengths)[:, None])
+        positions = arange.expand(B, columns)
+        types = torch.randint(0, 2, (B, columns), generator=gen)
+        return ids, positions, types, mask.long()
 
     return model, batch
 
 
-def eager_packed(model, ids, positions, types, lengths):
-    offsets = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
-    mask = build_attention_mask(None, q_len=ids.numel(), past_len=0, causal=False, sliding_window=None, cu_seqlens=offsets)
-    return model._encode(ids[None], positions[None], types[None], mask)
+def eager_packed(model, ids, positions, types, mask):
+    """The real tokens of each row encoded as one packed batch, eagerly: (total, hidden) in row order."""
+    real = mask.bool()
+    lengths = real.sum(1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    packed = build_attention_mask(None, q_len=int(lengths.sum()), past_len=0, causal=False, sliding_window=None,
+                                  cu_seqlens=offsets)
+    return model._encode(ids[real][None], positions[real][None], types[real][None], packed)[0]
 
 
 @torch.no_grad()
 def test_padded_bucket_runs_give_the_unpadded_outputs():
     model, batch = model_and_batch_maker()
     graphed = GraphedEncoder(model._encode, model, seq_limit=64, max_graphs=2)
-    batches = [[5, 17, 0, 9], [12, 3, 30, 1], [40, 2], [7]]  # the first two share a bucket
-    for lengths in batches:
-        inputs = batch(lengths)
-        got = graphed(*inputs, lengths)
-        assert got.shape == (1, sum(lengths), CONFIG["hidden_size"]) and not got.is_inference()
-        torch.testing.assert_close(got, eager_packed(model, *inputs, lengths), rtol=1e-5, atol=1e-5)
-    assert len(graphed.graphs) == 2  # four batches, three buckets, at most two kept
-    assert list(graphed.graphs)[-1] == bucket_for([7], seq_limit=64)
+    # (lengths, columns, left-padded, graphs kept after it): the first two share a graph (4 rows x 32 columns,
+    # 32 packed tokens, sequences up to 32); four batches, three graphs, at most two kept.
+    batches = [([5, 17, 0, 9], 20, False, 1), ([20, 3, 8], 30, True, 1), ([40, 2], 41, False, 2), ([7], 9, True, 2)]
+    for lengths, columns, left, kept in batches:
+        inputs = batch(lengths, columns, left)
+        got = graphed(*inputs)
+        real = inputs[3].bool()
+        assert got.shape == (len(lengths), columns, CONFIG["hidden_size"]) and not got.is_inference()
+        torch.testing.assert_close(got[real], eager_packed(model, *inputs), rtol=1e-5, atol=1e-5)
+        assert (got[~real] == 0).all()
+        assert len(graphed.graphs) == kept
+    assert list(graphed.graphs)[-1] == graph_key([7], 9, seq_limit=64)
 
 
 @pytest.mark.gpu
