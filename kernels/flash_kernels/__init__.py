@@ -12,6 +12,7 @@ from .attention_packed import flash_attn_qkvpacked_func, flash_attn_varlen_qkvpa
 from .cross_entropy import cross_entropy
 from .kv_append import kv_append
 from .fused_dense import fused_dense, fused_dense_gelu_dense
+from .gemv import gemv
 from .layer_norm import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
 from .linear_cross_entropy import linear_cross_entropy
 from .rotary import apply_rotary
@@ -30,6 +31,7 @@ __all__ = [
     "fused_dense_gelu_dense",
     "geglu",
     "gelu",
+    "gemv",
     "kv_append",
     "layer_norm",
     "layer_norm_dual",
