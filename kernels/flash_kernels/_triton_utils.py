@@ -6,11 +6,19 @@ import functools
 
 import torch
 
-from ._triton_compat import triton
 
-
+# Host-side launch arithmetic in plain Python: in recent Triton (3.9 on the CI machine) ``triton.next_power_of_2``
+# and ``triton.cdiv`` are constexpr functions whose call from host code costs 3.5-4.7 us each there (these: 0.15
+# us), and an eager attention forward computed three of them.
 def next_power_of_2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two >= n (1 for n <= 1)."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up, for positive b."""
+    return -(-a // b)
 
 
 def warps_for_block(block: int, *, elems_per_thread: int = 8, max_warps: int = 16) -> int:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ._backend import check_backend_name, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import as_rows, eager_function, next_power_of_2, pick
+from ._triton_utils import as_rows, cdiv, eager_function, next_power_of_2, pick
 
 GELU_APPROXIMATIONS = ("none", "tanh")
 
@@ -125,11 +125,11 @@ def _launch_grid(rows: int, f_out: int) -> tuple[tuple[int], int, int]:
     masked): smaller blocks would cost more in per-program overhead than the masked lanes they save."""
     if rows == 1:
         block = min(_FLAT_BLOCK, next_power_of_2(f_out))
-        return (triton.cdiv(f_out, block),), block, _FLAT_WARPS if block >= 2048 else 4
+        return (cdiv(f_out, block),), block, _FLAT_WARPS if block >= 2048 else 4
     block = min(_BLOCK, next_power_of_2(f_out))
     if f_out % _BLOCK and f_out % (_BLOCK // 2) == 0:
         block = _BLOCK // 2
-    return (rows * triton.cdiv(f_out, block),), block, 4 if block <= 1024 else 8
+    return (rows * cdiv(f_out, block),), block, 4 if block <= 1024 else 8
 
 
 def _as_launch_rows(gated: bool, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -34,7 +34,7 @@ from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import dropout_seed, dummy_pointer, eager_function, pick, placeholder
+from ._triton_utils import cdiv, dropout_seed, dummy_pointer, eager_function, next_power_of_2, pick, placeholder
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -393,7 +393,7 @@ def _configs(shapes):
 def _tune_buckets(max_q: int, max_k: int) -> tuple[int, int]:
     """What the autotuners key on instead of the exact lengths: the next power of two. Keyed on the exact
     lengths, every new prompt or padded-batch length would re-run the whole tuning sweep (with host syncs)."""
-    return triton.next_power_of_2(max(max_q, 1)), triton.next_power_of_2(max(max_k, 1))
+    return next_power_of_2(max(max_q, 1)), next_power_of_2(max(max_k, 1))
 
 
 def _fwd_configs():
@@ -500,7 +500,7 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: 
     reference's replay."""
     mask = torch.empty(batch, n_heads, max_q, max_k, dtype=torch.int8, device=device)
     block = 16 if triton_interpreter_enabled() else 64
-    _dropout_mask_kernel[(triton.cdiv(max_q, block), batch * n_heads)](mask, rng_state.to(device), dropout_p, n_heads, max_q, max_k, BLOCK=block)
+    _dropout_mask_kernel[(cdiv(max_q, block), batch * n_heads)](mask, rng_state.to(device), dropout_p, n_heads, max_q, max_k, BLOCK=block)
     return mask.bool()
 
 
@@ -788,7 +788,7 @@ def _launch_params(q, cu_q, alibi):
     dummy = dummy_pointer(q.device, torch.int32)
     alibi_t = alibi if alibi is not None else dummy_pointer(q.device, torch.float32)
     stride_ab = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
-    return varlen, d, triton.next_power_of_2(d), dummy, alibi_t, stride_ab
+    return varlen, d, next_power_of_2(d), dummy, alibi_t, stride_ab
 
 
 def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
@@ -804,7 +804,7 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     rng_state = dropout_seed(q.device) if dropout_p > 0 else placeholder(q.device, torch.int64)
     seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
     if q4.numel() and max_q > 0:
-        grid = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
+        grid = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
         _attn_fwd_kernel[grid](
             q4, k4, v4, o4, lse, cu_q if varlen else dummy, cu_k if varlen else dummy, alibi_t,
             scale * LOG2E, softcap, dropout_p, seed,
@@ -838,14 +838,14 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     cu_q_t, cu_k_t = (cu_q, cu_k) if varlen else (dummy, dummy)
     bstr = (lambda t: 0 if varlen else t.stride(0))  # noqa: E731
     pre_block = 16 if triton_interpreter_enabled() else 64
-    _bwd_preprocess_kernel[(triton.cdiv(max_q, pre_block), nseq * hq)](
+    _bwd_preprocess_kernel[(cdiv(max_q, pre_block), nseq * hq)](
         o4, do4, delta, cu_q_t, bstr(o4), o4.stride(1), o4.stride(2), bstr(do4), do4.stride(1), do4.stride(2),
         slb, slh, max_q, hq, HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, BLOCK_M=pre_block,
     )
     common = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
                   ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q))
     if max_k > 0:
-        grid_kv = lambda meta: (triton.cdiv(max_k, meta["BLOCK_N"]), nseq * hkv)  # noqa: E731
+        grid_kv = lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq * hkv)  # noqa: E731
         _attn_bwd_dkdv_kernel[grid_kv](
             q4, k4, v4, do4, dk4, dv4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
             bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
@@ -853,7 +853,7 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
             bstr(dv4), dv4.stride(1), dv4.stride(2), slb, slh, stride_ab,
             max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k), **common,
         )
-    grid_q = lambda meta: (triton.cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
+    grid_q = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
     _attn_bwd_dq_kernel[grid_q](
         q4, k4, v4, do4, dq4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
         bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),

@@ -20,7 +20,7 @@ import torch
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import sm_count
+from ._triton_utils import cdiv, next_power_of_2, sm_count
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
 )
@@ -216,17 +216,17 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         return out
     chunk, num_splits = _split_plan(q, capacity, bsz * hkv)
     rows = group * seqlen_q
-    block_m = 16 if triton_interpreter_enabled() else min(64, max(16, triton.next_power_of_2(rows)))
+    block_m = 16 if triton_interpreter_enabled() else min(64, max(16, next_power_of_2(rows)))
     single = num_splits == 1
     parts = 0 if single else num_splits  # one split writes the output itself
     opart = torch.empty(parts, bsz, hq, seqlen_q, d, dtype=torch.float32, device=q.device)
     lpart = torch.empty(parts, bsz, hq, seqlen_q, dtype=torch.float32, device=q.device)
     left, right, _ = _window_bounds(causal, wl, wr, seqlen_q, capacity)
-    bd = triton.next_power_of_2(d)
+    bd = next_power_of_2(d)
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
-    _decode_split_kernel[(num_splits, bsz * hkv, triton.cdiv(rows, block_m))](
+    _decode_split_kernel[(num_splits, bsz * hkv, cdiv(rows, block_m))](
         q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
@@ -242,7 +242,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         opart, lpart, out, num_splits, hq, seqlen_q,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)),
     )
     return out
 

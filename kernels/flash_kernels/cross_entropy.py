@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ._backend import check_ids_in_range, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import as_rows, eager_function, next_power_of_2, pick, warps_for_block
+from ._triton_utils import as_rows, cdiv, eager_function, next_power_of_2, pick, warps_for_block
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -196,7 +196,7 @@ def ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label
     """Writes the logits gradient into ``dlogits``, which may be ``logits`` itself."""
     N, V = logits.shape
     block = min(_BWD_BLOCK, next_power_of_2(V))
-    _ce_bwd_kernel[(N, triton.cdiv(V, block))](
+    _ce_bwd_kernel[(N, cdiv(V, block))](
         logits, dlogits, labels, lse, dlosses, dlse, logits.stride(0), dlogits.stride(0), V, ignore_index,
         label_smoothing, lse_square_scale, logit_scale, HAS_DLSE=dlse is not None, BLOCK_V=block,
         num_warps=warps_for_block(block),

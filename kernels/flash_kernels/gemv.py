@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
-from ._triton_utils import dummy_pointer, pick
+from ._triton_utils import cdiv, dummy_pointer, pick
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -64,7 +64,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     x1 = x.reshape(K)
     x1 = x1 if x1.stride(0) == 1 else x1.contiguous()
     y = torch.empty(N, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     _gemv_kernel[grid](x1, weight, bias if bias is not None else dummy_pointer(x.device, x.dtype), y, N, K,
                        weight.stride(0), HAS_BIAS=bias is not None)
     return y.view(*x.shape[:-1], N)

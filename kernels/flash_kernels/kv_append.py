@@ -15,6 +15,7 @@ import torch
 
 from ._backend import use_triton
 from ._launch import lean_launch
+from ._triton_utils import next_power_of_2
 from ._triton_compat import tl, triton
 
 
@@ -68,7 +69,7 @@ def _kv_append_triton(k_cache, v_cache, k, v, slots, block_table) -> None:
     _kv_append_kernel[(B * S, H)](
         k_cache, v_cache, k, v, slots, table, S, D, k_cache.shape[1],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3], *slots.stride(),
-        table.stride(0), PAGED=block_table is not None, BLOCK_D=triton.next_power_of_2(D),
+        table.stride(0), PAGED=block_table is not None, BLOCK_D=next_power_of_2(D),
     )
 
 

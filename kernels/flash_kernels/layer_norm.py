@@ -23,8 +23,8 @@ from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from .partial_sums import sum_partials
 from ._triton_utils import (
-    as_rows, dropout_seed, dummy_pointer, eager_function, next_power_of_2, num_programs, or_dummy, or_placeholder, pick,
-    placeholder, warps_for_block,
+    as_rows, cdiv, dropout_seed, dummy_pointer, eager_function, next_power_of_2, num_programs, or_dummy,
+    or_placeholder, pick, placeholder, warps_for_block,
 )
 
 
@@ -423,8 +423,8 @@ def _norm_bwd(
     # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
     # (16384, 768) bf16 backward from 65 to 53 us; at 2048 and wider, 4 per SM stay best (measured).
     programs = max(1, min(M, num_programs(dev, per_sm=8 if N <= 1024 else 4)))
-    rows_per_program = triton.cdiv(M, programs)
-    programs = triton.cdiv(M, rows_per_program)
+    rows_per_program = cdiv(M, programs)
+    programs = cdiv(M, rows_per_program)
     dx = torch.empty((M, N), device=dev, dtype=x_dtype)
     # The residual gradient equals dh; it needs its own buffer only when dx differs from dh.
     store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or residual_dtype != x_dtype)

@@ -12,7 +12,7 @@ import torch
 
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import num_programs
+from ._triton_utils import cdiv, num_programs
 
 _SUM_BLOCK_P, _SUM_MAX_BLOCK_N, _SUM_MIN_BLOCK_N = 32, 64, 16
 
@@ -60,9 +60,9 @@ def sum_partials(partials: torch.Tensor) -> list[torch.Tensor]:
     outs = [torch.empty(n, device=partials.device, dtype=torch.float32) for _ in range(k)]
     pointers = outs + [outs[0]] * (4 - k)  # unused slots: the grid never reaches them
     block_n, sms = _SUM_MAX_BLOCK_N, num_programs(partials.device, per_sm=1)
-    while block_n > _SUM_MIN_BLOCK_N and triton.cdiv(n, block_n) * k < sms:
+    while block_n > _SUM_MIN_BLOCK_N and cdiv(n, block_n) * k < sms:
         block_n //= 2
-    _sum_partials_kernel[(triton.cdiv(n, block_n), k)](
+    _sum_partials_kernel[(cdiv(n, block_n), k)](
         partials, *pointers, programs, n, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=block_n, num_warps=4,
     )
     return outs

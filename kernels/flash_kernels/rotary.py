@@ -18,7 +18,7 @@ import torch
 from ._backend import use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import eager_function, next_power_of_2, pick
+from ._triton_utils import cdiv, eager_function, next_power_of_2, pick
 
 
 def _positions_cos_sin(x, cos, sin, *, seqlen_offsets, position_ids, cu_seqlens):
@@ -127,7 +127,7 @@ def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, co
     block_k = next_power_of_2(half)
     block_h = min(next_power_of_2(H), max(1, _TILE // block_k))
     mode = 2 if positions is not None else (1 if offsets is not None else 0)
-    _rotary_kernel[(B * S, triton.cdiv(H, block_h))](
+    _rotary_kernel[(B * S, cdiv(H, block_h))](
         x, out, cos, sin, positions, offsets, offset, S, H, half, cos.shape[0],
         *x.stride()[:3], *out.stride()[:3], cos.stride(0), sin.stride(0),
         POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k,
