@@ -762,6 +762,13 @@ def _as4d(x):
     return x.unsqueeze(0) if x.dim() == 3 else x
 
 
+def _bsh_strides(t4, varlen):
+    """(batch, sequence, head) strides of a (B, S, H, D) view, from one ``stride()`` call; the batch stride is
+    0 for varlen (one packed row)."""
+    sb, ss, sh, _ = t4.stride()
+    return (0 if varlen else sb), ss, sh
+
+
 def _lse_layout(q4, varlen, max_q):
     """LSE tensor and its (batch, head) strides: (B, Hq, Sq) or, for varlen, (Hq, total_q)."""
     hq = q4.shape[2]
@@ -808,10 +815,8 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
         _attn_fwd_kernel[grid](
             q4, k4, v4, o4, lse, cu_q if varlen else dummy, cu_k if varlen else dummy, alibi_t,
             scale * LOG2E, softcap, dropout_p, seed,
-            0 if varlen else q4.stride(0), q4.stride(1), q4.stride(2),
-            0 if varlen else k4.stride(0), k4.stride(1), k4.stride(2),
-            0 if varlen else v4.stride(0), v4.stride(1), v4.stride(2),
-            0 if varlen else o4.stride(0), o4.stride(1), o4.stride(2), slb, slh, stride_ab,
+            *_bsh_strides(q4, varlen), *_bsh_strides(k4, varlen), *_bsh_strides(v4, varlen),
+            *_bsh_strides(o4, varlen), slb, slh, stride_ab,
             max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k),
             HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
             ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q),
@@ -836,29 +841,27 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     if max_q == 0 or q4.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cu_q_t, cu_k_t = (cu_q, cu_k) if varlen else (dummy, dummy)
-    bstr = (lambda t: 0 if varlen else t.stride(0))  # noqa: E731
+    q_s, k_s, v_s, do_s = (_bsh_strides(t, varlen) for t in (q4, k4, v4, do4))
     pre_block = 16 if triton_interpreter_enabled() else 64
     _bwd_preprocess_kernel[(cdiv(max_q, pre_block), nseq * hq)](
-        o4, do4, delta, cu_q_t, bstr(o4), o4.stride(1), o4.stride(2), bstr(do4), do4.stride(1), do4.stride(2),
+        o4, do4, delta, cu_q_t, *_bsh_strides(o4, varlen), *do_s,
         slb, slh, max_q, hq, HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, BLOCK_M=pre_block,
     )
     common = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
                   ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q))
+    tune = _tune_buckets(max_q, max_k)
     if max_k > 0:
         grid_kv = lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq * hkv)  # noqa: E731
         _attn_bwd_dkdv_kernel[grid_kv](
             q4, k4, v4, do4, dk4, dv4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
-            bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
-            bstr(do4), do4.stride(1), do4.stride(2), bstr(dk4), dk4.stride(1), dk4.stride(2),
-            bstr(dv4), dv4.stride(1), dv4.stride(2), slb, slh, stride_ab,
-            max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k), **common,
+            *q_s, *k_s, *v_s, *do_s, *_bsh_strides(dk4, varlen), *_bsh_strides(dv4, varlen), slb, slh, stride_ab,
+            max_q, max_k, hq, hq // hkv, left, right, *tune, **common,
         )
     grid_q = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
     _attn_bwd_dq_kernel[grid_q](
         q4, k4, v4, do4, dq4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
-        bstr(q4), q4.stride(1), q4.stride(2), bstr(k4), k4.stride(1), k4.stride(2), bstr(v4), v4.stride(1), v4.stride(2),
-        bstr(do4), do4.stride(1), do4.stride(2), bstr(dq4), dq4.stride(1), dq4.stride(2), slb, slh, stride_ab,
-        max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k), **common,
+        *q_s, *k_s, *v_s, *do_s, *_bsh_strides(dq4, varlen), slb, slh, stride_ab,
+        max_q, max_k, hq, hq // hkv, left, right, *tune, **common,
     )
     return dq, dk, dv
 
