@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import DataSection
-from .data import ByteTokenizer, _field, iter_records
+from .data import _field, iter_records
 
 
 class TextClassification:
@@ -28,12 +28,8 @@ class TextClassification:
             self.labels = [index[str(v)] for v in raw]
         texts = [str(_field(r, cfg.text_field, spec)) for r in rows]
         pairs = [str(_field(r, cfg.text_pair_field, spec)) for r in rows] if cfg.text_pair_field else None
-        if isinstance(tokenizer, ByteTokenizer):
-            self.features = [_byte_features(tokenizer, text, pair, cfg.seq_len)
-                             for text, pair in zip(texts, pairs or [None] * len(texts))]
-        else:
-            enc = tokenizer(texts, pairs, truncation=True, max_length=cfg.seq_len)
-            self.features = [{k: enc[k][i] for k in enc.keys()} for i in range(len(rows))]
+        enc = tokenizer(texts, pairs, truncation=True, max_length=cfg.seq_len)
+        self.features = [{k: enc[k][i] for k in enc.keys()} for i in range(len(rows))]
         self.pad_id = tokenizer.pad_token_id or 0
 
     def __len__(self) -> int:
@@ -41,16 +37,6 @@ class TextClassification:
 
     def __getitem__(self, i: int) -> dict:
         return {**self.features[i], "labels": self.labels[i], "pad_id": self.pad_id}
-
-
-def _byte_features(tokenizer: ByteTokenizer, text: str, pair: str | None, max_length: int) -> dict:
-    """A row in byte tokens (offline runs and tests with no tokenizer file): the text, then EOS and the pair
-    when there is one, cut to max_length; token_type_ids mark the pair's tokens, as a BERT tokenizer's do."""
-    first = tokenizer.encode(text)
-    second = [tokenizer.eos_token_id, *tokenizer.encode(pair)] if pair is not None else []
-    ids = (first + second)[:max_length]
-    return {"input_ids": ids, "attention_mask": [1] * len(ids),
-            "token_type_ids": ([0] * len(first) + [1] * len(second))[:max_length]}
 
 
 def collate_classification(items: list[dict]) -> dict:

@@ -48,6 +48,21 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def __call__(self, texts: list[str], pairs: list[str] | None = None, *, truncation: bool = True,
+                 max_length: int | None = None) -> dict[str, list[list[int]]]:
+        """HF's batch-encoding call, for text classification: each text, then EOS and its pair when given, cut to
+        max_length when truncating; token_type_ids mark the pair's tokens, as a BERT tokenizer's do."""
+        rows = {"input_ids": [], "attention_mask": [], "token_type_ids": []}
+        for text, pair in zip(texts, pairs if pairs is not None else [None] * len(texts)):
+            first = self.encode(text)
+            second = [self.eos_token_id, *self.encode(pair)] if pair is not None else []
+            cut = max_length if truncation and max_length is not None else None
+            ids, types = (first + second)[:cut], ([0] * len(first) + [1] * len(second))[:cut]
+            rows["input_ids"].append(ids)
+            rows["attention_mask"].append([1] * len(ids))
+            rows["token_type_ids"].append(types)
+        return rows
+
     def __len__(self) -> int:
         return self.vocab_size
 

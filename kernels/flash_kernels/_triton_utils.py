@@ -7,9 +7,9 @@ import functools
 import torch
 
 
-# Host-side launch arithmetic in plain Python: in recent Triton (3.9 on the CI machine) ``triton.next_power_of_2``
-# and ``triton.cdiv`` are constexpr functions whose call from host code costs 3.5-4.7 us each there (these: 0.15
-# us), and an eager attention forward computed three of them.
+# Host-side launch arithmetic in plain Python: in recent Triton (3.9 on the CPU machine this was measured on)
+# ``triton.next_power_of_2`` and ``triton.cdiv`` are constexpr functions whose call from host code cost 3.5-4.7
+# us each there (these: 0.15 us), and an eager attention forward computed three of them.
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     n = int(n)

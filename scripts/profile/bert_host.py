@@ -4,15 +4,13 @@ cProfile of the host side, sorted by own time and by cumulative time.
     PYTHONPATH=.:kernels python scripts/profile/bert_host.py   # on a CUDA GPU
 """
 
-import cProfile
-import io
-import pstats
 import time
 
 import torch
 
 from flash_models.bench.bert import _step_fns, build_pair, make_batch
-from kernel_table import kernels_per_step  # this folder's sibling module
+from host_cost import cprofile_stats  # this folder's sibling scripts
+from kernel_table import kernels_per_step
 
 
 def main():
@@ -39,16 +37,9 @@ def main():
         torch.cuda.synchronize()
     kernel_us = sum(us for _, us in kernels_per_step(prof, 5).values())
     print(f"kernel ms/step {kernel_us / 1e3:.2f}")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(steps):
-        training()
-    profiler.disable()
+    stats = cprofile_stats(training, steps, sorts=("tottime", "cumulative"), rows=45)
     torch.cuda.synchronize()
-    for key in ("tottime", "cumulative"):
-        out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(45)
-        print(out.getvalue()[:9000])
+    print(stats)
 
 
 if __name__ == "__main__":

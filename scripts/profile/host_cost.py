@@ -27,6 +27,19 @@ def host_us(fn, n=300):
     return host / n * 1e6
 
 
+def cprofile_stats(fn, calls: int, *, sorts: tuple[str, ...] = ("tottime",), rows: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn``, printed once per sort key. Syncs nothing: a GPU caller syncs."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    out = io.StringIO()
+    for key in sorts:
+        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(rows)
+    return out.getvalue()
+
+
 def main():
     dev = "cuda"
     h = torch.randn(8, 256, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -54,15 +67,9 @@ def main():
                 print(f"| {name}, backward on the {where} | {host_us(fn):.1f} |")
     with torch.autograd.set_multithreading_enabled(False):
         for name in ("ours attention f+b", "ours layer_norm f+b"):
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(300):
-                calls[name]()
-            profiler.disable()
+            stats = cprofile_stats(calls[name], 300)
             torch.cuda.synchronize()
-            out = io.StringIO()
-            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
-            print(f"==== cProfile {name} (300 calls)\n{out.getvalue()}")
+            print(f"==== cProfile {name} (300 calls)\n{stats}")
 
 
 if __name__ == "__main__":

@@ -7,17 +7,13 @@ torch's, and a cProfile of our layer_norm forward (no grad).
     FLASH_KERNELS_LEAN_LAUNCH=0 PYTHONPATH=.:kernels python scripts/profile/launch_cost.py   # Triton's path
 """
 
-import cProfile
-import io
-import pstats
-
 import flash_kernels as fk
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from flash_kernels._launch import LeanKernel
-from host_cost import host_us  # this folder's sibling script
+from host_cost import cprofile_stats, host_us  # this folder's sibling script
 
 
 @triton.jit
@@ -71,15 +67,9 @@ def main():
         fb = lambda: torch.autograd.grad(fk.layer_norm(xg, wg, bg), (xg, wg, bg), dy)  # noqa: E731
         print(f"| our layer_norm forward + backward (calling thread) | {host_us(fb, 500):.1f} |")
     with torch.no_grad():
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(2000):
-            fk.layer_norm(x, w, b)
-        profiler.disable()
+        stats = cprofile_stats(lambda: fk.layer_norm(x, w, b), 2000)
     torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
-    print(out.getvalue())
+    print(stats)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,11 @@ allocator's, so read the profile's rows rather than the total as a GPU host's co
     PYTHONPATH=.:kernels python scripts/profile/wrapper_cost.py   # no GPU needed
 """
 
-import cProfile
 import importlib
-import io
-import pstats
 import time
 
 import torch
+from host_cost import cprofile_stats  # this folder's sibling script
 
 
 class NoLaunch:
@@ -37,14 +35,7 @@ def report(name: str, call, calls: int = 3000) -> None:
     for _ in range(calls):
         call()
     print(f"{name}: {(time.perf_counter() - start) / calls * 1e6:.1f} us per call, launch excluded")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(calls):
-        call()
-    profiler.disable()
-    out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
-    print(out.getvalue()[:3000])
+    print(cprofile_stats(call, calls, rows=12))
 
 
 def main():
