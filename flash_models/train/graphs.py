@@ -26,9 +26,11 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# Every batch signature holds its own graphs and static activation memory; a run that keeps meeting new shapes
-# is not what graphs are for.
-MAX_SIGNATURES = 4
+# Every batch signature holds its own graphs, static inputs and outputs (one gradient buffer per parameter among
+# them); activation memory is shared, since the captures share one memory pool. Packed text classification
+# meets up to ``classification.TOKEN_BUCKETS`` signatures per row count; a run that keeps meeting new shapes
+# beyond that is not what graphs are for.
+MAX_SIGNATURES = 16
 
 
 def check_graphable(*, device: torch.device, task: str, packing: str, compile: bool, activation_checkpointing: int,
@@ -84,6 +86,10 @@ class GraphedLoss:
         self.loss_fn = loss_fn
         self.autocast_dtype = autocast_dtype
         self.graphed: dict[tuple, nn.Module] = {}
+        # One memory pool for every signature's graphs: a micro-step replays one signature's forward and then
+        # its backward, never two signatures interleaved, so their activations can share memory (each keeps
+        # its own static inputs and outputs, which stay allocated).
+        self.pool = None
         # make_graphed_callables warms up on a side stream, so the parameters' gradient accumulators were made
         # there; the eager backward then syncs with that idle stream once per micro-step (cheap), and torch
         # warns about it on every step.
@@ -129,6 +135,9 @@ class GraphedLoss:
         samples = tuple(batch[k].detach().clone() for k in keys)
         log.info("capturing the training micro-step in CUDA graphs for %s", sig)
         # allow_unused_input: a parameter the loss does not reach keeps a zero gradient instead of raising.
-        graphed = torch.cuda.make_graphed_callables(module, samples, num_warmup_iters=3, allow_unused_input=True)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graphed = torch.cuda.make_graphed_callables(module, samples, num_warmup_iters=3, allow_unused_input=True,
+                                                    pool=self.pool)
         self.graphed[sig] = graphed
         return graphed

@@ -211,7 +211,10 @@ def test_vit_finetune_reports_patch_tokens_images_per_second_and_mfu(tiny_vit_co
 def test_packed_classification_buckets():
     """Rows packed for CUDA-graph training: at most token_buckets shapes per row count, padding sequences no
     longer than seq_len, positions restarting per sequence, labels one per row."""
-    from flash_models.train.classification import collate_packed_classification
+    from flash_models.train.classification import TOKEN_BUCKETS, collate_packed_classification
+    from flash_models.train.graphs import MAX_SIGNATURES
+
+    assert TOKEN_BUCKETS <= MAX_SIGNATURES  # every bucket of one row count fits the graphs' limit
 
     gen = torch.Generator().manual_seed(0)
     shapes = set()
@@ -228,6 +231,8 @@ def test_packed_classification_buckets():
         assert all(0 <= n <= 16 for n in seq_lengths[6:])
         assert batch["position_ids"][0].tolist() == [p for n in seq_lengths for p in range(n)]
         assert batch["input_ids"][0, sum(lengths):].eq(0).all() and batch["labels"].tolist() == [0, 1] * 3
+        fine = collate_packed_classification(items, seq_len=16)["input_ids"].shape[1]  # TOKEN_BUCKETS sizes
+        assert fine % (96 // TOKEN_BUCKETS) == 0 and sum(lengths) <= fine < sum(lengths) + 96 // TOKEN_BUCKETS
     assert len({n for _, n in shapes}) == 1 and len(shapes) <= 4
     with pytest.raises(ValueError, match="longer than seq_len=16"):
         collate_packed_classification([{"input_ids": [1] * 17, "labels": 0, "pad_id": 0}], seq_len=16)

@@ -43,11 +43,18 @@ class _Counted(torch.nn.Module):
 
 
 def _fake_capture(monkeypatch):
-    """Stands in for make_graphed_callables (CUDA only): returns the module unchanged, counting captures."""
-    captured = []
+    """Stands in for make_graphed_callables (CUDA only): returns the module unchanged, counting captures (the
+    sample shapes; ``captured.pools`` the memory pool each capture was given)."""
+
+    class Captures(list):
+        pools: list
+
+    captured = Captures()
+    captured.pools = pools = []
 
     def fake(module, samples, **kwargs):
         captured.append(tuple(s.shape for s in samples))
+        pools.append(kwargs.get("pool"))
         return module
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake)
@@ -69,6 +76,9 @@ def test_one_capture_per_batch_signature_and_a_clear_limit(monkeypatch):
         graphs({"x": torch.ones(1, n + 7)})
     with pytest.raises(RuntimeError, match="fix the batch shapes or set train.cuda_graphs=false"):
         graphs({"x": torch.ones(9, 9)})
+    # Every signature's captures share one memory pool (a micro-step never interleaves two signatures).
+    assert len(captured.pools) == MAX_SIGNATURES and captured.pools[0] is not None
+    assert all(pool == captured.pools[0] for pool in captured.pools)
 
 
 def test_prepare_grads_allocates_then_zeroes_in_place_for_accumulation():
