@@ -7,13 +7,10 @@ and is not modified; the caller advances it.
 
 The Triton path uses a split-KV ("flash-decoding") schedule: the cache is cut into chunks along its length,
 one program per (chunk, batch, kv head) computes a partial softmax over its chunk for all query rows of the
-kv head's GQA group at once (each K/V byte is read once), and the last program to finish a (batch, kv head)
-merges the partials by their log-sum-exp, in the same launch: each program counts itself in on an atomic
-counter after storing its partial, and the one that completes the count does the merge (a separate merge
-kernel cost a launch and a short wave at batch 1: 23 us for 67 MB of cache on an H200, against a ~15 us
-floor). With batch 1 and a long cache the chunks fill the GPU; when batch x kv heads already fill it and the
-cache is short, one chunk writes the output directly. A paged cache (``block_table``) is read through the
-table, row by row, so any page size works.
+kv head's GQA group at once (each K/V byte is read once), and a second kernel merges the partials by their
+log-sum-exp. With batch 1 and a long cache the chunks fill the GPU; when batch x kv heads already fill it and
+the cache is short, one chunk writes the output directly and the merge launch is skipped. A paged cache (``block_table``) is
+read through the table, row by row, so any page size works.
 """
 
 from __future__ import annotations
@@ -85,9 +82,8 @@ def flash_attn_with_kvcache_ref(
 # (2026-11-22): 2 programs per SM was best at batch 1 (the target case); batch 16 preferred 4 (~10% faster).
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 256
-# One split (the output written directly, no partials to merge) when batch x kv heads programs fill the SMs and
-# the cache is at most this long: GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per
-# layer merging two halves when the merge was its own kernel.
+# One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
+# GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per layer merging two halves.
 DECODE_SINGLE_SPLIT_MAX = 1024
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
@@ -96,7 +92,7 @@ DECODE_TILE = (64, 4, 3)
 @lean_launch
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Opart, Lpart, O, Counters, Seqlens, BlockTable, scale_log2, softcap,
+    Q, K, V, Opart, Lpart, O, Seqlens, BlockTable, scale_log2, softcap,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
     stride_ob, stride_os, stride_oh,
@@ -105,9 +101,7 @@ def _decode_split_kernel(
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
 ):
     """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
-    With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed. Else the
-    last split of this (batch, kv head, row block) to arrive at its counter merges every split's partial.
-    Counters (zero between launches) hold one int32 per (batch x kv head, row block)."""
+    With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed."""
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -157,63 +151,34 @@ def _decode_split_kernel(
         _store_rows(out, (acc / l_safe[:, None]).to(O.dtype.element_ty), offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
         return
     lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-    part = b64 * stride_pb + h * stride_ph + i * stride_pq  # this row's partials, split 0
-    lse_part = b64 * stride_lpb + h * stride_lph + i
-    _store_rows(Opart + split * stride_ps + part[:, None] + offs_d[None, :], acc / l_safe[:, None], offs_r,
-                group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
-    tl.store(Lpart + split * stride_lps + lse_part, lse2, mask=row_ok)
-    # Every thread's stores above come before the counter's update; the atomic (acquire-release, GPU scope)
-    # publishes them to the program that completes the count, and shows it every other split's.
-    tl.debug_barrier()
-    num_splits = tl.num_programs(0)
-    counter = Counters + pid_bh * tl.num_programs(2) + tl.program_id(2)
-    if tl.atomic_add(counter, 1) == num_splits - 1:
-        tl.store(counter, 0)  # every split has counted: zero again for the next launch (or graph replay)
-        out = O + b64 * stride_ob + i[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
-        _merge_splits(Opart + part[:, None] + offs_d[None, :], Lpart + lse_part, out, num_splits, stride_ps,
-                      stride_lps, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D)
+    part = split * stride_ps + b64 * stride_pb + h * stride_ph + i * stride_pq
+    _store_rows(Opart + part[:, None] + offs_d[None, :], acc / l_safe[:, None], offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D)
+    tl.store(Lpart + split * stride_lps + b64 * stride_lpb + h * stride_lph + i, lse2, mask=row_ok)
 
 
+@lean_launch
 @triton.jit
-def _merge_splits(opart, lpart, out, num_splits, stride_ps, stride_lps, offs_r, n_rows, offs_d,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[r] = sum_s w_s O_s[r] / sum_s w_s with w_s = 2^lse_s[r] (log2 domain), over the splits' partials at
-    opart/lpart + s * stride; a row no split saw (every lse -inf) gets zeros. The partials were written by
-    other programs: loads bypass L1 (".cg"), which may hold this buffer's lines from an earlier launch."""
-    row_ok = offs_r < n_rows
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(lpart + s * stride_lps, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_use)
-        w = tl.math.exp2(lse - m_use)
-        seen = (w > 0.0)[:, None] & (offs_d[None, :] < HEAD_DIM)  # a split that saw no key adds nothing
-        o = tl.load(opart + s * stride_ps, mask=seen, other=0.0, cache_modifier=".cg")
-        acc = acc * alpha[:, None] + o * w[:, None]
-        denom = denom * alpha + w
-        m = m_new
-    _store_rows(out, (acc / tl.where(denom == 0.0, 1.0, denom)[:, None]).to(out.dtype.element_ty), offs_r, n_rows,
-                offs_d, HEAD_DIM, BLOCK_D)
-
-
-_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _zeroed_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 zeros for the split kernel's merge counters, from a buffer kept per device and stream: every
-    launch leaves the counters it used at zero again, so the buffer is zeroed once, not per call, and launches
-    on one stream run one after another (two streams get two buffers). A buffer made while a CUDA graph is
-    captured lives in the graph's pool (its zero fill replays with the graph), so it is not kept."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < n:
-        counters = torch.zeros(max(n, 1), dtype=torch.int32, device=device)
-        if not capturing_cuda_graph():
-            _COUNTERS[key] = counters
-    return counters
+def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
+                           stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
+                           stride_ob, stride_os, stride_oh,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[b, i, h] = sum_s w_s * O_s with w_s = exp(lse_s) / sum exp(lse); all -inf (nothing seen) -> 0."""
+    pid = tl.program_id(0)
+    i = pid % seqlen_q
+    h = (pid // seqlen_q) % n_heads
+    b = (pid // seqlen_q // n_heads).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse = tl.load(Lpart + offs_s * stride_lps + b * stride_lpb + h * stride_lph + i, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # (S,)
+    denom = tl.sum(w, 0)
+    part = Opart + offs_s[:, None] * stride_ps + b * stride_pb + h * stride_ph + i * stride_pq + offs_d[None, :]
+    o = tl.load(part, mask=s_ok[:, None] & (w[:, None] > 0) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(O + b * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def _split_plan(q, capacity, n_prog_other):
@@ -222,7 +187,7 @@ def _split_plan(q, capacity, n_prog_other):
     if q.device.type == "cuda":
         sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         if n_prog_other >= sms and capacity <= DECODE_SINGLE_SPLIT_MAX:
-            splits = 1  # a wave of programs already, over a short cache: merging would cost more than it saves
+            splits = 1  # a wave of programs already, over a short cache: the merge launch would cost more
         else:
             splits = max(1, min(-(-DECODE_PROGRAMS_PER_SM * sms // n_prog_other), -(-capacity // DECODE_MIN_CHUNK)))
         align = CHUNK_ALIGN
@@ -261,10 +226,8 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
-    row_blocks = cdiv(rows, block_m)
-    counters = _zeroed_counters(q.device, 0 if single else bsz * hkv * row_blocks)
-    _decode_split_kernel[(num_splits, bsz * hkv, row_blocks)](
-        q, k_cache, v_cache, opart, lpart, out, counters, cache_seqlens, table, scale * LOG2E, softcap,
+    _decode_split_kernel[(num_splits, bsz * hkv, cdiv(rows, block_m))](
+        q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
@@ -272,6 +235,14 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
         SINGLE_SPLIT=single, num_warps=num_warps, num_stages=num_stages,
+    )
+    if single:
+        return out
+    _decode_combine_kernel[(bsz * hq * seqlen_q,)](
+        opart, lpart, out, num_splits, hq, seqlen_q,
+        opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)),
     )
     return out
 

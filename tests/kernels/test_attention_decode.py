@@ -71,22 +71,6 @@ def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
             torch.testing.assert_close(got, k[b], rtol=0, atol=0)
 
 
-def test_merge_counters_return_to_zero_between_calls():
-    """The last split of each (batch, kv head, row block) merges and zeroes its counter: after a call every
-    counter is zero, so the next call (or graph replay) merges again, and repeated calls agree."""
-    torch.manual_seed(0)
-    q = torch.randn(2, 1, 4, 32, dtype=torch.bfloat16, device=DEVICE)
-    kc, vc, _ = _cache(2, 96, 2, 32, torch.bfloat16)
-    seqlens = torch.tensor([96, 40], dtype=torch.int32, device=DEVICE)
-    chunk, splits = dec._split_plan(q, 96, 2 * 2)
-    assert splits > 1, "the case must take the split path"
-    first = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton")
-    counters = dec._COUNTERS[next(key for key in dec._COUNTERS if key[0] == q.device)]
-    assert counters.abs().sum().item() == 0
-    assert torch.equal(flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"), first)
-    assert_close(first, flash_attn_with_kvcache_ref(q, kc, vc, cache_seqlens=seqlens), torch.bfloat16, name="out")
-
-
 def test_decode_steps_equal_full_attention():
     """Prefill a cache, then decode token by token: each step equals the full causal attention's last row."""
     torch.manual_seed(1)
