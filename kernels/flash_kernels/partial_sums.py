@@ -25,7 +25,7 @@ _SUM_BLOCK_P, _SUM_MAX_BLOCK_N, _SUM_MIN_BLOCK_N = 32, 64, 16
 @lean_launch
 @triton.jit
 def _sum_partials_kernel(P, OUT0, OUT1, OUT2, OUT3, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """P (k, programs, N) -> column sums into OUT0..OUT(k-1), each (N,) float32; one program per
+    """P (k, programs, N) -> column sums into OUT0..OUT(k-1), each (N,) in its own dtype; one program per
     (column block, buffer), rows in order, so the result is deterministic. Separate outputs, not rows of one
     tensor: custom-op outputs may not alias each other."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -39,13 +39,13 @@ def _sum_partials_kernel(P, OUT0, OUT1, OUT2, OUT3, programs, N, BLOCK_P: tl.con
     total = tl.sum(acc, axis=0)
     mask = cols < N
     if buf == 0:
-        tl.store(OUT0 + cols, total, mask=mask)
+        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=mask)
     elif buf == 1:
-        tl.store(OUT1 + cols, total, mask=mask)
+        tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=mask)
     elif buf == 2:
-        tl.store(OUT2 + cols, total, mask=mask)
+        tl.store(OUT2 + cols, total.to(OUT2.dtype.element_ty), mask=mask)
     else:
-        tl.store(OUT3 + cols, total, mask=mask)
+        tl.store(OUT3 + cols, total.to(OUT3.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -53,11 +53,14 @@ def _sum_partials_kernel(P, OUT0, OUT1, OUT2, OUT3, programs, N, BLOCK_P: tl.con
 # ----------------------------------------------------------------------------------------------------------
 
 
-def sum_partials(partials: torch.Tensor) -> list[torch.Tensor]:
-    """(k <= 4, programs, N) float32 -> k float32 tensors (N,): the column sums of k partial buffers in
-    one launch (torch's sum over dim 0 costs a launch each, and about 10 us per (512, 768) buffer on an H200)."""
+def sum_partials(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None = None) -> list[torch.Tensor]:
+    """(k <= 4, programs, N) float32 -> k tensors (N,): the column sums of k partial buffers in one launch
+    (torch's sum over dim 0 costs a launch each, and about 10 us per (512, 768) buffer on an H200). Sum i is
+    summed in float32 and stored as ``dtypes[i]`` (default float32): a bf16 parameter's gradient needs no
+    cast launch after it."""
     k, programs, n = partials.shape
-    outs = [torch.empty(n, device=partials.device, dtype=torch.float32) for _ in range(k)]
+    dtypes = dtypes or (torch.float32,) * k
+    outs = [torch.empty(n, device=partials.device, dtype=dtype) for dtype in dtypes]
     pointers = outs + [outs[0]] * (4 - k)  # unused slots: the grid never reaches them
     block_n, sms = _SUM_MAX_BLOCK_N, num_programs(partials.device, per_sm=1)
     while block_n > _SUM_MIN_BLOCK_N and cdiv(n, block_n) * k < sms:
