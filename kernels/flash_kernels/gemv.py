@@ -1,15 +1,30 @@
-"""One-row matrix-vector product for batch-1 decoding: ``y = x @ weight.T (+ bias)`` with x a single row.
+"""One-row matrix-vector product for batch-1 decoding: ``y = x @ weight.T (+ bias)`` with x a single row,
+optionally fused with the small ops around a decoder layer's projections.
 
 At batch 1 a decoder step reads every weight once and does little else, so its projections are bound by
 memory bandwidth. cuBLAS's GEMVs reach 83% of the copy bandwidth on LLaMA-1.1B's gate/up projection (46 MB)
 but only 39% on qkv and o (10.5 and 8.4 MB) and 53% on down, with a split-K reduction kernel after it
 (docs/benchmarks.md, Generation, session 6). This kernel splits the output rows over the programs and runs
 the whole reduction over K inside each, in float32, so there is one launch and no partial sums; the tile
-shape is autotuned per (N, K).
+shape is autotuned per (N, K) and prologue.
+
+The ops next to those projections each read and write one row, yet cost a kernel (about 1.3-1.9 us of GPU time
+plus a launch gap in the CUDA graph), about as much as a small projection. So the kernel can absorb them:
+- an RMSNorm prologue, ``rms_norm(x, norm_weight, norm_eps) @ weight.T``, for qkv and gate/up: every program
+  recomputes the row's sum of squares (K elements, next to its BLOCK_N x K weight tile) instead of waiting
+  for a norm kernel;
+- a SwiGLU prologue, ``(silu(gate) * up) @ weight.T`` with x the packed row [gate; up], for down;
+- a residual epilogue, ``... + residual``, for o and down: it writes the new residual stream.
+Each rounds where the unfused path stores a tensor (the normed row, the SwiGLU product, the projection before
+the add: see ``gemv_ref``), so fused and unfused decoding give the same logits up to float32 summation order.
 
 Backends: "triton" runs the kernel (inference only: it has no backward, and refuses inputs that need one);
-"reference" is ``F.linear``; "auto" is ``F.linear`` too until a GPU run shows this kernel ahead of cuBLAS
-(``scripts/profile/gemv_sweep.py`` measures both at LLaMA-1.1B's shapes; not yet run).
+"reference" is ``F.linear`` composed with the norm, SwiGLU and add references; "auto" is the reference too.
+``scripts/profile/gemv_sweep.py`` measures the kernel against cuBLAS and the fused calls against the unfused
+kernels at LLaMA-1.1B's shapes, in CUDA graphs. Its first run (H100, 2026-11-23, bf16, us per call): plain gemv
+0.94-1.08x cuBLAS; norm + qkv 9.83 -> 8.25 and o + add 8.05 -> 7.12 fused, but norm + gate/up 20.46 -> 21.29
+and swiglu + down + add 14.87 -> 16.30: the prologue every program recomputes over K costs about 1.8 us (norm)
+and 4 us (SwiGLU) there, more than the kernel it saves on the long projections.
 """
 
 from __future__ import annotations
@@ -20,13 +35,31 @@ import torch.nn.functional as F
 from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, dummy_pointer, pick
+from ._triton_utils import cdiv, or_dummy, pick
+from .activations import _act_and_grad, swiglu_ref
+from .layer_norm import rms_norm_ref
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
+    swiglu: bool = False,
+) -> torch.Tensor:
+    """The unfused path, each step stored in x's dtype as its own kernel stores it: the normed row or the SwiGLU
+    product, the projection, then the residual add in float32 (as the fused add+norm adds the stream)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps=norm_eps)
+    elif swiglu:
+        x = swiglu_ref(x)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else (y.float() + residual.float()).to(y.dtype)
 
 
 def _configs():
@@ -39,76 +72,162 @@ def _configs():
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in shapes]
 
 
-@cached_autotune
-@triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_w, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _rms_rstd(X, K, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the whole row, in float32 (every program computes it: K is a few thousand)."""
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
+        sq += x * x
+    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE: tl.constexpr):
+    """The tile of the row the dot reads, in float32. A prologue's result is rounded to x's dtype, as the norm
+    or SwiGLU kernel stores it in the unfused path: the dot then sees the same values."""
+    x = tl.load(X + cols, mask=col_in, other=0.0).to(tl.float32)
+    if PROLOGUE == "rms_norm":
+        w = tl.load(NW + cols, mask=col_in, other=0.0).to(tl.float32)
+        x = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)  # the norm kernel's order: x * rstd, then * w
+    elif PROLOGUE == "swiglu":
+        up = tl.load(X + K + cols, mask=col_in, other=0.0).to(tl.float32)
+        silu, _ = _act_and_grad(x, 0)  # KIND 0: the swiglu kernel's own SiLU
+        x = (silu * up).to(X.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@cached_autotune
+@triton.autotune(configs=_configs(), key=["N", "K", "PROLOGUE"])
+@triton.jit
+def _gemv_kernel(
+    X, W, B, R, NW, Y, N, K, stride_w, eps,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < N
     row_offsets = rows.to(tl.int64)[:, None] * stride_w
+    rstd = 0.0
+    if PROLOGUE == "rms_norm":
+        rstd = _rms_rstd(X, K, eps, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_in = cols < K
-        x = tl.load(X + cols, mask=col_in, other=0.0).to(tl.float32)
+        x = _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE)
         w = tl.load(W + row_offsets + cols[None, :], mask=row_in[:, None] & col_in[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]  # summed over K once, after the loop
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_in, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The unfused path stores the projection in the dtype, then adds it to the stream in float32.
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows, mask=row_in, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_in)
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _unit_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """t as n contiguous elements (the kernel indexes its vectors with unit stride), copying only when it must."""
+    if t is None:
+        return None
+    t = t.reshape(n)
+    return t if t.stride(0) == 1 else t.contiguous()
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+          norm_weight: torch.Tensor | None, norm_eps: float, prologue: str) -> torch.Tensor:
     N, K = weight.shape
-    x1 = x.reshape(K)
-    x1 = x1 if x1.stride(0) == 1 else x1.contiguous()
-    y = torch.empty(N, device=x.device, dtype=x.dtype)
+    dev, dt = x.device, x.dtype
+    y = torch.empty(N, device=dev, dtype=dt)
     grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv_kernel[grid](x1, weight, bias if bias is not None else dummy_pointer(x.device, x.dtype), y, N, K,
-                       weight.stride(0), HAS_BIAS=bias is not None)
+    _gemv_kernel[grid](
+        _unit_vector(x, x.shape[-1]), weight, or_dummy(_unit_vector(bias, N), dev, dt),
+        or_dummy(_unit_vector(residual, N), dev, dt), or_dummy(_unit_vector(norm_weight, K), dev, dt), y, N, K,
+        weight.stride(0), norm_eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PROLOGUE=prologue,
+    )
     return y.view(*x.shape[:-1], N)
 
 
 # torch.compile traces the custom op as one opaque node; eager calls skip the dispatcher (``pick``).
 @torch.library.custom_op("flash_kernels::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return pick(_gemv_op, _gemv)(x, weight, bias)
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
+             norm_weight: torch.Tensor | None, norm_eps: float, prologue: str) -> torch.Tensor:
+    return _gemv(x, weight, bias, residual, norm_weight, norm_eps, prologue)
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, residual, norm_weight, norm_eps, prologue):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (expected (N, "
-                         f"{x.shape[-1]}))")
+def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu) -> str:
+    """Raise a ValueError for inconsistent inputs; return the prologue ("none", "rms_norm" or "swiglu")."""
+    if norm_weight is not None and swiglu:
+        raise ValueError("gemv: norm_weight (an RMSNorm prologue) and swiglu=True (a SwiGLU prologue) exclude "
+                         "each other; pass one")
+    if (norm_weight is None) != (norm_eps is None):
+        raise ValueError("gemv: the RMSNorm prologue needs both norm_weight and norm_eps (the model's eps: "
+                         "no default, a wrong one would go unnoticed)")
+    if weight.dim() != 2:
+        raise ValueError(f"gemv: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    width = 2 * K if swiglu else K  # swiglu: x is the packed [gate; up]
+    if x.shape[-1] != width:
+        what = "the packed [gate; up] of 2 * " if swiglu else ""
+        raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (expected last "
+                         f"dim {what}{K} = {width})")
     if x.numel() != x.shape[-1]:
         raise ValueError(f"gemv: x must hold one row (batch-1 decoding), got shape {tuple(x.shape)}; use F.linear")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({weight.shape[0]},)")
-    if not (x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)):
-        raise ValueError(f"gemv: x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}"
-                         f"{'' if bias is None else ', ' + str(bias.dtype)}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({N},)")
+    if residual is not None and residual.shape != (*x.shape[:-1], N):
+        raise ValueError(f"gemv: residual shape {tuple(residual.shape)} != output shape {(*x.shape[:-1], N)}")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"gemv: norm_weight shape {tuple(norm_weight.shape)} != ({K},)")
+    named = {"x": x, "weight": weight, "bias": bias, "residual": residual, "norm_weight": norm_weight}
+    dtypes = {name: t.dtype for name, t in named.items() if t is not None}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError(f"gemv: {', '.join(dtypes)} must share a dtype, got "
+                         + ", ".join(f"{name} {dt}" for name, dt in dtypes.items()))
+    return "rms_norm" if norm_weight is not None else "swiglu" if swiglu else "none"
 
 
-def _unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+def _unsupported(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> str | None:
     if x.dtype not in _DTYPES:
         return f"dtype {x.dtype} (supported: float32, float16, bfloat16)"
     if weight.stride(1) != 1:
         return "a weight whose rows are not contiguous"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, *others)):
         return "an input that needs gradients (the kernel has no backward; run it under torch.no_grad)"
     return None
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         backend: str | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a one-row x (..., K) with every leading dim 1 -> (..., N)."""
-    _check(x, weight, bias)
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
+    swiglu: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a one-row x (..., K) with every leading dim 1 -> (..., N), optionally
+    with a prologue on x and a residual epilogue (see the module docstring):
+
+    - ``norm_weight`` and ``norm_eps``: x is RMS-normed first, ``rms_norm(x, norm_weight, eps=norm_eps)``;
+    - ``swiglu=True``: x is the packed [gate; up] (..., 2K) and ``silu(gate) * up`` is projected;
+    - ``residual`` (..., N): added to the projection, giving the new residual stream.
+
+    The two prologues exclude each other; every tensor shares x's dtype.
+    """
+    prologue = _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu)
     if check_backend_name(backend) == "auto" or not use_triton(
-            backend, x, op="gemv", unsupported=_unsupported(x, weight, bias)):
-        return gemv_ref(x, weight, bias)
-    return pick(_gemv_op, _gemv)(x, weight, bias)
+            backend, x, op="gemv", unsupported=_unsupported(x, weight, bias, residual, norm_weight)):
+        return gemv_ref(x, weight, bias, residual=residual, norm_weight=norm_weight, norm_eps=norm_eps,
+                        swiglu=swiglu)
+    eps = 0.0 if norm_eps is None else float(norm_eps)
+    return pick(_gemv_op, _gemv)(x, weight, bias, residual, norm_weight, eps, prologue)

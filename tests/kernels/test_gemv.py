@@ -1,27 +1,81 @@
 """gemv: the one-row Triton kernel (the interpreter on CPU) against F.linear on odd shapes, strided inputs and
-every dtype; the backend rules, the errors, torch.compile; on the GPU, LLaMA-1.1B's decode shapes."""
+every dtype; its RMSNorm and SwiGLU prologues and residual epilogue against the unfused path they replace; the
+backend rules, the errors, torch.compile; on the GPU, LLaMA-1.1B's decode shapes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from flash_kernels import gemv
+from flash_kernels import gemv, rms_norm
+from flash_kernels import swiglu as swiglu_kernel
 from flash_kernels._testing import assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+EPS = 0.1  # against a mean square of about 1: a wrong or ignored eps shows
 
 
-def _operands(n, k, dtype, *, bias=True, leading=(1,)):
-    x = torch.randn(*leading, k, device=DEVICE).to(dtype)
+def _operands(n, k, dtype, *, bias=True, leading=(1,), width=None):
+    x = torch.randn(*leading, width or k, device=DEVICE).to(dtype)
     weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     return x, weight, b
 
 
-def _reference(x, weight, bias):
-    """F.linear in float32, cast back: the kernel accumulates in float32 whatever the dtype."""
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+def _fused_operands(n, k, dtype, fusion, *, bias):
+    """x, weight, bias and gemv's fusion keywords. fusion names what it fuses: "residual", "norm", "swiglu"
+    or a "+" of them; "plain" fuses nothing."""
+    x, weight, b = _operands(n, k, dtype, bias=bias, width=2 * k if "swiglu" in fusion else k)  # [gate; up]
+    extra = {}
+    if "residual" in fusion:
+        extra["residual"] = torch.randn(1, n, device=DEVICE).to(dtype)
+    if "norm" in fusion:
+        extra.update(norm_weight=(1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype), norm_eps=EPS)
+    if "swiglu" in fusion:
+        extra["swiglu"] = True
+    return x, weight, b, extra
+
+
+def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False):
+    """The unfused decode path in float32, rounded to x's dtype wherever it stores a tensor: the normed row or
+    the SwiGLU product, the projection, the new residual stream."""
+    stored = lambda t: t.to(x.dtype).float()  # noqa: E731
+    h = x.float()
+    if norm_weight is not None:
+        h = stored(h * torch.rsqrt(h.square().mean(-1, keepdim=True) + norm_eps) * norm_weight.float())
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        h = stored(F.silu(gate) * up)
+    y = stored(F.linear(h, weight.float(), None if bias is None else bias.float()))
+    if residual is not None:
+        y = stored(y + residual.float())
+    return y.to(x.dtype)
+
+
+def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False):
+    """The unfused decode path through our own kernels: the norm or SwiGLU kernel, gemv, then the residual
+    stream as the fused add+norm kernel stores it."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps=norm_eps, backend="triton")
+    if swiglu:
+        x = swiglu_kernel(x, backend="triton")
+    y = gemv(x, weight, bias, backend="triton")
+    if residual is not None:
+        any_weight = torch.randn(y.shape[-1], device=y.device).to(y.dtype)  # only the stream is used
+        y = rms_norm(y, any_weight, residual=residual, prenorm=True, backend="triton")[1]
+    return y
+
+
+def _assert_rounded_alike(out, ref, dtype, *, name):
+    """``out`` holds ``ref``'s own elements, bar a rare 1-ulp flip where float32 sums in another order land on
+    a rounding boundary: that is what shows each rounding point sits where ref has it (a missed one, e.g. the
+    projection added to the residual unrounded, moves a quarter of the elements or more, too little for the
+    tolerances to see). Nothing to check in float32, where rounding is a no-op and the sums differ in the
+    last bits."""
+    if dtype == torch.float32:
+        return
+    differ = (out != ref).float().mean().item()
+    assert differ <= 0.05, f"{name}: {differ:.0%} of the elements differ from the unfused path's rounding ({dtype})"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -34,29 +88,57 @@ def test_matches_linear(dtype, n, k, bias, leading):
     x, weight, b = _operands(n, k, dtype, bias=bias, leading=leading)
     out = gemv(x, weight, b, backend="triton")
     assert out.shape == (*leading, n) and out.dtype == dtype
-    assert_close(out, _reference(x, weight, b), dtype, name="gemv")
+    assert_close(out, _unfused(x, weight, b), dtype, name="gemv")
 
 
-def test_strided_input_and_weight_rows():
-    """x a strided view; weight rows spaced wider than K (a column slice of a bigger matrix)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fusion,bias", [
+    ("residual", False), ("residual", True), ("norm", False), ("norm+residual", True), ("swiglu+residual", False),
+    ("swiglu+residual", True),
+])
+def test_fused(dtype, fusion, bias):
+    """N = 77, K = 123: neither a multiple of the tiles (the interpreter's 16 x 32)."""
+    x, weight, b, extra = _fused_operands(77, 123, dtype, fusion, bias=bias)
+    out = gemv(x, weight, b, **extra, backend="triton")
+    ref = gemv(x, weight, b, **extra, backend="reference")
+    assert out.shape == (1, 77) and out.dtype == dtype
+    oracle = _unfused(x, weight, b, **extra)
+    assert_close(out, oracle, dtype, name="triton")
+    assert_close(out, ref, dtype, name="triton vs reference")
+    # The same rounding as the unfused kernels (the interpreter truncates float32 -> bfloat16 where a GPU rounds
+    # to nearest, so on the CPU the kernels are compared with each other), and the reference as the float32 path.
+    _assert_rounded_alike(out, _unfused_kernels(x, weight, b, **extra), dtype, name="triton")
+    if DEVICE == "cpu":  # cuBLAS's half-precision F.linear may reduce in reduced precision
+        _assert_rounded_alike(ref, oracle, dtype, name="reference")
+
+
+def test_strided_inputs_and_weight_rows():
+    """x, bias and residual strided views; weight rows spaced wider than K (a column slice of a bigger matrix)."""
     x = torch.randn(1, 2 * 100, device=DEVICE)[..., ::2]
     weight = torch.randn(50, 160, device=DEVICE)[:, :100]
-    assert not x.is_contiguous() and weight.stride(0) == 160
-    assert_close(gemv(x, weight, backend="triton"), F.linear(x, weight), torch.float32)
+    bias, residual = torch.randn(2, 2 * 50, device=DEVICE)[:, ::2].unbind(0)
+    assert not x.is_contiguous() and weight.stride(0) == 160 and bias.stride(0) == residual.stride(0) == 2
+    out = gemv(x, weight, bias, residual=residual.view(1, 50), backend="triton")
+    assert_close(out, F.linear(x, weight, bias) + residual, torch.float32)
 
 
-def test_auto_is_torchs_linear_and_reference_too():
+def test_auto_is_the_reference():
     x, weight, b = _operands(40, 24, torch.float32)
     assert torch.equal(gemv(x, weight, b), F.linear(x, weight, b))
     assert torch.equal(gemv(x, weight, b, backend="reference"), F.linear(x, weight, b))
+    x, weight, b, extra = _fused_operands(40, 24, torch.bfloat16, "norm+residual", bias=True)
+    assert torch.equal(gemv(x, weight, b, **extra, backend="auto"), gemv(x, weight, b, **extra, backend="reference"))
 
 
 def test_bad_inputs():
-    x, weight, b = _operands(8, 16, torch.float32)
+    x, weight, _ = _operands(8, 16, torch.float32)
+    nw, r = torch.randn(16, device=DEVICE), torch.randn(1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="one row"):
         gemv(torch.randn(2, 16, device=DEVICE), weight, backend="triton")
     with pytest.raises(ValueError, match="does not match weight"):
         gemv(torch.randn(1, 15, device=DEVICE), weight, backend="triton")
+    with pytest.raises(ValueError, match="2-D"):
+        gemv(x, weight[0], backend="triton")
     with pytest.raises(ValueError, match="bias shape"):
         gemv(x, weight, torch.randn(9, device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="share a dtype"):
@@ -65,13 +147,36 @@ def test_bad_inputs():
         gemv(x, weight.clone().requires_grad_(), backend="triton")
     with pytest.raises(ValueError, match="backend"):
         gemv(x, weight, backend="cublas")
+    # the residual epilogue
+    with pytest.raises(ValueError, match="residual shape"):
+        gemv(x, weight, residual=torch.randn(1, 9, device=DEVICE), backend="triton")
+    with pytest.raises(ValueError, match="residual shape"):
+        gemv(x, weight, residual=torch.randn(8, device=DEVICE), backend="triton")  # x (1, 16): out is (1, 8)
+    with pytest.raises(ValueError, match="residual .*share a dtype"):
+        gemv(x, weight, residual=r.half(), backend="triton")
+    with pytest.raises(ValueError, match="needs gradients"):
+        gemv(x, weight, residual=r.clone().requires_grad_(), backend="triton")
+    # the prologues
+    with pytest.raises(ValueError, match="norm_weight .* and swiglu=True .* exclude each other"):
+        gemv(torch.randn(1, 32, device=DEVICE), weight, norm_weight=nw, norm_eps=EPS, swiglu=True)
+    with pytest.raises(ValueError, match="both norm_weight and norm_eps"):
+        gemv(x, weight, norm_weight=nw)
+    with pytest.raises(ValueError, match="both norm_weight and norm_eps"):
+        gemv(x, weight, norm_eps=EPS)
+    with pytest.raises(ValueError, match="norm_weight shape"):
+        gemv(x, weight, norm_weight=torch.randn(8, device=DEVICE), norm_eps=EPS)
+    with pytest.raises(ValueError, match="norm_weight .*share a dtype"):
+        gemv(x, weight, norm_weight=nw.bfloat16(), norm_eps=EPS)
+    with pytest.raises(ValueError, match="packed"):
+        gemv(x, weight, swiglu=True)  # x must hold [gate; up], 2 * 16
 
 
-def test_compile_fullgraph():
-    x, weight, b = _operands(40, 24, torch.float32)
-    fn = torch.compile(lambda x: gemv(x, weight, b, backend="triton"), fullgraph=True,
+@pytest.mark.parametrize("fusion", ["plain", "norm+residual"])
+def test_compile_fullgraph(fusion):
+    x, weight, b, extra = _fused_operands(40, 24, torch.float32, fusion, bias=True)
+    fn = torch.compile(lambda x: gemv(x, weight, b, **extra, backend="triton"), fullgraph=True,
                        backend="aot_eager" if DEVICE == "cpu" else "inductor")
-    assert_close(fn(x), gemv(x, weight, b, backend="triton"), torch.float32)
+    assert_close(fn(x), gemv(x, weight, b, **extra, backend="triton"), torch.float32)
 
 
 @pytest.mark.gpu
@@ -79,4 +184,18 @@ def test_compile_fullgraph():
 def test_gpu_llama_decode_shapes(n, k):
     """LLaMA-1.1B's batch-1 projections: qkv, o, gate/up, down and the LM head, bf16."""
     x, weight, _ = _operands(n, k, torch.bfloat16, bias=False, leading=(1, 1))
-    assert_close(gemv(x, weight, backend="triton"), _reference(x, weight, None), torch.bfloat16)
+    assert_close(gemv(x, weight, backend="triton"), _unfused(x, weight), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,fusion", [
+    (2560, 2048, "norm"), (2048, 2048, "residual"), (11264, 2048, "norm"), (2048, 5632, "swiglu+residual"),
+])
+def test_gpu_llama_fused(n, k, fusion):
+    """LLaMA-1.1B's layer, bf16: qkv and gate/up after the norm, o and down into the residual stream."""
+    x, weight, _, extra = _fused_operands(n, k, torch.bfloat16, fusion, bias=False)
+    out = gemv(x, weight, **extra, backend="triton")
+    oracle = _unfused(x, weight, **extra)
+    assert_close(out, oracle, torch.bfloat16)
+    _assert_rounded_alike(out, oracle, torch.bfloat16, name="triton vs float32")
+    _assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")
