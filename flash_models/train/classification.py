@@ -65,10 +65,10 @@ def collate_packed_classification(items: list[dict], *, seq_len: int, token_buck
     do on the device, through a host read) happens here, on the host, and the packed row's length is rounded
     up to one of ``token_buckets`` sizes: multiples of rows x seq_len / token_buckets, so at most that fraction
     of the bucket is padding work (each size is one more captured graph: ``train.graphs.MAX_SIGNATURES``).
-    The extra tokens form
-    padding sequences of at most seq_len tokens (id ``pad_id``, positions from 0) that attend only to
-    themselves; the sequence count is fixed per row count by trailing empty sequences. The rows' sequences
-    come first, so ``labels`` (one per row) scores exactly them (``BertForSequenceClassification``).
+    The extra tokens form padding sequences of at most seq_len tokens (id ``pad_id``, positions from 0) that
+    attend only to themselves; the sequence count is fixed per row count by trailing empty sequences. The
+    rows' sequences come first, so ``labels`` (one per row) scores exactly them
+    (``BertForSequenceClassification``).
 
     Returns input_ids, token_type_ids, position_ids (1, tokens), cu_seqlens (sequences + 1,) int32 and
     labels (rows,); pass ``max_seqlen=seq_len`` to the model with them.
