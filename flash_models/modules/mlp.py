@@ -11,11 +11,13 @@ from torch import nn
 import flash_kernels
 
 from ..config import MLPConfig
-from .linear import linear
+from .linear import linear, plain_linear
 from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
 _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+# HF activation name -> flash_kernels.linear_act's activation (fc1 and its activation in one kernel).
+_LINEAR_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
 def activation(x: torch.Tensor, name: str, *, backend: str) -> torch.Tensor:
@@ -41,9 +43,23 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._inference_fusable(x):
+            # No backward to keep the pre-activation for: fc1, its bias and the activation in one kernel (one
+            # write of the widest tensor instead of a write, a read and a write).
+            act = flash_kernels.linear_act(x, self.fc1.weight, self.fc1.bias, activation=_LINEAR_ACT[self.cfg.activation],
+                                           backend=self.kernel_backend)
+            return self.fc2(act)
         pre = linear(x, self.fc1, recompute_weight_cast=self.recompute_weight_casts)
         return activation_then_linear(pre, self._act, self.fc2, recompute=self.recompute_activation,
                                       recompute_weight_cast=self.recompute_weight_casts)
+
+    def _inference_fusable(self, x: torch.Tensor) -> bool:
+        """Nothing records gradients, fc1 is a plain half-precision Linear in x's dtype (no autocast cast in
+        between; float32 keeps torch's GEMM, whose default is not TF32), and the activation is one linear_act
+        has."""
+        return (not torch.is_grad_enabled() and self.cfg.activation in _LINEAR_ACT and plain_linear(self.fc1)
+                and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.fc1.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type))
 
     def _act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)

@@ -14,6 +14,7 @@ from .kv_append import kv_append
 from .fused_dense import fused_dense, fused_dense_gelu_dense
 from .gemv import gemv
 from .layer_norm import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
+from .linear_act import linear_act
 from .linear_cross_entropy import linear_cross_entropy
 from .rotary import apply_rotary
 
@@ -35,6 +36,7 @@ __all__ = [
     "kv_append",
     "layer_norm",
     "layer_norm_dual",
+    "linear_act",
     "linear_cross_entropy",
     "rms_norm",
     "rms_norm_dual",

@@ -29,3 +29,15 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *, sc
     ref_max = ref.double().abs().max().item() if ref.numel() else 0.0
     bound = ABS_TOL[dtype] * scale * max(1.0, ref_max)
     assert max_abs <= bound, f"{name}: max abs error {max_abs:.3g} > {bound:.3g} ({dtype})"
+
+
+def assert_rounded_alike(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, *, name: str = "") -> None:
+    """``out`` holds ``ref``'s own elements, bar a rare 1-ulp flip where float32 sums in another order land on
+    a rounding boundary: that is what shows each rounding point sits where ref has it (a missed one, e.g. a
+    fused epilogue that skips rounding what the unfused path stores, moves a quarter of the elements or more,
+    too little for the tolerances to see). Nothing to check in float32, where rounding is a no-op and the sums
+    differ in the last bits."""
+    if dtype == torch.float32:
+        return
+    differ = (out != ref).float().mean().item()
+    assert differ <= 0.05, f"{name}: {differ:.0%} of the elements differ from the unfused path's rounding ({dtype})"

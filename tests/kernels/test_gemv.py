@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from flash_kernels import gemv, rms_norm
 from flash_kernels import swiglu as swiglu_kernel
-from flash_kernels._testing import assert_close
+from flash_kernels._testing import assert_close, assert_rounded_alike
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -66,18 +66,6 @@ def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, n
     return y
 
 
-def _assert_rounded_alike(out, ref, dtype, *, name):
-    """``out`` holds ``ref``'s own elements, bar a rare 1-ulp flip where float32 sums in another order land on
-    a rounding boundary: that is what shows each rounding point sits where ref has it (a missed one, e.g. the
-    projection added to the residual unrounded, moves a quarter of the elements or more, too little for the
-    tolerances to see). Nothing to check in float32, where rounding is a no-op and the sums differ in the
-    last bits."""
-    if dtype == torch.float32:
-        return
-    differ = (out != ref).float().mean().item()
-    assert differ <= 0.05, f"{name}: {differ:.0%} of the elements differ from the unfused path's rounding ({dtype})"
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,bias,leading", [
     (77, 123, True, (1,)),        # neither dim a multiple of the tiles
@@ -107,9 +95,9 @@ def test_fused(dtype, fusion, bias):
     assert_close(out, ref, dtype, name="triton vs reference")
     # The same rounding as the unfused kernels (the interpreter truncates float32 -> bfloat16 where a GPU rounds
     # to nearest, so on the CPU the kernels are compared with each other), and the reference as the float32 path.
-    _assert_rounded_alike(out, _unfused_kernels(x, weight, b, **extra), dtype, name="triton")
+    assert_rounded_alike(out, _unfused_kernels(x, weight, b, **extra), dtype, name="triton")
     if DEVICE == "cpu":  # cuBLAS's half-precision F.linear may reduce in reduced precision
-        _assert_rounded_alike(ref, oracle, dtype, name="reference")
+        assert_rounded_alike(ref, oracle, dtype, name="reference")
 
 
 def test_strided_inputs_and_weight_rows():
@@ -197,5 +185,5 @@ def test_gpu_llama_fused(n, k, fusion):
     out = gemv(x, weight, **extra, backend="triton")
     oracle = _unfused(x, weight, **extra)
     assert_close(out, oracle, torch.bfloat16)
-    _assert_rounded_alike(out, oracle, torch.bfloat16, name="triton vs float32")
-    _assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")
+    assert_rounded_alike(out, oracle, torch.bfloat16, name="triton vs float32")
+    assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")

@@ -1,0 +1,40 @@
+"""An encoder MLP's first projection + activation: cuBLAS's GEMM + bias then torch's GELU (what our models run
+today) against ``flash_kernels.linear_act`` (one Triton GEMM with the bias and the erf GELU in its epilogue),
+graph-replayed so host cost is out, bf16. If the fused kernel wins at these shapes, "auto" should take it for
+inference (BERT at 0% padding spends 0.86 of 6.6 ms of kernels in GELU: docs/benchmarks.md, BERT, session 8).
+
+    PYTHONPATH=.:kernels python scripts/profile/linear_act_sweep.py   # on a CUDA GPU
+"""
+
+import torch
+import torch.nn.functional as F
+from gemm_rows import graphed_us  # this folder's sibling script
+
+from flash_kernels import linear_act
+
+# (name, M tokens, K hidden, N intermediate)
+SHAPES = [("bert-base 128x128", 16384, 768, 3072), ("vit-b16 64 images", 64 * 197, 768, 3072),
+          ("bert-large 16k", 16384, 1024, 4096), ("bert-large packed", 9011, 1024, 4096),
+          ("vit-l16 32 images", 32 * 197, 1024, 4096)]
+
+
+def main():
+    print(torch.cuda.get_device_name())
+    print("| shape | M x K -> N | GEMM+bias us | + GELU us | unfused total us | linear_act us | unfused / fused |")
+    print("|---|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for name, m, k, n in SHAPES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+            bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+            pre = F.linear(x, weight, bias)
+            gemm_us = graphed_us(lambda: F.linear(x, weight, bias))
+            gelu_us = graphed_us(lambda: F.gelu(pre))
+            unfused_us = graphed_us(lambda: F.gelu(F.linear(x, weight, bias)))
+            fused_us = graphed_us(lambda: linear_act(x, weight, bias, activation="gelu", backend="triton"))
+            print(f"| {name} | {m} x {k} -> {n} | {gemm_us:.1f} | {gelu_us:.1f} | {unfused_us:.1f} | {fused_us:.1f} "
+                  f"| {unfused_us / fused_us:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""linear_act: the GEMM + bias + activation kernel (the interpreter on CPU) against the unfused path on odd
+shapes, every activation and half dtype, strided inputs; its rounding points; the backend rules, the errors,
+torch.compile; on the GPU, BERT's and ViT's first MLP projection."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flash_kernels import linear_act
+from flash_kernels._testing import assert_close, assert_rounded_alike
+from flash_kernels.linear_act import ACTIVATIONS, linear_act_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _operands(m, k, n, dtype, *, bias=True, leading=()):
+    x = torch.randn(*leading, m, k, device=DEVICE).to(dtype)
+    weight = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
+    return x, weight, b
+
+
+def _unfused(x, weight, bias, activation):
+    """The GEMM in float32, stored in the dtype (as cuBLAS stores it), then the activation in float32, stored."""
+    pre = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return ACTIVATIONS[activation][1](pre.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("m,k,n,bias,leading", [
+    (77, 123, 70, True, ()),      # no dim a multiple of the tiles, K masked
+    (40, 64, 96, True, (3,)),     # a batch dim; K a multiple of BLOCK_K (the unmasked loop)
+    (5, 200, 33, False, ()),      # fewer rows than a tile, no bias
+])
+def test_matches_unfused(dtype, activation, m, k, n, bias, leading):
+    x, weight, b = _operands(m, k, n, dtype, bias=bias, leading=leading)
+    out = linear_act(x, weight, b, activation=activation, backend="triton")
+    assert out.shape == (*leading, m, n) and out.dtype == dtype
+    oracle = _unfused(x, weight, b, activation)
+    assert_close(out, oracle, dtype, name="linear_act")
+    if dtype == torch.float16 or DEVICE == "cuda":  # Triton's interpreter truncates to bf16 where GPUs round
+        assert_rounded_alike(out, oracle, dtype, name="linear_act")
+
+
+def test_strided_inputs():
+    """x a column slice (rows spaced wider than K) and a non-contiguous transpose; weight a column slice."""
+    x = torch.randn(30, 100, device=DEVICE).half()[:, :64]
+    weight = (torch.randn(48, 80, device=DEVICE) / 8).half()[:, :64]
+    assert x.stride(0) == 100 and weight.stride(0) == 80
+    assert_close(linear_act(x, weight, backend="triton"), _unfused(x, weight, None, "gelu"), torch.float16)
+    xt = torch.randn(64, 30, device=DEVICE).half().t()
+    assert not xt.is_contiguous()
+    assert_close(linear_act(xt, weight, backend="triton"), _unfused(xt, weight, None, "gelu"), torch.float16)
+
+
+def test_auto_is_the_unfused_torch_path():
+    x, weight, b = _operands(9, 16, 24, torch.float16)
+    for backend in ("auto", "reference"):
+        assert torch.equal(linear_act(x, weight, b, backend=backend), F.gelu(F.linear(x, weight, b)))
+        assert torch.equal(linear_act(x, weight, b, activation="relu", backend=backend), F.relu(F.linear(x, weight, b)))
+    assert torch.equal(linear_act_ref(x, weight, b, activation="gelu_tanh"),
+                       F.gelu(F.linear(x, weight, b), approximate="tanh"))
+
+
+def test_bad_inputs():
+    x, weight, b = _operands(4, 16, 8, torch.float16)
+    with pytest.raises(ValueError, match="activation='swish'"):
+        linear_act(x, weight, b, activation="swish")
+    with pytest.raises(ValueError, match="does not match weight"):
+        linear_act(x[:, :15], weight, backend="triton")
+    with pytest.raises(ValueError, match="bias shape"):
+        linear_act(x, weight, b[:7], backend="triton")
+    with pytest.raises(ValueError, match="share a dtype"):
+        linear_act(x.float(), weight, backend="triton")
+    with pytest.raises(ValueError, match="needs gradients"):
+        linear_act(x, weight.clone().requires_grad_(), backend="triton")
+    with pytest.raises(ValueError, match="float32"):
+        linear_act(x.float(), weight.float(), backend="triton")
+
+
+def test_compile_fullgraph():
+    x, weight, b = _operands(9, 32, 24, torch.float16)
+    fn = torch.compile(lambda x: linear_act(x, weight, b, backend="triton"), fullgraph=True,
+                       backend="aot_eager" if DEVICE == "cpu" else "inductor")
+    assert_close(fn(x), linear_act(x, weight, b, backend="triton"), torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(16384, 768, 3072), (12608, 768, 3072), (9011, 1024, 4096)])
+def test_gpu_encoder_shapes(m, k, n):
+    """BERT-base (16k tokens), ViT-B/16 (64 images x 197 tokens) and BERT-large (an odd packed count), bf16."""
+    x, weight, b = _operands(m, k, n, torch.bfloat16)
+    out = linear_act(x, weight, b, backend="triton")
+    oracle = _unfused(x, weight, b, "gelu")
+    assert_close(out, oracle, torch.bfloat16, name="linear_act")
+    assert_rounded_alike(out, oracle, torch.bfloat16, name="linear_act")

@@ -1,0 +1,60 @@
+"""The plain MLP's inference path: with nothing recording gradients, fc1 and its activation run as one
+``flash_kernels.linear_act`` call (the Triton kernel under the interpreter here) and give the unfused MLP's
+output; anything that needs the unfused path (grad mode, autocast, a hooked layer) keeps it."""
+
+import pytest
+import torch
+
+import flash_kernels
+from flash_kernels._testing import assert_close
+from flash_models.config import MLPConfig
+from flash_models.modules.mlp import MLP
+
+
+def _mlp(activation, kernel_backend, dtype=torch.float16):
+    torch.manual_seed(0)
+    return MLP(MLPConfig(hidden_size=48, intermediate_size=80, activation=activation),
+               kernel_backend=kernel_backend).to(dtype)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts linear_act calls made by the MLP (it looks the function up on flash_kernels at each call)."""
+    calls = []
+    real = flash_kernels.linear_act
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["activation"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash_kernels, "linear_act", spy)
+    return calls
+
+
+@pytest.mark.parametrize("activation, fused", [("gelu", "gelu"), ("gelu_new", "gelu_tanh"), ("relu", "relu")])
+def test_fused_inference_equals_the_unfused_mlp(activation, fused, fused_calls):
+    x = torch.randn(3, 29, 48).half()
+    with torch.no_grad():
+        out = _mlp(activation, "triton")(x)
+        assert fused_calls == [fused]
+        ref = _mlp(activation, "reference")(x)
+    assert_close(out, ref, torch.float16, name=activation)
+
+
+def test_unfused_when_gradients_autocast_hooks_or_float32_need_it(fused_calls):
+    x = torch.randn(2, 7, 48)
+    mlp = _mlp("gelu", "triton", torch.float32)
+    with torch.no_grad():
+        mlp(x)  # float32: torch's GEMM (the kernel would run its dot in TF32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        mlp(x)  # fp32 weights cast by autocast: fc1 is not a plain call in x's dtype
+    mlp, x = mlp.half(), x.half()
+    mlp(x)  # grad mode: the backward needs the pre-activation
+    hook = mlp.fc1.register_forward_hook(lambda *args: None)
+    with torch.no_grad():
+        mlp(x)  # the hook must see fc1 run
+    hook.remove()
+    assert fused_calls == []
+    with torch.no_grad():
+        mlp(x)
+    assert fused_calls == ["gelu"]
