@@ -80,6 +80,9 @@ def flash_attn_with_kvcache_ref(
 # measures L2, not HBM. Three stages of 64-key K and V tiles (96 KB at head dim 128) leave room for two
 # programs per SM. The two schedule numbers come from `bench attention --decode-sweep` on an H200
 # (2026-11-22): 2 programs per SM was best at batch 1 (the target case); batch 16 preferred 4 (~10% faster).
+# On an H100 (2026-11-23) a sweep of tiles x programs per SM at batch 1 / 8k found 0.78 of copy bandwidth at
+# best against 0.76 for this choice, and merging the splits inside this kernel (an atomic counter, the last
+# split merges) instead of a second launch measured 1.00x: inside a CUDA graph the merge launch is free.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 256
 # One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
