@@ -74,6 +74,13 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
     return True
 
 
+def needs_grad_reason(*tensors: torch.Tensor | None) -> str | None:
+    """The ``unsupported`` reason of an inference-only kernel (no backward) when autograd would record it."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return "an input that needs gradients (the kernel has no backward; run it under torch.no_grad)"
+    return None
+
+
 def capturing_cuda_graph() -> bool:
     """True while the current CUDA stream is being captured into a graph (host syncs are illegal then).
     Never initializes CUDA: without it initialized, nothing can be capturing."""

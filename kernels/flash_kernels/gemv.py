@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ._autotune_cache import cached_autotune
-from ._backend import check_backend_name, triton_interpreter_enabled, use_triton
+from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, or_dummy, pick
 from .activations import _act_and_grad, swiglu_ref
@@ -199,9 +199,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | 
         return f"dtype {x.dtype} (supported: float32, float16, bfloat16)"
     if weight.stride(1) != 1:
         return "a weight whose rows are not contiguous"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, *others)):
-        return "an input that needs gradients (the kernel has no backward; run it under torch.no_grad)"
-    return None
+    return needs_grad_reason(x, weight, *others)
 
 
 def gemv(

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ._autotune_cache import cached_autotune
-from ._backend import check_backend_name, triton_interpreter_enabled, use_triton
+from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, next_power_of_2, or_dummy, pick
 from .activations import _act_and_grad
@@ -158,9 +158,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return f"dtype {x.dtype} (supported: float16, bfloat16)"
     if x.numel() == 0:
         return "an empty input"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return "an input that needs gradients (the kernel has no backward; run it under torch.no_grad)"
-    return None
+    return needs_grad_reason(x, weight, bias)
 
 
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str = "gelu",
