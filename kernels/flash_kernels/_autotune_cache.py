@@ -9,9 +9,10 @@ through the Autotuner (which benchmarks or finds its choice); later ones call th
 the chosen config's meta-parameters, through ``_launch.lean_launch``.
 
 The key is the Autotuner's own (the values of its ``key`` arguments, then every tensor argument's dtype), built
-from precomputed argument positions, so a cached choice is only reused where Triton would reuse it. Configs
-with a ``pre_hook`` always take the Autotuner's path. Without Triton (``_triton_compat``) the decorator
-returns the kernel unchanged.
+from precomputed argument positions, so a cached choice is only reused where Triton would reuse it. A chosen
+config's ``pre_hook`` (which sets up arguments for it, e.g. the boxes of TMA descriptors) runs before each
+cached launch, with the named arguments and the config's meta-parameters, as the Autotuner calls it. Without
+Triton (``_triton_compat``) the decorator returns the kernel unchanged.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class CachedAutotune:
         self.jit = lean_launch(autotuner.fn)
         positions = {name: i for i, name in enumerate(autotuner.arg_names)}
         self.key_args = [(name, positions[name]) for name in autotuner.keys]
-        self.chosen: dict[tuple, dict] = {}  # key -> the chosen config's meta-parameters
+        self.arg_names = autotuner.arg_names
+        self.chosen: dict[tuple, tuple] = {}  # key -> (the chosen config's meta-parameters, its pre_hook)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
@@ -52,11 +54,13 @@ class CachedAutotune:
 
     def launch(self, grid, args: tuple, kwargs: dict):
         key = self.key(args, kwargs)
-        meta = self.chosen.get(key)
-        if meta is not None:
+        chosen = self.chosen.get(key)
+        if chosen is not None:
+            meta, pre_hook = chosen
+            if pre_hook is not None:
+                pre_hook({**dict(zip(self.arg_names, args)), **kwargs, **meta})
             return self.jit[grid](*args, **kwargs, **meta)
         result = self.autotuner[grid](*args, **kwargs)
         config = self.autotuner.best_config
-        if config.pre_hook is None:
-            self.chosen[key] = config.all_kwargs()
+        self.chosen[key] = (config.all_kwargs(), config.pre_hook)
         return result

@@ -8,27 +8,40 @@ largest tensor of the layer. In a BERT-base forward at 0% padding that GELU is 0
 approximation, not the erf GELU these models were trained with. Here the activation is applied to the
 accumulator tile before the one store.
 
+The kernel is persistent (one or two programs per SM walk the output tiles) and its operands come by TMA
+(host-built tensor descriptors), which needs a Hopper-class GPU (compute capability 9.0+) and K and N
+multiples of 8; other inputs are copied to be 16-byte aligned where needed.
+
 The result rounds where the unfused path stores a tensor: the pre-activation (with its bias) is rounded to
 x's dtype, as the GEMM stores it, before the activation, whose float32 result is rounded once more. Only the
 float32 summation order of the GEMM differs from cuBLAS's.
 
 Inference only: no backward (a training MLP keeps its pre-activation for the GELU gradient, which this kernel
 does not write), and inputs that need gradients are refused. Backends: "triton" runs the kernel;
-"reference" is ``F.linear`` then the activation; "auto" is the reference too, until a GPU run shows the
-kernel ahead of cuBLAS + torch's activation (``scripts/profile/linear_act_sweep.py``; not yet run).
+"reference" is ``F.linear`` then the activation; "auto" is the reference too. Why (H100, bf16,
+docs/benchmarks.md, session 10): graph-replayed, the kernel beats cuBLAS + torch's GELU by only 1-6% at
+BERT's and ViT's fc1 shapes (the erf epilogue, not overlapped with the tensor cores, costs nearly what the
+separate GELU kernel does, and the GEMM itself runs 0-13% behind cuBLAS), BERT inference from graphs did not
+move beyond run-to-run noise with it, and an eager call costs ~88 us of host time against ~23 us for the two
+torch calls (descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
-from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, next_power_of_2, or_dummy, pick
+from ._triton_compat import TRITON_AVAILABLE, tl, triton
+from ._triton_utils import cdiv, next_power_of_2, num_programs, or_dummy, pick
 from .activations import _act_and_grad
 from .attention import _mm
+
+if TRITON_AVAILABLE:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 # activation name -> the kernel's ACT code (see _activate), and the reference on a stored pre-activation.
 ACTIVATIONS = {
@@ -46,17 +59,29 @@ def linear_act_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _configs():
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) candidates for Hopper-class GPUs: large output tiles so the
-    tensor cores are fed, three or four stages of shared memory (96-147 KB for 128-row tiles: the 96 KB ones
-    fit two programs per SM, so one's epilogue overlaps the other's main loop); the interpreter gets one small
-    tile so test shapes cross several tiles in every dim."""
+    """Candidates for the persistent kernel: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM, epilogue
+    in two halves), from an H100 sweep at BERT's and ViT's fc1 shapes (docs/benchmarks.md, session 10): one
+    program per SM with 128 x 256 tiles and a split epilogue was fastest at BERT-large's; two per SM (128 x 128
+    tiles, ~112 KB of shared memory each), where one program's GELU can overlap the other's main loop, at
+    BERT-base's and ViT's by 1-6%. The interpreter gets one small tile, split, so test shapes cross several
+    tiles in every dim and the split epilogue runs."""
     if triton_interpreter_enabled():
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}, num_warps=4, num_stages=1)]
-    shapes = [(128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-              (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-              (128, 256, 32, 8, 4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
-            for m, n, k, w, s in shapes]
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "PROGRAMS_PER_SM": 1,
+                               "SPLIT_EPILOGUE": True}, num_warps=4, num_stages=1, pre_hook=_set_block_shapes)]
+    shapes = [(128, 256, 64, 8, 3, 1, True), (128, 256, 64, 8, 4, 1, True), (128, 128, 64, 8, 4, 1, False),
+              (128, 128, 128, 8, 3, 1, False), (128, 128, 64, 4, 3, 2, True), (128, 128, 64, 8, 3, 2, True),
+              (128, 128, 64, 4, 3, 2, False)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "PROGRAMS_PER_SM": programs,
+                           "SPLIT_EPILOGUE": split}, num_warps=w, num_stages=s, pre_hook=_set_block_shapes)
+            for m, n, k, w, s, programs, split in shapes]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    """A TMA descriptor carries the box it moves, so each config sets the boxes of the descriptors it gets."""
+    block_m, block_n, block_k = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["x_desc"].block_shape = [block_m, block_k]
+    nargs["w_desc"].block_shape = [block_n, block_k]
+    nargs["y_desc"].block_shape = [block_m, block_n // 2 if nargs["SPLIT_EPILOGUE"] else block_n]
 
 
 @triton.jit
@@ -68,63 +93,85 @@ def _activate(y, ACT: tl.constexpr):
     return a
 
 
+@triton.jit
+def _epilogue(acc, B, offs_n, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, out_dtype: tl.constexpr):
+    """Bias, the pre-activation rounded as the unfused GEMM stores it, then the activation, in out_dtype."""
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    pre = acc.to(out_dtype).to(tl.float32)
+    return _activate(pre, ACT).to(out_dtype)
+
+
+@triton.jit
+def _tile_coords(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of a tile, visiting GROUP_M row blocks at a time down each column block so
+    that programs working at the same time share W's columns and X's rows in L2."""
+    per_group = GROUP_M * blocks_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_rows, (tile % per_group) // group_rows
+
+
 _CONFIGS = _configs()
-_K_ALIGN = max(config.kwargs["BLOCK_K"] for config in _CONFIGS)  # K a multiple of it: no mask along K
 
 
 @cached_autotune
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "M_BUCKET"])
 @triton.jit
 def _linear_act_kernel(
-    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ym, M_BUCKET,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    x_desc, w_desc, y_desc, B, M, N, K, NUM_SMS, M_BUCKET,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
 ):
-    """One (BLOCK_M, BLOCK_N) tile of act(X @ W.T + B). Tiles are visited GROUP_M row blocks at a time down each
-    column block, so consecutive programs share W's columns and X's rows in L2. M_BUCKET (a power of two at or
-    above M) only keys the autotuner: packed batches change M by a few tokens each time."""
-    pid = tl.program_id(0)
+    """act(X @ W.T + B), persistent: each program walks the output tiles with a stride of the grid size, its
+    operands brought by TMA (tensor descriptors; out-of-range rows and columns read as zeros and are not
+    stored). SPLIT_EPILOGUE stores the tile in two column halves, so half the accumulator is converted at a
+    time and the output staging buffer is half the size. M_BUCKET (a power of two at or above M) only keys the
+    autotuner: packed batches change M by a few tokens each time."""
     blocks_m = tl.cdiv(M, BLOCK_M)
     blocks_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_in, n_in = offs_m < M, offs_n < N
-    x_ptrs = X + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # (BLOCK_K, BLOCK_N) of W.T
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:  # no mask along K: the loads stay vectorized and pipelined
-            x = tl.load(x_ptrs, mask=m_in[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=n_in[None, :], other=0.0)
+    out_dtype = B.dtype.element_ty
+    for tile in range(tl.program_id(0), blocks_m * blocks_n, NUM_SMS * PROGRAMS_PER_SM):
+        pid_m, pid_n = _tile_coords(tile, blocks_m, blocks_n, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            acc = _mm(x_desc.load([off_m, k0]), w_desc.load([off_n, k0]).T, acc, DOT_F32)
+        if SPLIT_EPILOGUE:
+            left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            offs_n = off_n + tl.arange(0, BLOCK_N // 2)
+            y_desc.store([off_m, off_n], _epilogue(left, B, offs_n, N, HAS_BIAS, ACT, out_dtype))
+            y_desc.store([off_m, off_n + BLOCK_N // 2],
+                         _epilogue(right, B, offs_n + BLOCK_N // 2, N, HAS_BIAS, ACT, out_dtype))
         else:
-            k_in = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=m_in[:, None] & k_in[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_in[:, None] & n_in[None, :], other=0.0)
-        acc = _mm(x, w, acc, DOT_F32)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-    pre = acc.to(Y.dtype.element_ty).to(tl.float32)  # the pre-activation as the unfused GEMM stores it
-    y = _activate(pre, ACT).to(Y.dtype.element_ty)
-    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], y, mask=m_in[:, None] & n_in[None, :])
+            y_desc.store([off_m, off_n],
+                         _epilogue(acc, B, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACT, out_dtype))
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t (2-D) as TMA reads it: unit column stride, rows and base 16-byte aligned; else a contiguous copy."""
+    aligned = t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+    return t if aligned else t.contiguous()
+
+
+def _descriptor(t: torch.Tensor) -> TensorDescriptor:
+    """A descriptor of t; its box is set by the chosen config's pre-hook (_set_block_shapes)."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1])
 
 
 def _linear_act(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: int) -> torch.Tensor:
     M, K = x2.shape
     N = weight.shape[0]
+    x2, weight = _tma_ready(x2), _tma_ready(weight)
     y = torch.empty((M, N), device=x2.device, dtype=x2.dtype)
     dot_f32 = triton_interpreter_enabled() and x2.dtype == torch.bfloat16
-    grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    sms = num_programs(x2.device, per_sm=1)
+    grid = lambda meta: (min(sms * meta["PROGRAMS_PER_SM"],  # noqa: E731
+                             cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
     _linear_act_kernel[grid](
-        x2, weight, or_dummy(bias, x2.device, x2.dtype), y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-        next_power_of_2(M), HAS_BIAS=bias is not None, ACT=act, EVEN_K=K % _K_ALIGN == 0, DOT_F32=dot_f32,
+        _descriptor(x2), _descriptor(weight), _descriptor(y), or_dummy(bias, x2.device, x2.dtype), M, N, K, sms,
+        next_power_of_2(M), HAS_BIAS=bias is not None, ACT=act, DOT_F32=dot_f32,
     )
     return y
 
@@ -153,11 +200,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
                          f"{'' if bias is None else ', ' + str(bias.dtype)}")
 
 
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
 def _unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     if x.dtype not in _DTYPES:
         return f"dtype {x.dtype} (supported: float16, bfloat16)"
     if x.numel() == 0:
         return "an empty input"
+    if weight.shape[0] % 8 or weight.shape[1] % 8:
+        return (f"weight {tuple(weight.shape)}: both dims must be multiples of 8 (the kernel moves rows by TMA, "
+                "which needs them 16-byte aligned)")
+    if x.is_cuda and not _has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return "a GPU without TMA (the kernel needs compute capability 9.0 or newer)"
     return needs_grad_reason(x, weight, bias)
 
 
@@ -170,8 +227,6 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             backend, x, op="linear_act", unsupported=_unsupported(x, weight, bias)):
         return linear_act_ref(x, weight, bias, activation=activation)
     x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     y = pick(_linear_act_op, _linear_act)(x2, weight, bias, ACTIVATIONS[activation][0])
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -1,10 +1,13 @@
-"""An encoder MLP's first projection + activation: cuBLAS's GEMM + bias then torch's GELU (what our models run
-today) against ``flash_kernels.linear_act`` (one Triton GEMM with the bias and the erf GELU in its epilogue),
-graph-replayed so host cost is out, bf16. If the fused kernel wins at these shapes, "auto" should take it for
-inference (BERT at 0% padding spends 0.86 of 6.6 ms of kernels in GELU: docs/benchmarks.md, BERT, session 8).
+"""An encoder MLP's first projection + activation: cuBLAS's GEMM + bias then torch's GELU against
+``flash_kernels.linear_act`` (one persistent TMA Triton GEMM with the bias and the erf GELU in its epilogue),
+graph-replayed so host cost is out, bf16; then the host cost of one eager call of each (a tiny shape, so the
+GPU waits on the host). BERT at 0% padding spends 0.86 of 6.6 ms of kernels in GELU (docs/benchmarks.md,
+BERT, session 8).
 
     PYTHONPATH=.:kernels python scripts/profile/linear_act_sweep.py   # on a CUDA GPU
 """
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,21 @@ def main():
             fused_us = graphed_us(lambda: linear_act(x, weight, bias, activation="gelu", backend="triton"))
             print(f"| {name} | {m} x {k} -> {n} | {gemm_us:.1f} | {gelu_us:.1f} | {unfused_us:.1f} | {fused_us:.1f} "
                   f"| {unfused_us / fused_us:.2f} |", flush=True)
+        x, weight, bias = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((8, 64), (128, 64), 128))
+        print(f"host us per eager call (8 x 64 -> 128): F.linear + F.gelu {host_us(lambda: F.gelu(F.linear(x, weight, bias))):.1f}, "
+              f"linear_act {host_us(lambda: linear_act(x, weight, bias, activation='gelu', backend='triton')):.1f}")
+
+
+def host_us(fn, calls: int = 500) -> float:
+    """Wall us per call of ``calls`` back-to-back eager calls of a GPU-trivial fn (the host is the cost)."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
 
 
 if __name__ == "__main__":

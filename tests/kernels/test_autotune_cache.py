@@ -60,21 +60,25 @@ def test_one_autotuner_launch_per_key_then_direct_launches_with_the_same_results
         torch.testing.assert_close(_scale(x, 1.5), x * 1.5)
     # keys: (64, fp32) twice via 40/37/33, (128, fp32), (64, fp16): the Autotuner ran once for each
     assert calls == [64, 128, 64]
-    assert {key[0]: meta["BLOCK"] for key, meta in _scale_kernel.chosen.items()} == {64: 16, 128: 32}
+    assert {key[0]: meta["BLOCK"] for key, (meta, _) in _scale_kernel.chosen.items()} == {64: 16, 128: 32}
     assert len(_scale_kernel.chosen) == 3
 
 
-def test_configs_with_a_pre_hook_always_take_the_autotuners_path(monkeypatch):
+def test_a_chosen_configs_pre_hook_runs_before_every_cached_launch(monkeypatch):
+    """The hook sees the named arguments and the config's meta-parameters, as the Autotuner passes them, on the
+    first launch (the Autotuner's) and on the later direct ones."""
     hooked = []
     kernel = cached_autotune(triton.autotune(
-        configs=[triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: hooked.append(nargs["n"]))], key=["n_bucket"],
-    )(_scale_kernel.jit))
+        configs=[triton.Config({"BLOCK": 16}, pre_hook=lambda nargs: hooked.append((nargs["n"], nargs["BLOCK"])))],
+        key=["n_bucket"],
+    )(_scale_kernel.autotuner.fn))
+    calls = _count_autotuner_launches(monkeypatch)
     x = torch.arange(20, dtype=torch.float32, device=DEVICE)
-    for _ in range(2):
+    for _ in range(3):
         y = torch.empty_like(x)
         kernel[(2,)](x, y, 20, 2.0, 32)
         torch.testing.assert_close(y, x * 2)
-    assert hooked == [20, 20] and kernel.chosen == {}
+    assert calls == [32] and hooked == [(20, 16)] * 3
 
 
 def test_anything_but_an_autotuner_is_returned_unchanged():

@@ -1,6 +1,6 @@
-"""linear_act: the GEMM + bias + activation kernel (the interpreter on CPU) against the unfused path on odd
-shapes, every activation and half dtype, strided inputs; its rounding points; the backend rules, the errors,
-torch.compile; on the GPU, BERT's and ViT's first MLP projection."""
+"""linear_act: the persistent TMA GEMM + bias + activation kernel (the interpreter on CPU) against the unfused
+path on odd shapes, every activation and half dtype, strided and misaligned inputs; its rounding points; the
+backend rules, the errors, torch.compile; on the GPU, BERT's and ViT's first MLP projection."""
 
 import pytest
 import torch
@@ -30,9 +30,10 @@ def _unfused(x, weight, bias, activation):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("m,k,n,bias,leading", [
-    (77, 123, 70, True, ()),      # no dim a multiple of the tiles, K masked
-    (40, 64, 96, True, (3,)),     # a batch dim; K a multiple of BLOCK_K (the unmasked loop)
-    (5, 200, 33, False, ()),      # fewer rows than a tile, no bias
+    (77, 120, 72, True, ()),      # no dim a multiple of the tiles: TMA reads zeros past K and clips the store;
+                                  # 9 tiles for the interpreter's 4 programs, so each program takes several
+    (40, 64, 96, True, (3,)),     # a batch dim; K a multiple of BLOCK_K
+    (5, 200, 40, False, ()),      # fewer rows than a tile, no bias
 ])
 def test_matches_unfused(dtype, activation, m, k, n, bias, leading):
     x, weight, b = _operands(m, k, n, dtype, bias=bias, leading=leading)
@@ -44,18 +45,33 @@ def test_matches_unfused(dtype, activation, m, k, n, bias, leading):
         assert_rounded_alike(out, oracle, dtype, name="linear_act")
 
 
-def test_strided_inputs():
-    """x a column slice (rows spaced wider than K) and a non-contiguous transpose; weight a column slice."""
-    x = torch.randn(30, 100, device=DEVICE).half()[:, :64]
+def test_strided_and_misaligned_inputs():
+    """TMA reads rows 16-byte aligned in place (x and weight column slices with aligned row strides); rows
+    spaced unaligned, a shifted base or a transpose are copied first."""
     weight = (torch.randn(48, 80, device=DEVICE) / 8).half()[:, :64]
-    assert x.stride(0) == 100 and weight.stride(0) == 80
-    assert_close(linear_act(x, weight, backend="triton"), _unfused(x, weight, None, "gelu"), torch.float16)
-    xt = torch.randn(64, 30, device=DEVICE).half().t()
-    assert not xt.is_contiguous()
-    assert_close(linear_act(xt, weight, backend="triton"), _unfused(xt, weight, None, "gelu"), torch.float16)
+    assert weight.stride(0) == 80
+    wide = torch.randn(30, 100, device=DEVICE).half()
+    for x in (wide[:, :64],      # row stride 100 elements: 200 bytes, unaligned
+              wide[:, 8:72],     # row stride unaligned, base 16 bytes in
+              wide[:, 1:65],     # base 2 bytes in
+              torch.randn(30, 104, device=DEVICE).half()[:, 8:72],  # aligned rows and base: read in place
+              torch.randn(64, 30, device=DEVICE).half().t()):       # a transpose
+        assert_close(linear_act(x, weight, backend="triton"), _unfused(x, weight, None, "gelu"), torch.float16)
+
+
+def test_dims_tma_cannot_move_fall_back_or_raise():
+    """K or N not a multiple of 8 (rows not 16-byte aligned): "auto" takes the unfused path, "triton" says why."""
+    x, weight, b = _operands(9, 12, 24, torch.float16)
+    assert torch.equal(linear_act(x, weight, b, backend="auto"), F.gelu(F.linear(x, weight, b)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        linear_act(x, weight, b, backend="triton")
+    x, weight, b = _operands(9, 16, 20, torch.float16)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        linear_act(x, weight, b, backend="triton")
 
 
 def test_auto_is_the_unfused_torch_path():
+    """Until the kernel is worth its host cost (module docstring), "auto" is cuBLAS + torch's activation."""
     x, weight, b = _operands(9, 16, 24, torch.float16)
     for backend in ("auto", "reference"):
         assert torch.equal(linear_act(x, weight, b, backend=backend), F.gelu(F.linear(x, weight, b)))
@@ -78,6 +94,8 @@ def test_bad_inputs():
         linear_act(x, weight.clone().requires_grad_(), backend="triton")
     with pytest.raises(ValueError, match="float32"):
         linear_act(x.float(), weight.float(), backend="triton")
+    with pytest.raises(ValueError, match="empty input"):
+        linear_act(x[:0], weight, backend="triton")
 
 
 def test_compile_fullgraph():
@@ -96,3 +114,4 @@ def test_gpu_encoder_shapes(m, k, n):
     oracle = _unfused(x, weight, b, "gelu")
     assert_close(out, oracle, torch.bfloat16, name="linear_act")
     assert_rounded_alike(out, oracle, torch.bfloat16, name="linear_act")
+    assert torch.equal(linear_act(x, weight, b, backend="auto"), F.gelu(F.linear(x, weight, b)))

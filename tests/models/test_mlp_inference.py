@@ -10,11 +10,13 @@ from flash_kernels._testing import assert_close
 from flash_models.config import MLPConfig
 from flash_models.modules.mlp import MLP
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _mlp(activation, kernel_backend, dtype=torch.float16):
     torch.manual_seed(0)
     return MLP(MLPConfig(hidden_size=48, intermediate_size=80, activation=activation),
-               kernel_backend=kernel_backend).to(dtype)
+               kernel_backend=kernel_backend).to(DEVICE, dtype)
 
 
 @pytest.fixture
@@ -33,7 +35,7 @@ def fused_calls(monkeypatch):
 
 @pytest.mark.parametrize("activation, fused", [("gelu", "gelu"), ("gelu_new", "gelu_tanh"), ("relu", "relu")])
 def test_fused_inference_equals_the_unfused_mlp(activation, fused, fused_calls):
-    x = torch.randn(3, 29, 48).half()
+    x = torch.randn(3, 29, 48, device=DEVICE).half()
     with torch.no_grad():
         out = _mlp(activation, "triton")(x)
         assert fused_calls == [fused]
@@ -42,11 +44,11 @@ def test_fused_inference_equals_the_unfused_mlp(activation, fused, fused_calls):
 
 
 def test_unfused_when_gradients_autocast_hooks_or_float32_need_it(fused_calls):
-    x = torch.randn(2, 7, 48)
+    x = torch.randn(2, 7, 48, device=DEVICE)
     mlp = _mlp("gelu", "triton", torch.float32)
     with torch.no_grad():
         mlp(x)  # float32: torch's GEMM (the kernel would run its dot in TF32)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
         mlp(x)  # fp32 weights cast by autocast: fc1 is not a plain call in x's dtype
     mlp, x = mlp.half(), x.half()
     mlp(x)  # grad mode: the backward needs the pre-activation
