@@ -7,11 +7,10 @@ BERT, session 8).
     PYTHONPATH=.:kernels python scripts/profile/linear_act_sweep.py   # on a CUDA GPU
 """
 
-import time
-
 import torch
 import torch.nn.functional as F
-from gemm_rows import graphed_us  # this folder's sibling script
+from gemm_rows import graphed_us  # this folder's sibling scripts
+from host_cost import host_us
 
 from flash_kernels import linear_act
 
@@ -37,21 +36,11 @@ def main():
             fused_us = graphed_us(lambda: linear_act(x, weight, bias, activation="gelu", backend="triton"))
             print(f"| {name} | {m} x {k} -> {n} | {gemm_us:.1f} | {gelu_us:.1f} | {unfused_us:.1f} | {fused_us:.1f} "
                   f"| {unfused_us / fused_us:.2f} |", flush=True)
-        x, weight, bias = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in ((8, 64), (128, 64), 128))
-        print(f"host us per eager call (8 x 64 -> 128): F.linear + F.gelu {host_us(lambda: F.gelu(F.linear(x, weight, bias))):.1f}, "
-              f"linear_act {host_us(lambda: linear_act(x, weight, bias, activation='gelu', backend='triton')):.1f}")
-
-
-def host_us(fn, calls: int = 500) -> float:
-    """Wall us per call of ``calls`` back-to-back eager calls of a GPU-trivial fn (the host is the cost)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+        shapes = ((8, 64), (128, 64), 128)
+        x, weight, bias = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for shape in shapes)
+        torch_us = host_us(lambda: F.gelu(F.linear(x, weight, bias)))
+        fused_us = host_us(lambda: linear_act(x, weight, bias, activation="gelu", backend="triton"))
+        print(f"host us per eager call (8 x 64 -> 128): F.linear + F.gelu {torch_us:.1f}, linear_act {fused_us:.1f}")
 
 
 if __name__ == "__main__":
