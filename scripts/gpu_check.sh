@@ -13,6 +13,7 @@
 #   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
 #   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
 #   bash scripts/gpu_check.sh activations    # the branchless erf (bit test vs libdevice), GELU kernels vs torch's, linear-act
+#   bash scripts/gpu_check.sh decode-pdl     # decode attention with programmatic dependent launch: its GPU test, then A/B
 #   bash scripts/gpu_check.sh triton-launch  # kernel GPU tests on Triton's launch path (FLASH_KERNELS_LEAN_LAUNCH=0), launch costs both ways
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,11 +53,14 @@ case "${1:-}" in
         pytest_gpu tests/kernels/test_activations.py tests/kernels/test_linear_act.py 2>&1 | tee "$OUT/tests-activations.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 150 python scripts/profile/activation_sweep.py 2>&1 | tee "$OUT/activation-sweep.log" | grep "^|"
         timeout 200 python scripts/profile/linear_act_sweep.py 2>&1 | tee "$OUT/linear-act-sweep.log" | grep -E "^\||^host" ;;
+    decode-pdl)
+        pytest_gpu tests/kernels/test_attention_decode.py -k "programmatic or real_sizes" 2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+        timeout 200 python scripts/profile/decode_pdl.py 2>&1 | tee "$OUT/decode-pdl.log" | grep "^|" ;;
     triton-launch)
         FLASH_KERNELS_LEAN_LAUNCH=0 pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-triton-launch.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-lean.log" | grep "^|"
         FLASH_KERNELS_LEAN_LAUNCH=0 timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-triton.log" | grep "^|" ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|gemv|gemm-rows|linear-act|activations|triton-launch}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|gemv|gemm-rows|linear-act|activations|decode-pdl|triton-launch}" >&2
         exit 2 ;;
 esac

@@ -6,6 +6,8 @@ import functools
 
 import torch
 
+from ._backend import triton_interpreter_enabled
+
 
 # Host-side launch arithmetic in plain Python: in recent Triton (3.9 on the CPU machine this was measured on)
 # ``triton.next_power_of_2`` and ``triton.cdiv`` are constexpr functions whose call from host code cost 3.5-4.7
@@ -30,6 +32,23 @@ def warps_for_block(block: int, *, elems_per_thread: int = 8, max_warps: int = 1
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (cached: get_device_properties costs about 8 us a call)."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.cache
+def _capability_at_least_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (TMA, programmatic dependent launch)."""
+    return device.type == "cuda" and _capability_at_least_hopper(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel launched while its predecessor still runs, waiting in-kernel with
+    ``tl.extra.cuda.gdc_wait``) works here: a Hopper-or-newer GPU, not Triton's interpreter."""
+    return hopper_or_newer(device) and not triton_interpreter_enabled()
 
 
 def num_programs(device: torch.device, per_sm: int = 4) -> int:

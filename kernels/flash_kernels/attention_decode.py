@@ -20,7 +20,7 @@ import torch
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, next_power_of_2, sm_count
+from ._triton_utils import cdiv, next_power_of_2, pdl_supported, sm_count
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
 )
@@ -88,6 +88,12 @@ DECODE_MIN_CHUNK = 256
 # One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
 # GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per layer merging two halves.
 DECODE_SINGLE_SPLIT_MAX = 1024
+# Programmatic dependent launch (Hopper+): the split kernel is launched while the kernel before it finishes and
+# waits for it in-kernel (gdc_wait) before reading anything, and lets the merge kernel launch as soon as all
+# of its own programs have started, so neither kernel's launch and scheduling sits between two kernels on the
+# GPU. Off until scripts/profile/decode_pdl.py (gpu_check.sh decode-pdl) measures it in one process against
+# the plain launches; not yet run.
+DECODE_PDL = False
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
 
@@ -102,9 +108,13 @@ def _decode_split_kernel(
     seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
     With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed."""
+    if PDL:  # launched early (DECODE_PDL): wait for the kernel before, then let the merge kernel launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -164,8 +174,10 @@ def _decode_split_kernel(
 def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
                            stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
                            stride_ob, stride_os, stride_oh,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """out[b, i, h] = sum_s w_s * O_s with w_s = exp(lse_s) / sum exp(lse); all -inf (nothing seen) -> 0."""
+    if PDL:  # launched while the split kernel runs: its partials are complete and visible after the wait
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     i = pid % seqlen_q
     h = (pid // seqlen_q) % n_heads
@@ -229,6 +241,8 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
+    pdl = DECODE_PDL and pdl_supported(q.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _decode_split_kernel[(num_splits, bsz * hkv, cdiv(rows, block_m))](
         q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -237,7 +251,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         out.stride(0), out.stride(1), out.stride(2),
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
-        SINGLE_SPLIT=single, num_warps=num_warps, num_stages=num_stages,
+        SINGLE_SPLIT=single, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if single:
         return out
@@ -245,7 +259,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         opart, lpart, out, num_splits, hq, seqlen_q,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)),
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, **launch,
     )
     return out
 

@@ -28,15 +28,13 @@ torch calls (descriptor arguments take Triton's own launch path, not ``_launch.l
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
-from ._triton_utils import cdiv, next_power_of_2, num_programs, or_dummy, pick
+from ._triton_utils import cdiv, hopper_or_newer, next_power_of_2, num_programs, or_dummy, pick
 from .activations import _act_and_grad
 from .attention import _mm
 
@@ -200,11 +198,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act
                          f"{'' if bias is None else ', ' + str(bias.dtype)}")
 
 
-@functools.cache
-def _has_tma(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
-
-
 def _unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     if x.dtype not in _DTYPES:
         return f"dtype {x.dtype} (supported: float16, bfloat16)"
@@ -213,7 +206,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if weight.shape[0] % 8 or weight.shape[1] % 8:
         return (f"weight {tuple(weight.shape)}: both dims must be multiples of 8 (the kernel moves rows by TMA, "
                 "which needs them 16-byte aligned)")
-    if x.is_cuda and not _has_tma(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+    if x.is_cuda and not hopper_or_newer(x.device):
         return "a GPU without TMA (the kernel needs compute capability 9.0 or newer)"
     return needs_grad_reason(x, weight, bias)
 

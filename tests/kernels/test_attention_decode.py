@@ -166,3 +166,37 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size):
     ref = flash_attn_with_kvcache_ref(q, kc_ref, vc_ref, cache_seqlens=seqlens, k=k, v=k, block_table=table)
     assert_close(out, ref, torch.bfloat16, name="out")
     assert torch.equal(kc, kc_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None)])
+def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size, monkeypatch):
+    """DECODE_PDL (split and merge kernels launched early, each waiting for its predecessor in-kernel) gives the
+    plain launches' output bit for bit, called eagerly and replayed from a CUDA graph that chains several
+    decode calls, each appending into the cache the next one reads (a missed wait would read stale keys)."""
+    torch.manual_seed(5)
+    steps = 4
+    q = torch.randn(steps, bsz, 1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(steps, bsz, 1, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    kc0, vc0, table = _cache(bsz, capacity, 8, 128, torch.bfloat16, page_size)
+    lens0 = torch.randint(capacity // 2, capacity - steps, (bsz,), dtype=torch.int32, device=DEVICE)
+
+    def decode_steps(kc, vc):
+        return torch.stack([flash_attn_with_kvcache(q[t], kc, vc, cache_seqlens=lens0 + t, k=k[t], v=k[t],
+                                                    block_table=table, backend="triton") for t in range(steps)])
+
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(dec, "DECODE_PDL", pdl)
+        kc, vc = kc0.clone(), vc0.clone()
+        eager = decode_steps(kc, vc)
+        kc.copy_(kc0), vc.copy_(vc0)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = decode_steps(kc, vc)
+        kc.copy_(kc0), vc.copy_(vc0)
+        graph.replay()
+        results[pdl] = (eager, replayed.clone(), kc.clone())
+    for plain, early in zip(results[False], results[True]):
+        assert torch.equal(plain, early)
+    assert torch.equal(results[True][0], results[True][1])
