@@ -13,7 +13,7 @@
 #   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
 #   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
 #   bash scripts/gpu_check.sh activations    # the branchless erf (bit test vs libdevice), GELU kernels vs torch's, linear-act
-#   bash scripts/gpu_check.sh decode-pdl     # decode attention with programmatic dependent launch: its GPU test, then A/B
+#   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, decode attention A/B, bench generate ours vs ours+pdl
 #   bash scripts/gpu_check.sh triton-launch  # kernel GPU tests on Triton's launch path (FLASH_KERNELS_LEAN_LAUNCH=0), launch costs both ways
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,8 +54,11 @@ case "${1:-}" in
         timeout 150 python scripts/profile/activation_sweep.py 2>&1 | tee "$OUT/activation-sweep.log" | grep "^|"
         timeout 200 python scripts/profile/linear_act_sweep.py 2>&1 | tee "$OUT/linear-act-sweep.log" | grep -E "^\||^host" ;;
     decode-pdl)
-        pytest_gpu tests/kernels/test_attention_decode.py -k "programmatic or real_sizes" 2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-        timeout 200 python scripts/profile/decode_pdl.py 2>&1 | tee "$OUT/decode-pdl.log" | grep "^|" ;;
+        pytest_gpu tests/kernels/test_attention_decode.py tests/generation/test_generate_gpu.py -k "programmatic or real_sizes" \
+            2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+        timeout 150 python scripts/profile/decode_pdl.py 2>&1 | tee "$OUT/decode-pdl.log" | grep "^|"
+        timeout 240 python -m flash_models bench generate --models llama-1.1b gpt2-124m --batches 1 16 --prompts 128 \
+            --peers ours+pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|" ;;
     triton-launch)
         FLASH_KERNELS_LEAN_LAUNCH=0 pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-triton-launch.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-lean.log" | grep "^|"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from flash_kernels import programmatic_launch as programmatic_launch_context
 
 from ..modules.kv_cache import KVCache
 
@@ -18,10 +19,14 @@ CACHE_LEN_BUCKET = 256  # cache lengths are rounded up to this, so a captured gr
 
 class DecodeRunner:
     """Runs ``model.decode_step`` against one cache: eagerly, compiled (``compile``: True for inductor, or a
-    torch.compile backend name), and on CUDA replayed from a captured graph (``use_cuda_graph``)."""
+    torch.compile backend name), and on CUDA replayed from a captured graph (``use_cuda_graph``). With
+    ``programmatic_launch`` the step's kernels are launched (and captured) inside
+    ``flash_kernels.programmatic_launch()``."""
 
-    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False):
+    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False,
+                 programmatic_launch: bool = False):
         self.model, self.cache = model, cache
+        self.programmatic_launch = programmatic_launch
         self.graph: torch.cuda.CUDAGraph | None = None
         self.fast = self._tables_fixed()
         if not self.fast:
@@ -46,7 +51,8 @@ class DecodeRunner:
             return self.model(tokens.unsqueeze(1), kv_cache=self.cache).logits[:, -1]
         self.cache.reserve(1)
         if self.graph is None:
-            return self.step(tokens.unsqueeze(1), self.cache, self.rope_tables)
+            with programmatic_launch_context(self.programmatic_launch):
+                return self.step(tokens.unsqueeze(1), self.cache, self.rope_tables)
         self.static_tokens.copy_(tokens.unsqueeze(1))
         self.graph.replay()
         return self.static_logits
@@ -65,16 +71,17 @@ class DecodeRunner:
             return self.step(self.static_tokens, cache, self.rope_tables)
 
         # Warm up on a side stream (allocator pools, Triton autotuning, compilation), as torch.cuda.graphs asks.
+        # The launches are recorded as made, so programmatic ones must be made inside the context.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), programmatic_launch_context(self.programmatic_launch):
             for _ in range(2):
                 restore()
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         restore()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph), programmatic_launch_context(self.programmatic_launch):
             self.static_logits = step()
         # The warm-up and capture wrote into the slots at the saved lengths; the real steps overwrite them.
         restore()
@@ -87,27 +94,28 @@ _POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def cache_and_runner(
     model, batch_size: int, needed_len: int, *, use_cuda_graph: bool, block_size: int | None = None,
-    compile: bool | str = False,
+    compile: bool | str = False, programmatic_launch: bool = False,
 ) -> tuple[KVCache, DecodeRunner]:
     """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with
     graphs the pair is pooled per (batch, rounded length, dtype); elsewhere it is built fresh. A pooled pair
     serves one generation at a time: while it is busy (two live ``stream`` iterators of one shape, say), a
     second caller gets a pair of its own. The caller calls ``runner.release()`` when its generation ends."""
     pooled = use_cuda_graph and model.device.type == "cuda"
+    options = dict(compile=compile, programmatic_launch=programmatic_launch)
     if not pooled:
         cache = model.new_kv_cache(batch_size, needed_len, block_size=block_size)
-        return cache, _LazyRunner(model, cache, use_cuda_graph=False, compile=compile)
+        return cache, _LazyRunner(model, cache, use_cuda_graph=False, **options)
     length = -(-needed_len // CACHE_LEN_BUCKET) * CACHE_LEN_BUCKET
     entries = _POOL.setdefault(model, {})
     model = weakref.proxy(model)  # pooled runners must not keep their (weakly keyed) model alive
-    key = (batch_size, length, model.dtype, block_size, compile)
+    key = (batch_size, length, model.dtype, block_size, compile, programmatic_launch)
     if key not in entries:
         cache = model.new_kv_cache(batch_size, length, block_size=block_size)
-        entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True, compile=compile))
+        entries[key] = (cache, _LazyRunner(model, cache, use_cuda_graph=True, **options))
     cache, runner = entries[key]
     if runner.busy:
         cache = model.new_kv_cache(batch_size, length, block_size=block_size)
-        runner = _LazyRunner(model, cache, use_cuda_graph=True, compile=compile)
+        runner = _LazyRunner(model, cache, use_cuda_graph=True, **options)
     runner.busy = True
     cache.reset()
     return cache, runner
@@ -122,8 +130,10 @@ class _LazyRunner:
     """Builds (and on CUDA captures) the DecodeRunner at the first decode step, after the prefill has
     filled the cache: the capture replays from the cache state it sees."""
 
-    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool, compile: bool | str = False):
-        self.model, self.cache, self.use_cuda_graph, self.compile = model, cache, use_cuda_graph, compile
+    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool, compile: bool | str = False,
+                 programmatic_launch: bool = False):
+        self.model, self.cache, self.use_cuda_graph = model, cache, use_cuda_graph
+        self.options = dict(compile=compile, programmatic_launch=programmatic_launch)
         self.runner: DecodeRunner | None = None
         self.busy = False
 
@@ -132,5 +142,5 @@ class _LazyRunner:
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.runner is None:
-            self.runner = DecodeRunner(self.model, self.cache, use_cuda_graph=self.use_cuda_graph, compile=self.compile)
+            self.runner = DecodeRunner(self.model, self.cache, use_cuda_graph=self.use_cuda_graph, **self.options)
         return self.runner(tokens)

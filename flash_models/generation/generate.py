@@ -85,7 +85,8 @@ class Generation:
             return
         B, S = self.input_ids.shape
         cache, runner = cache_and_runner(model, B, S + s.max_new_tokens, use_cuda_graph=s.use_cuda_graph,
-                                         block_size=s.kv_block_size, compile=s.compile_decode)
+                                         block_size=s.kv_block_size, compile=s.compile_decode,
+                                         programmatic_launch=s.programmatic_launch)
         try:
             yield from self._steps(cache, runner)
         finally:  # also when a caller abandons the iterator: the pooled cache is free again

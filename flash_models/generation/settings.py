@@ -28,6 +28,10 @@ class GenerationSettings:
     num_draft_tokens: int = 4  # speculative decoding with a draft model
     use_cuda_graph: bool = True  # capture the decode step on CUDA
     compile_decode: bool | str = False  # torch.compile the decode step (True: inductor; or a backend name)
+    # Launch the decode step's kernels with programmatic dependent launch (Hopper GPUs; see flash_kernels._pdl),
+    # its one-row projections through flash_kernels.gemv so they join the chain. Off until `bench generate`
+    # measures it against the plain launches (its "ours+pdl" side).
+    programmatic_launch: bool = False
     kv_block_size: int | None = None  # a paged KV cache with blocks of this many tokens (None: one static block per row)
 
     def check(self, vocab_size: int) -> None:

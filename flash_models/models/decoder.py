@@ -17,6 +17,7 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask
+from ..modules.linear import dense, gemv_in_chain
 from ..modules.padding import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 
@@ -205,8 +206,8 @@ class DecoderLM(nn.Module):
         weight = self.output_embeddings()
         bias = self.lm_head.bias if self.lm_head is not None else None
         aligned = weight.shape[0] // 64 * 64
-        if not hidden.is_cuda or aligned in (0, weight.shape[0]):
-            return nn.functional.linear(hidden, weight, bias)
+        if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight):
+            return dense(hidden, weight, bias)  # our GEMV takes any width
         parts = [nn.functional.linear(hidden, weight[rows], bias[rows] if bias is not None else None)
                  for rows in (slice(0, aligned), slice(aligned, None))]
         return torch.cat(parts, dim=-1)

@@ -12,7 +12,9 @@ Two things differ from autograd's own Linear, neither in the result:
   wide: 35 vs 23 us; 3072: 41 vs 28 us), 0.7 ms of GPT-2 124M's step.
 
 Only plain nn.Linear layers with plain tensors and no hooks take this path (``plain_linear``); anything else,
-and every call under torch.compile or without grad mode, is the layer's own forward.
+and every call under torch.compile, is the layer's own forward. Without grad mode a plain layer is ``dense``:
+``F.linear``, or inside ``flash_kernels.programmatic_launch()`` (a decode step) for one half-precision row,
+``flash_kernels.gemv``, whose kernel takes part in the chain of programmatic launches that cuBLAS's do not.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import flash_kernels
 from flash_kernels._backend import capturing_cuda_graph
+from flash_kernels._pdl import enabled as programmatic_launch_enabled
 
 _ONES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -85,6 +89,25 @@ def plain_linear(layer: nn.Module) -> bool:
 
 def linear(x: torch.Tensor, layer: nn.Module, *, recompute_weight_cast: bool = False) -> torch.Tensor:
     """``layer(x)`` for an nn.Linear; with autograd recording, the leaner backward described above."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(layer):
+    if torch.compiler.is_compiling() or not plain_linear(layer):
+        return layer(x)
+    if torch.is_grad_enabled():
         return _Linear.apply(x, layer.weight, layer.bias, recompute_weight_cast)
-    return layer(x)
+    return dense(x, layer.weight, layer.bias)
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for inference. Inside ``flash_kernels.programmatic_launch()`` on a GPU that
+    supports it, a single half-precision row (a batch-1 decode step) goes through ``flash_kernels.gemv``
+    instead: a programmatic launch only overlaps two kernels that both take part, and cuBLAS's GEMV does not,
+    so every projection would otherwise break the chain twice."""
+    if gemv_in_chain(x, weight):
+        return flash_kernels.gemv(x, weight, bias, backend="triton")
+    return F.linear(x, weight, bias)
+
+
+def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there)."""
+    return (x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
+            and programmatic_launch_enabled(x.device))

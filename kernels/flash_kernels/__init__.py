@@ -5,6 +5,7 @@ backend is chosen.
 """
 
 from ._backend import BACKENDS, default_backend
+from ._pdl import programmatic_launch
 from .activations import gelu, geglu, swiglu
 from .attention import flash_attn_func, flash_attn_varlen_func
 from .attention_decode import flash_attn_with_kvcache
@@ -38,6 +39,7 @@ __all__ = [
     "layer_norm_dual",
     "linear_act",
     "linear_cross_entropy",
+    "programmatic_launch",
     "rms_norm",
     "rms_norm_dual",
     "swiglu",

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from ._backend import check_backend_name, use_triton
 from ._launch import lean_launch
+from ._pdl import enabled as programmatic_launch_enabled
+from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 from ._triton_utils import as_rows, cdiv, eager_function, next_power_of_2, pick
 
@@ -119,7 +121,9 @@ def _blocks(F_OUT, BLOCK: tl.constexpr):
 
 @lean_launch
 @triton.jit
-def _act_fwd_kernel(X, OUT, stride_x, stride_o, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr):
+def _act_fwd_kernel(X, OUT, stride_x, stride_o, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_for_predecessor(PDL)
     row, cols, mask = _blocks(F_OUT, BLOCK)
     g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     out, _ = _act_and_grad(g, KIND)
@@ -172,8 +176,9 @@ def _act_fwd(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
     f_out = width // 2 if gated else width
     out = torch.empty((rows, f_out), device=x.device, dtype=x.dtype)
     grid, block, warps = _launch_grid(rows, f_out)
+    pdl = programmatic_launch_enabled(x.device)
     _act_fwd_kernel[grid](x2, out, x2.stride(0), out.stride(0), f_out, KIND=_KINDS[kind], GATED=gated, BLOCK=block,
-                          num_warps=warps)
+                          PDL=pdl, num_warps=warps, **launch_options(pdl))
     return out.view(*x.shape[:-1], x.shape[-1] // 2 if gated else x.shape[-1])
 
 

@@ -20,7 +20,9 @@ import torch
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, next_power_of_2, pdl_supported, sm_count
+from ._pdl import enabled as programmatic_launch_enabled
+from ._pdl import launch_options, wait_for_predecessor
+from ._triton_utils import cdiv, next_power_of_2, sm_count
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
 )
@@ -88,12 +90,6 @@ DECODE_MIN_CHUNK = 256
 # One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
 # GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per layer merging two halves.
 DECODE_SINGLE_SPLIT_MAX = 1024
-# Programmatic dependent launch (Hopper+): the split kernel is launched while the kernel before it finishes and
-# waits for it in-kernel (gdc_wait) before reading anything, and lets the merge kernel launch as soon as all
-# of its own programs have started, so neither kernel's launch and scheduling sits between two kernels on the
-# GPU. Off until scripts/profile/decode_pdl.py (gpu_check.sh decode-pdl) measures it in one process against
-# the plain launches; not yet run.
-DECODE_PDL = False
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
 
@@ -112,9 +108,7 @@ def _decode_split_kernel(
 ):
     """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
     With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed."""
-    if PDL:  # launched early (DECODE_PDL): wait for the kernel before, then let the merge kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_predecessor(PDL)  # inside flash_kernels.programmatic_launch(): see _pdl
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -176,8 +170,7 @@ def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
                            stride_ob, stride_os, stride_oh,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """out[b, i, h] = sum_s w_s * O_s with w_s = exp(lse_s) / sum exp(lse); all -inf (nothing seen) -> 0."""
-    if PDL:  # launched while the split kernel runs: its partials are complete and visible after the wait
-        tl.extra.cuda.gdc_wait()
+    wait_for_predecessor(PDL)  # launched while the split kernel runs: its partials are visible after the wait
     pid = tl.program_id(0)
     i = pid % seqlen_q
     h = (pid // seqlen_q) % n_heads
@@ -241,8 +234,8 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
-    pdl = DECODE_PDL and pdl_supported(q.device)
-    launch = {"launch_pdl": True} if pdl else {}
+    pdl = programmatic_launch_enabled(q.device)
+    launch = launch_options(pdl)
     _decode_split_kernel[(num_splits, bsz * hkv, cdiv(rows, block_m))](
         q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table, scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

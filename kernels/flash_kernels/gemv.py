@@ -34,6 +34,8 @@ import torch.nn.functional as F
 
 from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
+from ._pdl import enabled as programmatic_launch_enabled
+from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, or_dummy, pick
 from .activations import _act_and_grad, swiglu_ref
@@ -103,9 +105,10 @@ def _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     X, W, B, R, NW, Y, N, K, stride_w, eps,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < N
     row_offsets = rows.to(tl.int64)[:, None] * stride_w
@@ -142,10 +145,12 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, resi
     dev, dt = x.device, x.dtype
     y = torch.empty(N, device=dev, dtype=dt)
     grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    pdl = programmatic_launch_enabled(dev)
     _gemv_kernel[grid](
         _unit_vector(x, x.shape[-1]), weight, or_dummy(_unit_vector(bias, N), dev, dt),
         or_dummy(_unit_vector(residual, N), dev, dt), or_dummy(_unit_vector(norm_weight, K), dev, dt), y, N, K,
         weight.stride(0), norm_eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PROLOGUE=prologue,
+        PDL=pdl, **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], N)
 

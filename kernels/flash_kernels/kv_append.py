@@ -16,6 +16,8 @@ import torch
 from ._backend import use_triton
 from ._launch import lean_launch
 from ._triton_utils import next_power_of_2
+from ._pdl import enabled as programmatic_launch_enabled
+from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 
 
@@ -43,8 +45,9 @@ def kv_append_ref(
 def _kv_append_kernel(
     KC, VC, K, V, SLOTS, TABLE, seqlen, head_dim, block_size,
     s_kc0, s_kc1, s_kch, s_vc0, s_vc1, s_vch, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_slb, s_sls, s_tb,
-    PAGED: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     token = tl.program_id(0)  # b * seqlen + s
     h = tl.program_id(1)
     b, s = token // seqlen, token % seqlen
@@ -66,10 +69,11 @@ def _kv_append_kernel(
 def _kv_append_triton(k_cache, v_cache, k, v, slots, block_table) -> None:
     B, S, H, D = k.shape
     table = block_table if block_table is not None else slots  # a stand-in pointer, never read
+    pdl = programmatic_launch_enabled(k.device)
     _kv_append_kernel[(B * S, H)](
         k_cache, v_cache, k, v, slots, table, S, D, k_cache.shape[1],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3], *slots.stride(),
-        table.stride(0), PAGED=block_table is not None, BLOCK_D=next_power_of_2(D),
+        table.stride(0), PAGED=block_table is not None, BLOCK_D=next_power_of_2(D), PDL=pdl, **launch_options(pdl),
     )
 
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from ._backend import use_triton
 from ._launch import lean_launch
+from ._pdl import enabled as programmatic_launch_enabled
+from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 from .partial_sums import sum_partials
 from ._triton_utils import (
@@ -167,7 +169,9 @@ def _norm_fwd_kernel(
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, STORE_RES: tl.constexpr,
     STORE_MASK: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
     seed = 0
     if HAS_DROPOUT:
@@ -397,6 +401,7 @@ def _norm_fwd(
     seed = dropout_seed(dev) if dropout_p > 0.0 else None
     mask = torch.empty((M, N), device=dev, dtype=torch.uint8) if store_mask else None
     block, single = _block(N, _MAX_FUSED_FWD)
+    pdl = programmatic_launch_enabled(dev)
     _norm_fwd_kernel[(M,)](
         x, residual, rowscale, or_dummy(seed, dev, torch.int64), weight, bias, weight1, bias1, y,
         or_dummy(y1, dev, out_dtype), or_dummy(res_out, dev, residual_dtype), or_dummy(mask, dev, torch.uint8),
@@ -406,8 +411,8 @@ def _norm_fwd(
         IS_RMS=is_rms_norm, HAS_RES=residual is not None, HAS_ROWSCALE=rowscale is not None,
         HAS_DROPOUT=dropout_p > 0.0, HAS_B=bias is not None, HAS_W1=weight1 is not None,
         HAS_B1=bias1 is not None, STORE_RES=store_residual, STORE_MASK=store_mask,
-        ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
-        num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16),
+        ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single, PDL=pdl,
+        num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16), **launch_options(pdl),
     )
     return y, y1, res_out, mean, rstd, seed, None if mask is None else mask.view(torch.bool)
 

@@ -17,6 +17,8 @@ import torch
 
 from ._backend import use_triton
 from ._launch import lean_launch
+from ._pdl import enabled as programmatic_launch_enabled
+from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, eager_function, next_power_of_2, pick
 
@@ -82,8 +84,9 @@ def _rotary_kernel(
     X, OUT, COS, SIN, POS, OFFSETS, offset, S, H, HALF, max_pos,
     stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cos, stride_sin,
     POS_MODE: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_predecessor(PDL)
     # POS_MODE 0: position = s + offset; 1: s + OFFSETS[b]; 2: POS[token] (position_ids or varlen positions).
     token = tl.program_id(0).to(tl.int64)
     b = token // S
@@ -127,11 +130,12 @@ def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, co
     block_k = next_power_of_2(half)
     block_h = min(next_power_of_2(H), max(1, _TILE // block_k))
     mode = 2 if positions is not None else (1 if offsets is not None else 0)
+    pdl = programmatic_launch_enabled(x.device)
     _rotary_kernel[(B * S, cdiv(H, block_h))](
         x, out, cos, sin, positions, offsets, offset, S, H, half, cos.shape[0],
         *x.stride()[:3], *out.stride()[:3], cos.stride(0), sin.stride(0),
-        POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k,
-        num_warps=4 if block_h * block_k <= 2048 else 8,
+        POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k, PDL=pdl,
+        num_warps=4 if block_h * block_k <= 2048 else 8, **launch_options(pdl),
     )
 
 

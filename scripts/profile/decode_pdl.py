@@ -1,20 +1,17 @@
-"""Decode attention with and without programmatic dependent launch (``attention_decode.DECODE_PDL``), in one
-process, alternating, each side graph-replayed over independent caches as `bench attention` times decode:
+"""Decode attention with and without programmatic dependent launch (``flash_kernels.programmatic_launch``), in
+one process, alternating, each side graph-replayed over independent caches as `bench attention` times decode:
 GB/s of K+V read and the fraction of the device copy bandwidth. Issue 3's Must is >= 0.80 of copy bandwidth at
 batch 1 with KV >= 8k (0.76-0.78 on an H100 with plain launches, docs/benchmarks.md, session 9).
 
     PYTHONPATH=.:kernels python scripts/profile/decode_pdl.py   # on a Hopper GPU
 """
 
-import importlib
-
 import torch
 
-from flash_kernels import flash_attn_with_kvcache
+from flash_kernels import flash_attn_with_kvcache, programmatic_launch
 from flash_models.bench.attention import _decode_inputs, _time_decode
 from flash_models.bench.harness import measure_copy_bandwidth
 
-dec = importlib.import_module("flash_kernels.attention_decode")
 HEADS, KV_HEADS, HEAD_DIM = 16, 16, 128  # as `bench attention` decodes
 CASES = [(1, 8192), (1, 16384), (1, 32768), (8, 8192), (64, 2048)]  # (batch, KV length)
 ROUNDS = 2
@@ -37,12 +34,11 @@ def main():
         for rnd in range(ROUNDS):
             gbs = {}
             for pdl in (False, True):
-                dec.DECODE_PDL = pdl
-                _, graphed_ms = _time_decode(call, sets, repeats=50)
+                with programmatic_launch(pdl):  # the graphs are captured, and so the launches fixed, inside
+                    _, graphed_ms = _time_decode(call, sets, repeats=50)
                 gbs[pdl] = nbytes / (graphed_ms * 1e-3) / 1e9
             print(f"| {batch} | {kv} | {rnd} | {gbs[False]:.0f} | {gbs[False] * 1e9 / copy_bw:.3f} | {gbs[True]:.0f} "
                   f"| {gbs[True] * 1e9 / copy_bw:.3f} | {gbs[True] / gbs[False]:.3f} |", flush=True)
-        dec.DECODE_PDL = False
         del sets
         torch.cuda.empty_cache()
 

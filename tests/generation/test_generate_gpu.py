@@ -107,3 +107,32 @@ def test_head_split_at_a_multiple_of_64_equals_the_plain_head(vocab, bias):
         assert got.shape == (*shape[:-1], vocab)
         want = torch.nn.functional.linear(hidden, weight, head_bias)
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # other kernels: bf16 rounding
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "llama-1b"])
+@torch.inference_mode()
+def test_programmatic_launch_decode_gives_the_plain_logits(preset, monkeypatch):
+    """A batch-1 decode step captured with programmatic dependent launch (its projections as our GEMV, the
+    kernels launched early and waiting in-kernel) gives the plain step's logits, step after step, for the same
+    tokens fed to both (the GEMV sums in another order than cuBLAS: a greedy pick could flip on a tie)."""
+    import flash_kernels
+
+    gemv_calls = []
+    real_gemv = flash_kernels.gemv
+    monkeypatch.setattr(flash_kernels, "gemv", lambda *a, **k: gemv_calls.append(1) or real_gemv(*a, **k))
+    model = small(preset)
+    prompt = torch.randint(0, 1000, (1, 37), device="cuda")
+    tokens, runs = [], {}
+    for pdl in (False, True):
+        cache = model.new_kv_cache(1, 128)
+        logits = model(prompt, kv_cache=cache).logits[:, -1]
+        runner = DecodeRunner(model, cache, programmatic_launch=pdl)
+        assert runner.graph is not None and bool(gemv_calls) == pdl
+        steps = []
+        for i in range(20):
+            if not pdl:
+                tokens.append(logits.argmax(-1))
+            logits = runner(tokens[i])
+            steps.append(logits.float().clone())
+        runs[pdl] = torch.stack(steps)
+    torch.testing.assert_close(runs[True], runs[False], rtol=0, atol=2e-2)

@@ -5,7 +5,7 @@ import importlib
 import pytest
 import torch
 
-from flash_kernels import flash_attn_func, flash_attn_with_kvcache
+from flash_kernels import flash_attn_func, flash_attn_with_kvcache, programmatic_launch
 from flash_kernels._testing import assert_close
 from flash_kernels.attention_decode import flash_attn_with_kvcache_ref
 
@@ -170,9 +170,9 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None)])
-def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size, monkeypatch):
-    """DECODE_PDL (split and merge kernels launched early, each waiting for its predecessor in-kernel) gives the
-    plain launches' output bit for bit, called eagerly and replayed from a CUDA graph that chains several
+def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size):
+    """Under programmatic_launch() (split and merge kernels launched early, each waiting for its predecessor
+    in-kernel) the output is the plain launches' bit for bit, called eagerly and replayed from a CUDA graph that chains several
     decode calls, each appending into the cache the next one reads (a missed wait would read stale keys)."""
     torch.manual_seed(5)
     steps = 4
@@ -187,13 +187,13 @@ def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_s
 
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(dec, "DECODE_PDL", pdl)
-        kc, vc = kc0.clone(), vc0.clone()
-        eager = decode_steps(kc, vc)
-        kc.copy_(kc0), vc.copy_(vc0)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = decode_steps(kc, vc)
+        with programmatic_launch(pdl):
+            kc, vc = kc0.clone(), vc0.clone()
+            eager = decode_steps(kc, vc)
+            kc.copy_(kc0), vc.copy_(vc0)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = decode_steps(kc, vc)
         kc.copy_(kc0), vc.copy_(vc0)
         graph.replay()
         results[pdl] = (eager, replayed.clone(), kc.clone())

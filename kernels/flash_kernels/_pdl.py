@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (PDL): let a chain of our kernels overlap their launches.
+
+A decode step at batch 1 is a few hundred short kernels, each taking a few microseconds; between two of them
+the GPU drains one grid, then launches and schedules the next. On Hopper a kernel launched with the PDL
+attribute may start while the kernel before it still runs: its programs wait in-kernel (``gdc_wait``) until
+that kernel has finished and its writes are visible, so the result is the same, but the launch and the block
+scheduling are off the critical path. A kernel in turn lets its successor launch early by calling
+``gdc_launch_dependents`` once all its programs have started.
+
+``programmatic_launch()`` turns this on for the kernels launched inside it (a decode step being captured into
+a CUDA graph, say). Every PDL-aware kernel (``wait_for_predecessor`` first thing, before any load or store)
+asks ``enabled(device)`` at launch, gets a ``PDL`` constexpr and the ``launch_pdl`` option. Kernels that are
+not PDL-aware (cuBLAS, torch's own) keep their ordinary stream order, and so does everything outside the
+context: there is nothing to get wrong for a caller who never enters it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+from ._triton_compat import tl, triton
+from ._triton_utils import pdl_supported
+
+_ENABLED = contextvars.ContextVar("flash_kernels_programmatic_launch", default=False)
+
+
+@contextlib.contextmanager
+def programmatic_launch(enabled: bool = True):
+    """Within this block our decode-path kernels launch with programmatic dependent launch where the GPU
+    supports it (compute capability 9.0+); elsewhere, or with ``enabled=False``, they launch as usual."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether a kernel launched now on ``device`` should use PDL."""
+    return _ENABLED.get() and pdl_supported(device)
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword that marks a PDL launch (none otherwise, so ordinary launches keep their key)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def wait_for_predecessor(PDL: tl.constexpr):
+    """With PDL, before the kernel touches memory: wait until the kernel before it has finished (its writes
+    visible), then let the kernel after it launch. Without PDL, nothing (the stream already orders them)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

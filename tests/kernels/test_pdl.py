@@ -1,0 +1,26 @@
+"""flash_kernels.programmatic_launch: the context that turns on programmatic dependent launch for our decode-path
+kernels. Off the GPU (and on GPUs before Hopper) it changes nothing; the GPU tests of the kernels that take
+part (test_attention_decode, tests/generation/test_generate_gpu.py) check that it changes no result there."""
+
+import torch
+
+from flash_kernels import _pdl, programmatic_launch
+
+
+def test_the_context_nests_and_restores():
+    assert not _pdl._ENABLED.get()
+    with programmatic_launch():
+        assert _pdl._ENABLED.get()
+        with programmatic_launch(False):
+            assert not _pdl._ENABLED.get()
+        assert _pdl._ENABLED.get()
+    assert not _pdl._ENABLED.get()
+
+
+def test_never_enabled_off_a_hopper_gpu():
+    """The CPU (and Triton's interpreter) cannot run the grid-dependency instructions: nothing launches with
+    PDL there, inside the context or not."""
+    with programmatic_launch():
+        assert not _pdl.enabled(torch.device("cpu"))
+    assert _pdl.launch_options(False) == {}
+    assert _pdl.launch_options(True) == {"launch_pdl": True}

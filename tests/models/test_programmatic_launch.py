@@ -1,0 +1,74 @@
+"""The model side of programmatic dependent launch: inside the context a one-row half-precision projection runs
+as our GEMV (so it can join the chain of early launches), anything else stays F.linear; the generation
+setting reaches the decode runner, which enters the context around its steps and its graph capture."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flash_kernels
+import flash_models as fm
+from flash_kernels import programmatic_launch
+from flash_kernels._testing import assert_close
+from flash_models.generation import engine
+from flash_models.modules import linear as linear_module
+
+
+@pytest.fixture
+def gemv_calls(monkeypatch):
+    """Counts flash_kernels.gemv calls, and lets the routing see a PDL-capable device inside the context (the
+    kernels themselves still launch plainly here: the CPU cannot wait on a grid)."""
+    calls = []
+    real = flash_kernels.gemv
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash_kernels, "gemv", spy)
+    monkeypatch.setattr(linear_module, "programmatic_launch_enabled", lambda device: flash_kernels._pdl._ENABLED.get())
+    return calls
+
+
+def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
+    row = torch.randn(1, 1, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(linear_module.dense(row, weight, bias), F.linear(row, weight, bias))  # outside: F.linear
+        assert gemv_calls == []
+        with programmatic_launch():
+            out = linear_module.dense(row, weight, bias)
+            assert gemv_calls == [(1, 1, 64)]
+            linear_module.dense(torch.randn(2, 64).bfloat16(), weight, bias)  # two rows: a GEMM's job
+            linear_module.dense(row.float(), weight.float(), bias.float())  # float32: cuBLAS, not TF32
+    with programmatic_launch():
+        linear_module.dense(row, weight, bias)  # grad mode: no backward in the GEMV
+    assert len(gemv_calls) == 1
+    assert_close(out, F.linear(row.float(), weight.float(), bias.float()).bfloat16(), torch.bfloat16)
+
+
+def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(gemv_calls, monkeypatch):
+    entered = []
+    real_context = engine.programmatic_launch_context
+
+    def recording_context(enabled=True):
+        entered.append(enabled)
+        return real_context(enabled)
+
+    monkeypatch.setattr(engine, "programmatic_launch_context", recording_context)
+    torch.manual_seed(0)
+    model = fm.create_model("llama-1b", dtype=torch.bfloat16, num_hidden_layers=2, hidden_size=64,
+                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                            max_position_embeddings=64).eval()
+    prompt = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        plain = model.generate(prompt, max_new_tokens=3, eos_token_id=[])
+        assert entered == [False, False] and gemv_calls == []
+        chained = model.generate(prompt, max_new_tokens=3, eos_token_id=[], programmatic_launch=True)
+    assert entered[2:] == [True, True]
+    # Every projection of a decode step (qkv, out, gate/up and down per layer, then the head) was a GEMV.
+    assert len(gemv_calls) == 2 * (4 * 2 + 1)
+    # The prefill (five rows: GEMMs either way) picks the same first token; the later ones come from GEMV
+    # logits, equal to cuBLAS's up to float32 summation order.
+    assert chained.shape == plain.shape and torch.equal(chained[:, :6], plain[:, :6])
