@@ -102,7 +102,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     instead: a programmatic launch only overlaps two kernels that both take part, and cuBLAS's GEMV does not,
     so every projection would otherwise break the chain twice."""
     if gemv_in_chain(x, weight):
-        return flash_kernels.gemv(x, weight, bias, backend="triton")
+        return flash_kernels.gemv(x, weight, bias, static_weight=True, backend="triton")  # a parameter
     return F.linear(x, weight, bias)
 
 

@@ -100,29 +100,44 @@ def _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE: tl.constexpr):
     return x
 
 
+# With ``static_weight``, the weight elements a program reads before waiting for the kernel before it (its first
+# PREFETCH_ELEMENTS // BLOCK_N columns, held in registers: 64 per thread at 4 warps).
+PREFETCH_ELEMENTS = tl.constexpr(16384)
+
+
 @cached_autotune
 @triton.autotune(configs=_configs(), key=["N", "K", "PROLOGUE"])
 @triton.jit
 def _gemv_kernel(
     X, W, B, R, NW, Y, N, K, stride_w, eps,
     HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    wait_for_predecessor(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < N
     row_offsets = rows.to(tl.int64)[:, None] * stride_w
+    if PREFETCH:  # the weight is no kernel's output: its first columns stream in while the kernel before runs
+        pre_cols = tl.arange(0, PREFETCH_ELEMENTS // BLOCK_N)
+        w_pre = tl.load(W + row_offsets + pre_cols[None, :], mask=row_in[:, None] & (pre_cols < K)[None, :],
+                        other=0.0)
+    wait_for_predecessor(PDL)
     rstd = 0.0
     if PROLOGUE == "rms_norm":
         rstd = _rms_rstd(X, K, eps, BLOCK_K)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    start = 0
+    if PREFETCH:
+        x_pre = _input_tile(X, NW, pre_cols, pre_cols < K, K, rstd, PROLOGUE)
+        y = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
+        start = PREFETCH_ELEMENTS // BLOCK_N
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(start, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_in = cols < K
         x = _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE)
         w = tl.load(W + row_offsets + cols[None, :], mask=row_in[:, None] & col_in[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]  # summed over K once, after the loop
-    y = tl.sum(acc, axis=1)
+    y += tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_in, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -140,7 +155,7 @@ def _unit_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-          norm_weight: torch.Tensor | None, norm_eps: float, prologue: str) -> torch.Tensor:
+          norm_weight: torch.Tensor | None, norm_eps: float, prologue: str, static_weight: bool) -> torch.Tensor:
     N, K = weight.shape
     dev, dt = x.device, x.dtype
     y = torch.empty(N, device=dev, dtype=dt)
@@ -150,7 +165,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, resi
         _unit_vector(x, x.shape[-1]), weight, or_dummy(_unit_vector(bias, N), dev, dt),
         or_dummy(_unit_vector(residual, N), dev, dt), or_dummy(_unit_vector(norm_weight, K), dev, dt), y, N, K,
         weight.stride(0), norm_eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PROLOGUE=prologue,
-        PDL=pdl, **launch_options(pdl),
+        PDL=pdl, PREFETCH=static_weight, **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], N)
 
@@ -158,12 +173,12 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, resi
 # torch.compile traces the custom op as one opaque node; eager calls skip the dispatcher (``pick``).
 @torch.library.custom_op("flash_kernels::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-             norm_weight: torch.Tensor | None, norm_eps: float, prologue: str) -> torch.Tensor:
-    return _gemv(x, weight, bias, residual, norm_weight, norm_eps, prologue)
+             norm_weight: torch.Tensor | None, norm_eps: float, prologue: str, static_weight: bool) -> torch.Tensor:
+    return _gemv(x, weight, bias, residual, norm_weight, norm_eps, prologue, static_weight)
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, residual, norm_weight, norm_eps, prologue):
+def _(x, weight, bias, residual, norm_weight, norm_eps, prologue, static_weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -216,6 +231,7 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
     swiglu: bool = False,
+    static_weight: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a one-row x (..., K) with every leading dim 1 -> (..., N), optionally
@@ -226,6 +242,10 @@ def gemv(
     - ``residual`` (..., N): added to the projection, giving the new residual stream.
 
     The two prologues exclude each other; every tensor shares x's dtype.
+
+    ``static_weight=True`` promises that no kernel launched just before writes ``weight`` (a model's parameter
+    in a decode step): inside ``flash_kernels.programmatic_launch()`` the kernel then reads the first columns
+    of its weight rows before waiting for its predecessor, so they stream in while that kernel still runs.
     """
     prologue = _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu)
     if check_backend_name(backend) == "auto" or not use_triton(
@@ -233,4 +253,4 @@ def gemv(
         return gemv_ref(x, weight, bias, residual=residual, norm_weight=norm_weight, norm_eps=norm_eps,
                         swiglu=swiglu)
     eps = 0.0 if norm_eps is None else float(norm_eps)
-    return pick(_gemv_op, _gemv)(x, weight, bias, residual, norm_weight, eps, prologue)
+    return pick(_gemv_op, _gemv)(x, weight, bias, residual, norm_weight, eps, prologue, static_weight)

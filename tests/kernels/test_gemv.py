@@ -100,6 +100,18 @@ def test_fused(dtype, fusion, bias):
         assert_rounded_alike(ref, oracle, dtype, name="reference")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fusion", ["plain", "norm+residual", "swiglu+residual"])
+@pytest.mark.parametrize("k", [123, 1500])  # within the prefetched columns (1024 at the interpreter's 16 rows),
+def test_static_weight_prefetch(dtype, fusion, k):  # and past them, where the K loop takes over
+    """static_weight=True: each program reads the first columns of its weight rows up front, then the rest in
+    the loop; the same result as the plain kernel, with every prologue and the residual epilogue."""
+    x, weight, b, extra = _fused_operands(77, k, dtype, fusion, bias=True)
+    out = gemv(x, weight, b, **extra, static_weight=True, backend="triton")
+    assert_close(out, gemv(x, weight, b, **extra, backend="triton"), dtype, name="prefetched vs plain")
+    assert_close(out, _unfused(x, weight, b, **extra), dtype, name="prefetched")
+
+
 def test_strided_inputs_and_weight_rows():
     """x, bias and residual strided views; weight rows spaced wider than K (a column slice of a bigger matrix)."""
     x = torch.randn(1, 2 * 100, device=DEVICE)[..., ::2]
