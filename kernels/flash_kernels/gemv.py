@@ -106,7 +106,7 @@ PREFETCH_ELEMENTS = tl.constexpr(16384)
 
 
 @cached_autotune
-@triton.autotune(configs=_configs(), key=["N", "K", "PROLOGUE"])
+@triton.autotune(configs=_configs(), key=["N", "K", "PROLOGUE", "PREFETCH"])
 @triton.jit
 def _gemv_kernel(
     X, W, B, R, NW, Y, N, K, stride_w, eps,
