@@ -11,7 +11,7 @@ from torch import nn
 import flash_kernels
 
 from ..config import MLPConfig
-from .linear import linear, plain_linear
+from .linear import gemv_in_chain, linear, plain_linear
 from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
@@ -43,6 +43,11 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._inference_fusable(x) and gemv_in_chain(x, self.fc1.weight):
+            # A decode row in a chain of programmatic launches (modules/linear.dense): our GEMVs and our
+            # activation kernel take part in it, cuBLAS and torch's GELU would not.
+            pre = linear(x, self.fc1)
+            return linear(activation(pre, self.cfg.activation, backend="triton"), self.fc2)
         if self._inference_fusable(x):
             # No backward to keep the pre-activation for: fc1, its bias and the activation in one kernel (one
             # write of the widest tensor instead of a write, a read and a write).

@@ -48,7 +48,15 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
     assert_close(out, F.linear(row.float(), weight.float(), bias.float()).bfloat16(), torch.bfloat16)
 
 
-def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(gemv_calls, monkeypatch):
+TINY = {
+    "llama-1b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=64),
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(TINY))
+def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset, gemv_calls, monkeypatch):
     entered = []
     real_context = engine.programmatic_launch_context
 
@@ -58,16 +66,14 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(gemv_ca
 
     monkeypatch.setattr(engine, "programmatic_launch_context", recording_context)
     torch.manual_seed(0)
-    model = fm.create_model("llama-1b", dtype=torch.bfloat16, num_hidden_layers=2, hidden_size=64,
-                            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                            max_position_embeddings=64).eval()
+    model = fm.create_model(preset, dtype=torch.bfloat16, **TINY[preset]).eval()
     prompt = torch.randint(0, 256, (1, 5))
     with torch.no_grad():
         plain = model.generate(prompt, max_new_tokens=3, eos_token_id=[])
         assert entered == [False, False] and gemv_calls == []
         chained = model.generate(prompt, max_new_tokens=3, eos_token_id=[], programmatic_launch=True)
     assert entered[2:] == [True, True]
-    # Every projection of a decode step (qkv, out, gate/up and down per layer, then the head) was a GEMV.
+    # Every projection of a decode step (qkv, out and the MLP's two per layer, then the head) was a GEMV.
     assert len(gemv_calls) == 2 * (4 * 2 + 1)
     # The prefill (five rows: GEMMs either way) picks the same first token; the later ones come from GEMV
     # logits, equal to cuBLAS's up to float32 summation order.
