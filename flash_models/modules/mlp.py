@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_kernels
+from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
 from .linear import gemv_in_chain, linear, plain_linear
@@ -60,11 +61,13 @@ class MLP(nn.Module):
 
     def _inference_fusable(self, x: torch.Tensor) -> bool:
         """Nothing records gradients, fc1 is a plain half-precision Linear in x's dtype (no autocast cast in
-        between; float32 keeps torch's GEMM, whose default is not TF32), and the activation is one linear_act
-        has."""
+        between; float32 keeps torch's GEMM, whose default is not TF32), the activation is one linear_act has,
+        and with kernel_backend="triton" its kernel can take the input (a GPU without TMA or dims that are not
+        multiples of 8 keep the unfused path: an optimization must not become an error)."""
         return (not torch.is_grad_enabled() and self.cfg.activation in _LINEAR_ACT and plain_linear(self.fc1)
                 and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.fc1.weight.dtype
-                and not torch.is_autocast_enabled(x.device.type))
+                and not torch.is_autocast_enabled(x.device.type)
+                and (self.kernel_backend != "triton" or linear_act_can_run(x, self.fc1.weight, self.fc1.bias)))
 
     def _act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)

@@ -211,6 +211,12 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return needs_grad_reason(x, weight, bias)
 
 
+def kernel_can_run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether backend="triton" can take these inputs (a module falls back to the unfused path otherwise, rather
+    than make an optimization an error: a GPU without TMA, dims that are not multiples of 8...)."""
+    return _unsupported(x, weight, bias) is None
+
+
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str = "gelu",
                backend: str | None = None) -> torch.Tensor:
     """``act(F.linear(x, weight, bias))`` for x (..., K), weight (N, K) -> (..., N); ``activation`` is "gelu"

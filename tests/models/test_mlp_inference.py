@@ -60,3 +60,15 @@ def test_unfused_when_gradients_autocast_hooks_or_float32_need_it(fused_calls):
     with torch.no_grad():
         mlp(x)
     assert fused_calls == ["gelu"]
+
+
+def test_triton_backend_keeps_the_unfused_path_where_the_kernel_cannot_run(fused_calls):
+    """hidden 44 (not a multiple of 8: TMA cannot move its rows): kernel_backend="triton" runs unfused, no error."""
+    torch.manual_seed(0)
+    mlp = MLP(MLPConfig(hidden_size=44, intermediate_size=80, activation="gelu"), kernel_backend="triton")
+    mlp = mlp.to(DEVICE, torch.float16)
+    x = torch.randn(2, 5, 44, device=DEVICE).half()
+    with torch.no_grad():
+        out = mlp(x)
+    assert fused_calls == []
+    assert_close(out, mlp.fc2(torch.nn.functional.gelu(mlp.fc1(x))), torch.float16)
