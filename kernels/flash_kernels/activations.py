@@ -66,7 +66,8 @@ _INV_SQRT_2PI = 0.3989422804014327
 
 @triton.jit
 def _erf(x):
-    """erf(x) in float32, bit for bit what ``tl.math.erf`` (libdevice's erff) returns, without its branches.
+    """erf(x) in float32, bit for bit what ``tl.math.erf`` (libdevice's erff) returns for every normal x,
+    without its branches (libdevice flushes a denormal x to zero; here erf(x) ~ 1.128 x, which no GELU sees).
 
     libdevice picks one of two degree-6 polynomials per element with a branch: |x| < 1.00296 gives
     x + x * p(x^2), larger |x| gives sign(x) * (1 - 2^(-|x| - |x| * q(|x|))). The branches keep the compiler

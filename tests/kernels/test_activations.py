@@ -123,7 +123,9 @@ def test_branchless_erf_is_within_an_ulp():
 
 @pytest.mark.gpu
 def test_gpu_branchless_erf_is_libdevices_bit_for_bit():
+    """Every normal input (libdevice flushes denormal ones to zero, ours keeps them: see activations._erf)."""
     x = torch.cat([_erf_inputs(), torch.randn(1_000_000, device="cuda") * 3])
+    x = x[(x.abs() >= torch.finfo(torch.float32).tiny) | (x == 0)]
     assert torch.equal(_erf_of(x), _erf_of(x, libdevice=True))
 
 
