@@ -22,7 +22,7 @@ import flash_kernels
 
 from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
-from .linear import linear
+from .linear import chained_linear, linear
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
@@ -208,12 +208,20 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, *, mask: AttentionMask, position_ids: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache: KVCache | None = None,
+        input_norm: nn.Module | None = None, residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position."""
+        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position.
+        ``input_norm`` and ``residual`` are for a decode row in a programmatic-launch chain (PreNormBlock): x is
+        then the residual stream, normalized in the qkv GEMV's prologue, and the output is the new stream, the
+        out projection's GEMV adding ``residual``."""
         cfg = self.cfg
         B, S, _ = x.shape
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
-        qkv = linear(x, self.qkv, recompute_weight_cast=self.recompute_weight_casts).view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
+        if input_norm is not None:
+            qkv = chained_linear(x, self.qkv, input_norm=input_norm)
+        else:
+            qkv = linear(x, self.qkv, recompute_weight_cast=self.recompute_weight_casts)
+        qkv = qkv.view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
         q_dim = hq * cfg.head_dim
         if kv_cache is None and mask.key_padding is None and self.backend_for(qkv) == "flash":
             # Training and cacheless prefill: attend over the packed projection, so the backward writes one
@@ -232,9 +240,11 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
         else:
             out = self.attend_with_cache(q, k, v, mask, kv_cache)
-        return self._out(out.reshape(B, S, q_dim))
+        return self._out(out.reshape(B, S, q_dim), residual)
 
-    def _out(self, out: torch.Tensor) -> torch.Tensor:
+    def _out(self, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is not None:
+            return chained_linear(out, self.out_proj, residual=residual)
         return linear(out, self.out_proj, recompute_weight_cast=self.recompute_weight_casts)
 
     def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import gemv_in_chain, plain_linear
+from .mlp import GatedMLP
 from .norm import dual_norm
 from .recompute import norm_output_recomputed
 
@@ -34,6 +36,8 @@ class PreNormBlock(nn.Module):
         self.residual_in_fp32, self.recompute_norm_outputs = residual_in_fp32, recompute_norm_outputs
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs):
+        if residual is None and self._chained_decode(hidden):
+            return self._chained(hidden, **attn_kwargs)
         hidden, residual = self.norm1(
             hidden, residual, prenorm=True, dropout_p=self.input_dropout_p, residual_in_fp32=self.residual_in_fp32
         )
@@ -47,6 +51,24 @@ class PreNormBlock(nn.Module):
 
     def _recomputed(self, normed, norm, stream):
         return norm_output_recomputed(normed, norm, stream) if self.recompute_norm_outputs else contextlib.nullcontext()
+
+    def _chained_decode(self, hidden: torch.Tensor) -> bool:
+        """A batch-1 decode row inside ``flash_kernels.programmatic_launch()`` (``gemv_in_chain``) through a
+        LLaMA-style block: bias-free RMSNorms, the stream kept in the model's dtype, a gated MLP, plain
+        projections. Then ``_chained`` runs it."""
+        attn, mlp = self.attn, self.mlp
+        return (not self.training and not self.residual_in_fp32 and isinstance(mlp, GatedMLP)
+                and all(norm.kind == "rms_norm" and norm.bias is None for norm in (self.norm1, self.norm2))
+                and all(plain_linear(layer) for layer in (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down))
+                and gemv_in_chain(hidden, attn.qkv.weight))
+
+    def _chained(self, stream: torch.Tensor, **attn_kwargs):
+        """``forward`` for a decode row in a chain of programmatic launches, with the residual stream carried
+        whole (the first block's input, and every chained block's output, is ``(stream, None)``): norm1 runs in
+        the qkv GEMV's prologue and the two residual adds in the out and down GEMVs' epilogues, each rounded
+        where the fused add + norm kernel rounds: one kernel a layer fewer (norm1's), for the same values."""
+        stream = self.attn(stream, input_norm=self.norm1, residual=stream, **attn_kwargs)
+        return self.mlp(self.norm2(stream), residual=stream), None
 
 
 class ParallelBlock(nn.Module):

@@ -106,6 +106,16 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x, weight, bias)
 
 
+def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module | None = None,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``layer(x)`` for a decode row in a chain of programmatic launches (``gemv_in_chain``) as one GEMV that also
+    RMS-normalizes x with ``input_norm`` (a bias-free RMSNorm module) first and/or adds ``residual`` to the
+    result: the norm kernel and the residual add folded into the projection (see flash_kernels.gemv)."""
+    norm = {} if input_norm is None else dict(norm_weight=input_norm.weight, norm_eps=input_norm.eps)
+    return flash_kernels.gemv(x, layer.weight, layer.bias, residual=residual, static_weight=True, backend="triton",
+                              **norm)
+
+
 def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there)."""
     return (x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype

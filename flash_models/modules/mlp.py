@@ -12,7 +12,7 @@ import flash_kernels
 from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
-from .linear import gemv_in_chain, linear, plain_linear
+from .linear import chained_linear, gemv_in_chain, linear, plain_linear
 from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
@@ -89,8 +89,12 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``residual``: a decode row in a programmatic-launch chain (PreNormBlock): the down projection's GEMV adds
+        it, and the result is the new residual stream."""
         gate_up = linear(x, self.gate_up, recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
+        if residual is not None:
+            return chained_linear(self._act(gate_up), self.down, residual=residual)
         return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation,
                                       recompute_weight_cast=self.recompute_weight_casts)
 

@@ -22,7 +22,7 @@ def gemv_calls(monkeypatch):
     real = flash_kernels.gemv
 
     def spy(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].shape, kwargs.get("norm_weight") is not None, kwargs.get("residual") is not None))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash_kernels, "gemv", spy)
@@ -39,7 +39,7 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
         assert gemv_calls == []
         with programmatic_launch():
             out = linear_module.dense(row, weight, bias)
-            assert gemv_calls == [(1, 1, 64)]
+            assert gemv_calls == [((1, 1, 64), False, False)]
             linear_module.dense(torch.randn(2, 64).bfloat16(), weight, bias)  # two rows: a GEMM's job
             linear_module.dense(row.float(), weight.float(), bias.float())  # float32: cuBLAS, not TF32
     with programmatic_launch():
@@ -73,8 +73,29 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
         assert entered == [False, False] and gemv_calls == []
         chained = model.generate(prompt, max_new_tokens=3, eos_token_id=[], programmatic_launch=True)
     assert entered[2:] == [True, True]
-    # Every projection of a decode step (qkv, out and the MLP's two per layer, then the head) was a GEMV.
+    # Every projection of a decode step (qkv, out and the MLP's two per layer, then the head) was a GEMV; in the
+    # LLaMA blocks the qkv one normalized its input and the out and down ones added the residual stream.
     assert len(gemv_calls) == 2 * (4 * 2 + 1)
+    fused = [(norm, residual) for _, norm, residual in gemv_calls]
+    per_layer = [(True, False), (False, True), (False, False), (False, True)] if preset == "llama-1b" else [(False, False)] * 4
+    assert fused == (per_layer * 2 + [(False, False)]) * 2
     # The prefill (five rows: GEMMs either way) picks the same first token; the later ones come from GEMV
     # logits, equal to cuBLAS's up to float32 summation order.
     assert chained.shape == plain.shape and torch.equal(chained[:, :6], plain[:, :6])
+
+
+@torch.no_grad()
+def test_chained_llama_decode_steps_give_the_plain_logits(gemv_calls):
+    """The chained block (norm1 in the qkv GEMV, the residual adds in the out and down GEMVs, the stream carried
+    whole) against the plain block, decode step by decode step on the same tokens."""
+    torch.manual_seed(0)
+    model = fm.create_model("llama-1b", dtype=torch.bfloat16, **TINY["llama-1b"]).eval()
+    prompt = torch.randint(0, 256, (1, 7))
+    tokens, runs = torch.randint(0, 256, (6,)), {}
+    for chained in (False, True):
+        cache = model.new_kv_cache(1, 32)
+        model(prompt, kv_cache=cache)
+        runner = engine.DecodeRunner(model, cache, use_cuda_graph=False, programmatic_launch=chained)
+        runs[chained] = torch.stack([runner(token.view(1)).float() for token in tokens])
+    assert len(gemv_calls) == len(tokens) * (4 * 2 + 1)
+    assert_close(runs[True], runs[False], torch.bfloat16, name="chained decode logits")
