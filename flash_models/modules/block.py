@@ -57,10 +57,10 @@ class PreNormBlock(nn.Module):
         LLaMA-style block: bias-free RMSNorms, the stream kept in the model's dtype, a gated MLP, plain
         projections. Then ``_chained`` runs it."""
         attn, mlp = self.attn, self.mlp
-        return (not self.training and not self.residual_in_fp32 and isinstance(mlp, GatedMLP)
+        return (not self.training and gemv_in_chain(hidden, attn.qkv.weight)  # cheap, and false off the chain
+                and not self.residual_in_fp32 and isinstance(mlp, GatedMLP)
                 and all(norm.kind == "rms_norm" and norm.bias is None for norm in (self.norm1, self.norm2))
-                and all(plain_linear(layer) for layer in (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down))
-                and gemv_in_chain(hidden, attn.qkv.weight))
+                and all(plain_linear(layer) for layer in (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down)))
 
     def _chained(self, stream: torch.Tensor, **attn_kwargs):
         """``forward`` for a decode row in a chain of programmatic launches, with the residual stream carried
