@@ -58,7 +58,9 @@ case "${1:-}" in
             2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 150 python scripts/profile/decode_pdl.py 2>&1 | tee "$OUT/decode-pdl.log" | grep "^|"
         timeout 240 python -m flash_models bench generate --models llama-1.1b gpt2-124m --batches 1 16 --prompts 128 \
-            --peers ours+pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|" ;;
+            --peers ours+pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|"
+        for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
+            2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     triton-launch)
         FLASH_KERNELS_LEAN_LAUNCH=0 pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-triton-launch.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-lean.log" | grep "^|"

@@ -1,6 +1,8 @@
 """The kernels of one greedy decode step (replayed from its CUDA graph), per kernel name, for a model preset.
 
-    PYTHONPATH=.:kernels python scripts/profile/decode_kernels.py [gpt2-124m|llama-1.1b] [batch]   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/decode_kernels.py [gpt2-124m|llama-1.1b] [batch] [pdl]   # on a CUDA GPU
+
+With "pdl", the decode step runs with programmatic dependent launch (the ``programmatic_launch`` setting).
 """
 
 import sys
@@ -16,10 +18,11 @@ from kernel_table import kernels_per_step, print_top  # this folder's sibling mo
 def main():
     name = sys.argv[1] if len(sys.argv) > 1 else "gpt2-124m"
     batch = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    pdl = len(sys.argv) > 3 and sys.argv[3] == "pdl"
     preset, overrides = MODELS[name]
     model = create_model(preset, dtype=torch.bfloat16, device="cuda", **overrides).eval()
     ids = torch.randint(100, 20000, (batch, 128), device="cuda")
-    generate = lambda n: model.generate(ids, max_new_tokens=n, eos_token_id=[])  # noqa: E731
+    generate = lambda n: model.generate(ids, max_new_tokens=n, eos_token_id=[], programmatic_launch=pdl)  # noqa: E731
     generate(64)  # capture and tune outside the profile
     torch.cuda.synchronize()
     steps = 32
@@ -29,7 +32,7 @@ def main():
     kernels = kernels_per_step(prof, steps, name_chars=90)
     total = sum(t for _, t in kernels.values())
     launches = sum(n for n, _ in kernels.values())
-    print(f"{name} batch {batch}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
+    print(f"{name} batch {batch}{' with PDL' if pdl else ''}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
           f"included, spread over {steps} steps)")
     print_top(kernels)
 
