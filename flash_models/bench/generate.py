@@ -98,7 +98,8 @@ def _bench_model(result: BenchResult, name: str, *, batches, prompts, new_tokens
     hf = _hf_twin(ours) if {"hf", "hf_static"} & set(peers) else None
     sides = {"ours": lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[])}
     if "ours+pdl" in peers:  # the decode step with programmatic dependent launch (flash_kernels._pdl)
-        sides["ours+pdl"] = lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[], programmatic_launch=True)
+        sides["ours+pdl"] = lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[],
+                                                         programmatic_launch=True)
     if "hf" in peers:
         sides["hf"] = lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False)
     if "hf_static" in peers:

@@ -10,9 +10,9 @@ scheduling are off the critical path. A kernel in turn lets its successor launch
 ``programmatic_launch()`` turns this on for the kernels launched inside it (a decode step being captured into
 a CUDA graph, say). Every PDL-aware kernel calls ``wait_for_predecessor`` before it loads or stores anything a
 kernel may write (only what none writes, a model's weights, may be read before: ``gemv(static_weight=True)``)
-and asks ``enabled(device)`` at launch, which gives its ``PDL`` constexpr and the ``launch_pdl`` option. Kernels that are
-not PDL-aware (cuBLAS, torch's own) keep their ordinary stream order, and so does everything outside the
-context: there is nothing to get wrong for a caller who never enters it.
+and asks ``enabled(device)`` at launch, which gives its ``PDL`` constexpr and the ``launch_pdl`` option.
+Kernels that are not PDL-aware (cuBLAS, torch's own) keep their ordinary stream order, and so does everything
+outside the context: there is nothing to get wrong for a caller who never enters it.
 """
 
 from __future__ import annotations

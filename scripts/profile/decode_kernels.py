@@ -32,7 +32,8 @@ def main():
     kernels = kernels_per_step(prof, steps, name_chars=90)
     total = sum(t for _, t in kernels.values())
     launches = sum(n for n, _ in kernels.values())
-    print(f"{name} batch {batch}{' with PDL' if pdl else ''}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
+    mode = " with PDL" if pdl else ""
+    print(f"{name} batch {batch}{mode}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
           f"included, spread over {steps} steps)")
     print_top(kernels)
 

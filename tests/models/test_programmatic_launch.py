@@ -77,7 +77,8 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
     # LLaMA blocks the qkv one normalized its input and the out and down ones added the residual stream.
     assert len(gemv_calls) == 2 * (4 * 2 + 1)
     fused = [(norm, residual) for _, norm, residual in gemv_calls]
-    per_layer = [(True, False), (False, True), (False, False), (False, True)] if preset == "llama-1b" else [(False, False)] * 4
+    unfused = [(False, False)] * 4
+    per_layer = [(True, False), (False, True), (False, False), (False, True)] if preset == "llama-1b" else unfused
     assert fused == (per_layer * 2 + [(False, False)]) * 2
     # The prefill (five rows: GEMMs either way) picks the same first token; the later ones come from GEMV
     # logits, equal to cuBLAS's up to float32 summation order.
