@@ -13,7 +13,7 @@
 #   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
 #   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
 #   bash scripts/gpu_check.sh activations    # the branchless erf (bit test vs libdevice), GELU kernels vs torch's, linear-act
-#   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, decode attention A/B, bench generate ours vs ours+pdl
+#   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, decode attention A/B, bench generate ours vs ours-pdl
 #   bash scripts/gpu_check.sh triton-launch  # kernel GPU tests on Triton's launch path (FLASH_KERNELS_LEAN_LAUNCH=0), launch costs both ways
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +58,7 @@ case "${1:-}" in
             2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 150 python scripts/profile/decode_pdl.py 2>&1 | tee "$OUT/decode-pdl.log" | grep "^|"
         timeout 240 python -m flash_models bench generate --models llama-1.1b gpt2-124m --batches 1 16 --prompts 128 \
-            --peers ours+pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|"
+            --peers ours-pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|"
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     triton-launch)

@@ -97,9 +97,9 @@ def _bench_model(result: BenchResult, name: str, *, batches, prompts, new_tokens
     ours = create_model(preset, dtype=dtype, device=device, **overrides).eval()
     hf = _hf_twin(ours) if {"hf", "hf_static"} & set(peers) else None
     sides = {"ours": lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[])}
-    if "ours+pdl" in peers:  # the decode step with programmatic dependent launch (flash_kernels._pdl)
-        sides["ours+pdl"] = lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[],
-                                                         programmatic_launch=True)
+    if "ours-pdl" in peers:  # the decode step without programmatic dependent launch (flash_kernels._pdl)
+        sides["ours-pdl"] = lambda ids, n: ours.generate(ids, max_new_tokens=n, eos_token_id=[],
+                                                         programmatic_launch=False)
     if "hf" in peers:
         sides["hf"] = lambda ids, n: hf.generate(ids, max_new_tokens=n, do_sample=False)
     if "hf_static" in peers:
@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--prompts", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--peers", nargs="*", default=None, choices=["hf", "hf_static", "ours+pdl"],
+    parser.add_argument("--peers", nargs="*", default=None, choices=["hf", "hf_static", "ours-pdl"],
                         help="sides besides ours: HF generate (hf), HF with a static cache + compile (hf_static), ours "
-                             "with programmatic dependent launch (ours+pdl); default: hf and hf_static (hf only with "
+                             "without programmatic dependent launch (ours-pdl); default: hf and hf_static (hf only with "
                              "--dry-run)")
     parser.add_argument("--dry-run", action="store_true", help="tiny fp32 models on the CPU: checks the code, not speed")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))

@@ -64,11 +64,12 @@ class PreNormBlock(nn.Module):
 
     def _chained(self, stream: torch.Tensor, **attn_kwargs):
         """``forward`` for a decode row in a chain of programmatic launches, with the residual stream carried
-        whole (the first block's input, and every chained block's output, is ``(stream, None)``): norm1 runs in
-        the qkv GEMV's prologue and the two residual adds in the out and down GEMVs' epilogues, each rounded
-        where the fused add + norm kernel rounds: one kernel a layer fewer (norm1's), for the same values."""
+        whole (the first block's input, and every chained block's output, is ``(stream, None)``): the norms run
+        in the qkv and gate/up GEMVs' prologues, SwiGLU in gate/up's epilogue and the two residual adds in the
+        out and down GEMVs' epilogues, each rounded where the unfused kernels round: three kernels a layer
+        fewer (the norms' and the activation's), for the same values up to float32 summation order."""
         stream = self.attn(stream, input_norm=self.norm1, residual=stream, **attn_kwargs)
-        return self.mlp(self.norm2(stream), residual=stream), None
+        return self.mlp(stream, residual=stream, input_norm=self.norm2), None
 
 
 class ParallelBlock(nn.Module):

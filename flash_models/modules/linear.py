@@ -107,13 +107,14 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 
 def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module | None = None,
-                   residual: torch.Tensor | None = None) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, swiglu_output: bool = False) -> torch.Tensor:
     """``layer(x)`` for a decode row in a chain of programmatic launches (``gemv_in_chain``) as one GEMV that also
-    RMS-normalizes x with ``input_norm`` (a bias-free RMSNorm module) first and/or adds ``residual`` to the
-    result: the norm kernel and the residual add folded into the projection (see flash_kernels.gemv)."""
+    RMS-normalizes x with ``input_norm`` (a bias-free RMSNorm module) first, applies SwiGLU to a packed
+    [gate; up] ``layer``'s output (``swiglu_output``) and/or adds ``residual`` to the result: the norm and
+    activation kernels and the residual add folded into the projection (see flash_kernels.gemv)."""
     norm = {} if input_norm is None else dict(norm_weight=input_norm.weight, norm_eps=input_norm.eps)
-    return flash_kernels.gemv(x, layer.weight, layer.bias, residual=residual, static_weight=True, backend="triton",
-                              **norm)
+    return flash_kernels.gemv(x, layer.weight, layer.bias, residual=residual, swiglu_output=swiglu_output,
+                              static_weight=True, backend="triton", **norm)
 
 
 def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -89,14 +89,21 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``residual``: a decode row in a programmatic-launch chain (PreNormBlock): the down projection's GEMV adds
-        it, and the result is the new residual stream."""
-        gate_up = linear(x, self.gate_up, recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                input_norm: nn.Module | None = None) -> torch.Tensor:
+        """``residual`` and ``input_norm``: a decode row in a programmatic-launch chain (PreNormBlock). x is then
+        the residual stream: the gate/up GEMV normalizes it with ``input_norm`` and applies SwiGLU to its own
+        output, and the down projection's GEMV adds ``residual``, giving the new stream."""
         if residual is not None:
-            return chained_linear(self._act(gate_up), self.down, residual=residual)
+            return chained_linear(self._chained_gate_up(x, input_norm), self.down, residual=residual)
+        gate_up = linear(x, self.gate_up, recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
         return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation,
                                       recompute_weight_cast=self.recompute_weight_casts)
+
+    def _chained_gate_up(self, x: torch.Tensor, input_norm: nn.Module | None) -> torch.Tensor:
+        if self.cfg.activation == "silu":  # the GEMV's SwiGLU epilogue: no activation kernel
+            return chained_linear(x, self.gate_up, input_norm=input_norm, swiglu_output=True)
+        return self._act(chained_linear(x, self.gate_up, input_norm=input_norm))
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":

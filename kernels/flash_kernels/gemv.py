@@ -14,7 +14,10 @@ plus a launch gap in the CUDA graph), about as much as a small projection. So th
   recomputes the row's sum of squares (K elements, next to its BLOCK_N x K weight tile) instead of waiting
   for a norm kernel;
 - a SwiGLU prologue, ``(silu(gate) * up) @ weight.T`` with x the packed row [gate; up], for down;
-- a residual epilogue, ``... + residual``, for o and down: it writes the new residual stream.
+- a residual epilogue, ``... + residual``, for o and down: it writes the new residual stream;
+- a SwiGLU epilogue, ``silu(x @ gate.T) * (x @ up.T)`` with weight the packed [gate; up] rows, for gate/up:
+  each program reads matching gate and up rows and writes their product, so the activation costs no kernel
+  and, unlike the prologue above, nothing is computed twice.
 Each rounds where the unfused path stores a tensor (the normed row, the SwiGLU product, the projection before
 the add: see ``gemv_ref``), so fused and unfused decoding give the same logits up to float32 summation order.
 
@@ -24,7 +27,8 @@ Backends: "triton" runs the kernel (inference only: it has no backward, and refu
 kernels at LLaMA-1.1B's shapes, in CUDA graphs. Its first run (H100, 2026-11-23, bf16, us per call): plain gemv
 0.94-1.08x cuBLAS; norm + qkv 9.83 -> 8.25 and o + add 8.05 -> 7.12 fused, but norm + gate/up 20.46 -> 21.29
 and swiglu + down + add 14.87 -> 16.30: the prologue every program recomputes over K costs about 1.8 us (norm)
-and 4 us (SwiGLU) there, more than the kernel it saves on the long projections.
+and 4 us (SwiGLU) there, more than the kernel it saves on the long projections. Hence the SwiGLU epilogue, and
+the norm's sum of squares read in one load rather than a loop of dependent ones.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, or_dummy, pick
+from ._triton_utils import cdiv, next_power_of_2, or_dummy, pick
 from .activations import _act_and_grad, swiglu_ref
 from .layer_norm import rms_norm_ref
 
@@ -53,14 +57,18 @@ def gemv_ref(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
     swiglu: bool = False,
+    swiglu_output: bool = False,
 ) -> torch.Tensor:
     """The unfused path, each step stored in x's dtype as its own kernel stores it: the normed row or the SwiGLU
-    product, the projection, then the residual add in float32 (as the fused add+norm adds the stream)."""
+    product, the projection (and its SwiGLU), then the residual add in float32 (as the fused add+norm adds the
+    stream)."""
     if norm_weight is not None:
         x = rms_norm_ref(x, norm_weight, eps=norm_eps)
     elif swiglu:
         x = swiglu_ref(x)
     y = F.linear(x, weight, bias)
+    if swiglu_output:
+        y = swiglu_ref(y)
     return y if residual is None else (y.float() + residual.float()).to(y.dtype)
 
 
@@ -75,14 +83,23 @@ def _configs():
 
 
 @triton.jit
-def _rms_rstd(X, K, eps, BLOCK_K: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the whole row, in float32 (every program computes it: K is a few thousand)."""
-    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+def _rms_rstd(X, K, eps, BLOCK_ROW: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the whole row, in float32. Every program computes it (K is a few thousand),
+    before its first dot, so it reads the row in as few loads as it can: BLOCK_ROW covers K up to 8192."""
+    sq = tl.zeros([BLOCK_ROW], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_ROW):
+        cols = k0 + tl.arange(0, BLOCK_ROW)
         x = tl.load(X + cols, mask=cols < K, other=0.0).to(tl.float32)
         sq += x * x
     return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def _swiglu_pair(gate, up, dtype):
+    """silu(gate) * up from two float32 projections, each first rounded to ``dtype`` as the unfused path stores
+    the gate/up projection, then computed as the swiglu kernel computes it (its own SiLU)."""
+    silu, _ = _act_and_grad(gate.to(dtype).to(tl.float32), 0)
+    return silu * up.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -94,9 +111,8 @@ def _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE: tl.constexpr):
         w = tl.load(NW + cols, mask=col_in, other=0.0).to(tl.float32)
         x = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)  # the norm kernel's order: x * rstd, then * w
     elif PROLOGUE == "swiglu":
-        up = tl.load(X + K + cols, mask=col_in, other=0.0).to(tl.float32)
-        silu, _ = _act_and_grad(x, 0)  # KIND 0: the swiglu kernel's own SiLU
-        x = (silu * up).to(X.dtype.element_ty).to(tl.float32)
+        up = tl.load(X + K + cols, mask=col_in, other=0.0)
+        x = _swiglu_pair(x, up, X.dtype.element_ty).to(X.dtype.element_ty).to(tl.float32)
     return x
 
 
@@ -106,40 +122,58 @@ PREFETCH_ELEMENTS = tl.constexpr(16384)
 
 
 @cached_autotune
-@triton.autotune(configs=_configs(), key=["N", "K", "PROLOGUE", "PREFETCH"])
+@triton.autotune(configs=_configs(), key=["N", "K", "PROLOGUE", "GATED", "PREFETCH"])
 @triton.jit
 def _gemv_kernel(
     X, W, B, R, NW, Y, N, K, stride_w, eps,
-    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # GATED: the weight holds 2N rows [gate; up]; this program's output rows n read gate row n and up row N + n.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < N
     row_offsets = rows.to(tl.int64)[:, None] * stride_w
+    up_offsets = (rows + N).to(tl.int64)[:, None] * stride_w
     if PREFETCH:  # the weight is no kernel's output: its first columns stream in while the kernel before runs
-        pre_cols = tl.arange(0, PREFETCH_ELEMENTS // BLOCK_N)
-        w_pre = tl.load(W + row_offsets + pre_cols[None, :], mask=row_in[:, None] & (pre_cols < K)[None, :],
-                        other=0.0)
+        # The same registers either way: a gated program holds half as many columns of twice the rows.
+        pre_cols = tl.arange(0, PREFETCH_ELEMENTS // BLOCK_N // (1 + GATED))
+        pre_mask = row_in[:, None] & (pre_cols < K)[None, :]
+        w_pre = tl.load(W + row_offsets + pre_cols[None, :], mask=pre_mask, other=0.0)
+        if GATED:
+            u_pre = tl.load(W + up_offsets + pre_cols[None, :], mask=pre_mask, other=0.0)
     wait_for_predecessor(PDL)
     rstd = 0.0
     if PROLOGUE == "rms_norm":
-        rstd = _rms_rstd(X, K, eps, BLOCK_K)
+        rstd = _rms_rstd(X, K, eps, BLOCK_ROW)
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    y_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     start = 0
     if PREFETCH:
         x_pre = _input_tile(X, NW, pre_cols, pre_cols < K, K, rstd, PROLOGUE)
         y = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
-        start = PREFETCH_ELEMENTS // BLOCK_N
+        if GATED:
+            y_up = tl.sum(u_pre.to(tl.float32) * x_pre[None, :], axis=1)
+        start = PREFETCH_ELEMENTS // BLOCK_N // (1 + GATED)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(start, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_in = cols < K
         x = _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE)
-        w = tl.load(W + row_offsets + cols[None, :], mask=row_in[:, None] & col_in[None, :], other=0.0)
+        w_mask = row_in[:, None] & col_in[None, :]
+        w = tl.load(W + row_offsets + cols[None, :], mask=w_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]  # summed over K once, after the loop
+        if GATED:
+            u = tl.load(W + up_offsets + cols[None, :], mask=w_mask, other=0.0)
+            acc_up += u.to(tl.float32) * x[None, :]
     y += tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_in, other=0.0).to(tl.float32)
+    if GATED:
+        y_up += tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            y_up += tl.load(B + N + rows, mask=row_in, other=0.0).to(tl.float32)
+        y = _swiglu_pair(y, y_up, Y.dtype.element_ty)
     if HAS_RESIDUAL:
         # The unfused path stores the projection in the dtype, then adds it to the stream in float32.
         y = y.to(Y.dtype.element_ty).to(tl.float32) + tl.load(R + rows, mask=row_in, other=0.0).to(tl.float32)
@@ -155,34 +189,43 @@ def _unit_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-          norm_weight: torch.Tensor | None, norm_eps: float, prologue: str, static_weight: bool) -> torch.Tensor:
-    N, K = weight.shape
+          norm_weight: torch.Tensor | None, norm_eps: float, prologue: str, swiglu_output: bool,
+          static_weight: bool) -> torch.Tensor:
+    rows, K = weight.shape
+    N = rows // 2 if swiglu_output else rows
     dev, dt = x.device, x.dtype
     y = torch.empty(N, device=dev, dtype=dt)
     grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     pdl = programmatic_launch_enabled(dev)
     _gemv_kernel[grid](
-        _unit_vector(x, x.shape[-1]), weight, or_dummy(_unit_vector(bias, N), dev, dt),
+        _unit_vector(x, x.shape[-1]), weight, or_dummy(_unit_vector(bias, rows), dev, dt),
         or_dummy(_unit_vector(residual, N), dev, dt), or_dummy(_unit_vector(norm_weight, K), dev, dt), y, N, K,
         weight.stride(0), norm_eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PROLOGUE=prologue,
-        PDL=pdl, PREFETCH=static_weight, **launch_options(pdl),
+        GATED=swiglu_output, PDL=pdl, PREFETCH=static_weight, BLOCK_ROW=_rstd_block(K), **launch_options(pdl),
     )
     return y.view(*x.shape[:-1], N)
+
+
+def _rstd_block(K: int) -> int:
+    """The norm prologue's load width: the whole row in one load up to 8192 elements; in the interpreter a short
+    block, so that test shapes run its loop over several."""
+    return 32 if triton_interpreter_enabled() else min(next_power_of_2(K), 8192)
 
 
 # torch.compile traces the custom op as one opaque node; eager calls skip the dispatcher (``pick``).
 @torch.library.custom_op("flash_kernels::gemv", mutates_args=())
 def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-             norm_weight: torch.Tensor | None, norm_eps: float, prologue: str, static_weight: bool) -> torch.Tensor:
-    return _gemv(x, weight, bias, residual, norm_weight, norm_eps, prologue, static_weight)
+             norm_weight: torch.Tensor | None, norm_eps: float, prologue: str, swiglu_output: bool,
+             static_weight: bool) -> torch.Tensor:
+    return _gemv(x, weight, bias, residual, norm_weight, norm_eps, prologue, swiglu_output, static_weight)
 
 
 @_gemv_op.register_fake
-def _(x, weight, bias, residual, norm_weight, norm_eps, prologue, static_weight):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+def _(x, weight, bias, residual, norm_weight, norm_eps, prologue, swiglu_output, static_weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu_output else weight.shape[0]))
 
 
-def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu) -> str:
+def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu, swiglu_output) -> str:
     """Raise a ValueError for inconsistent inputs; return the prologue ("none", "rms_norm" or "swiglu")."""
     if norm_weight is not None and swiglu:
         raise ValueError("gemv: norm_weight (an RMSNorm prologue) and swiglu=True (a SwiGLU prologue) exclude "
@@ -192,7 +235,11 @@ def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu) -> str:
                          "no default, a wrong one would go unnoticed)")
     if weight.dim() != 2:
         raise ValueError(f"gemv: weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
-    N, K = weight.shape
+    rows, K = weight.shape
+    if swiglu_output and rows % 2:
+        raise ValueError(f"gemv: swiglu_output=True needs the packed [gate; up] weight, an even number of rows; "
+                         f"got {rows}")
+    N = rows // 2 if swiglu_output else rows
     width = 2 * K if swiglu else K  # swiglu: x is the packed [gate; up]
     if x.shape[-1] != width:
         what = "the packed [gate; up] of 2 * " if swiglu else ""
@@ -200,8 +247,8 @@ def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu) -> str:
                          f"dim {what}{K} = {width})")
     if x.numel() != x.shape[-1]:
         raise ValueError(f"gemv: x must hold one row (batch-1 decoding), got shape {tuple(x.shape)}; use F.linear")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({N},)")
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({rows},)")
     if residual is not None and residual.shape != (*x.shape[:-1], N):
         raise ValueError(f"gemv: residual shape {tuple(residual.shape)} != output shape {(*x.shape[:-1], N)}")
     if norm_weight is not None and norm_weight.shape != (K,):
@@ -231,6 +278,7 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
     swiglu: bool = False,
+    swiglu_output: bool = False,
     static_weight: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
@@ -239,6 +287,8 @@ def gemv(
 
     - ``norm_weight`` and ``norm_eps``: x is RMS-normed first, ``rms_norm(x, norm_weight, eps=norm_eps)``;
     - ``swiglu=True``: x is the packed [gate; up] (..., 2K) and ``silu(gate) * up`` is projected;
+    - ``swiglu_output=True``: weight (and bias) are the packed [gate; up] rows (2N, K) and the result is
+      ``silu(gate projection) * up projection`` (..., N);
     - ``residual`` (..., N): added to the projection, giving the new residual stream.
 
     The two prologues exclude each other; every tensor shares x's dtype.
@@ -247,10 +297,10 @@ def gemv(
     in a decode step): inside ``flash_kernels.programmatic_launch()`` the kernel then reads the first columns
     of its weight rows before waiting for its predecessor, so they stream in while that kernel still runs.
     """
-    prologue = _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu)
+    prologue = _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu, swiglu_output)
     if check_backend_name(backend) == "auto" or not use_triton(
             backend, x, op="gemv", unsupported=_unsupported(x, weight, bias, residual, norm_weight)):
         return gemv_ref(x, weight, bias, residual=residual, norm_weight=norm_weight, norm_eps=norm_eps,
-                        swiglu=swiglu)
+                        swiglu=swiglu, swiglu_output=swiglu_output)
     eps = 0.0 if norm_eps is None else float(norm_eps)
-    return pick(_gemv_op, _gemv)(x, weight, bias, residual, norm_weight, eps, prologue, static_weight)
+    return pick(_gemv_op, _gemv)(x, weight, bias, residual, norm_weight, eps, prologue, swiglu_output, static_weight)

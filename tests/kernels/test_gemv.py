@@ -24,9 +24,11 @@ def _operands(n, k, dtype, *, bias=True, leading=(1,), width=None):
 
 def _fused_operands(n, k, dtype, fusion, *, bias):
     """x, weight, bias and gemv's fusion keywords. fusion names what it fuses: "residual", "norm", "swiglu"
-    or a "+" of them; "plain" fuses nothing."""
-    x, weight, b = _operands(n, k, dtype, bias=bias, width=2 * k if "swiglu" in fusion else k)  # [gate; up]
-    extra = {}
+    (the prologue), "gated" (the SwiGLU epilogue: 2n packed weight rows) or a "+" of them; "plain" fuses
+    nothing."""
+    rows = 2 * n if "gated" in fusion else n
+    x, weight, b = _operands(rows, k, dtype, bias=bias, width=2 * k if "swiglu" in fusion else k)  # [gate; up]
+    extra = {"swiglu_output": True} if "gated" in fusion else {}
     if "residual" in fusion:
         extra["residual"] = torch.randn(1, n, device=DEVICE).to(dtype)
     if "norm" in fusion:
@@ -36,9 +38,10 @@ def _fused_operands(n, k, dtype, fusion, *, bias):
     return x, weight, b, extra
 
 
-def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False):
+def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False,
+             swiglu_output=False):
     """The unfused decode path in float32, rounded to x's dtype wherever it stores a tensor: the normed row or
-    the SwiGLU product, the projection, the new residual stream."""
+    the SwiGLU product, the projection (and its SwiGLU), the new residual stream."""
     stored = lambda t: t.to(x.dtype).float()  # noqa: E731
     h = x.float()
     if norm_weight is not None:
@@ -47,12 +50,16 @@ def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=
         gate, up = h.chunk(2, dim=-1)
         h = stored(F.silu(gate) * up)
     y = stored(F.linear(h, weight.float(), None if bias is None else bias.float()))
+    if swiglu_output:
+        gate, up = y.chunk(2, dim=-1)
+        y = stored(F.silu(gate) * up)
     if residual is not None:
         y = stored(y + residual.float())
     return y.to(x.dtype)
 
 
-def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False):
+def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False,
+                     swiglu_output=False):
     """The unfused decode path through our own kernels: the norm or SwiGLU kernel, gemv, then the residual
     stream as the fused add+norm kernel stores it."""
     if norm_weight is not None:
@@ -60,6 +67,8 @@ def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, n
     if swiglu:
         x = swiglu_kernel(x, backend="triton")
     y = gemv(x, weight, bias, backend="triton")
+    if swiglu_output:
+        y = swiglu_kernel(y, backend="triton")
     if residual is not None:
         any_weight = torch.randn(y.shape[-1], device=y.device).to(y.dtype)  # only the stream is used
         y = rms_norm(y, any_weight, residual=residual, prenorm=True, backend="triton")[1]
@@ -82,7 +91,7 @@ def test_matches_linear(dtype, n, k, bias, leading):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion,bias", [
     ("residual", False), ("residual", True), ("norm", False), ("norm+residual", True), ("swiglu+residual", False),
-    ("swiglu+residual", True),
+    ("swiglu+residual", True), ("gated", False), ("norm+gated", True), ("gated+residual", True),
 ])
 def test_fused(dtype, fusion, bias):
     """N = 77, K = 123: neither a multiple of the tiles (the interpreter's 16 x 32)."""
@@ -101,7 +110,7 @@ def test_fused(dtype, fusion, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fusion", ["plain", "norm+residual", "swiglu+residual"])
+@pytest.mark.parametrize("fusion", ["plain", "norm+residual", "swiglu+residual", "norm+gated"])
 @pytest.mark.parametrize("k", [123, 1500])  # within the prefetched columns (1024 at the interpreter's 16 rows),
 def test_static_weight_prefetch(dtype, fusion, k):  # and past them, where the K loop takes over
     """static_weight=True: each program reads the first columns of its weight rows up front, then the rest in
@@ -169,6 +178,13 @@ def test_bad_inputs():
         gemv(x, weight, norm_weight=nw.bfloat16(), norm_eps=EPS)
     with pytest.raises(ValueError, match="packed"):
         gemv(x, weight, swiglu=True)  # x must hold [gate; up], 2 * 16
+    # the SwiGLU epilogue: packed [gate; up] rows, so an even count, and bias and residual sized to match
+    with pytest.raises(ValueError, match="even number of rows"):
+        gemv(x, weight[:7], swiglu_output=True, backend="triton")
+    with pytest.raises(ValueError, match="bias shape"):
+        gemv(x, weight, torch.randn(4, device=DEVICE), swiglu_output=True, backend="triton")
+    with pytest.raises(ValueError, match="residual shape"):
+        gemv(x, weight, residual=r, swiglu_output=True, backend="triton")  # out is (1, 4)
 
 
 @pytest.mark.parametrize("fusion", ["plain", "norm+residual"])
@@ -190,6 +206,7 @@ def test_gpu_llama_decode_shapes(n, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,fusion", [
     (2560, 2048, "norm"), (2048, 2048, "residual"), (11264, 2048, "norm"), (2048, 5632, "swiglu+residual"),
+    (5632, 2048, "norm+gated"),  # gate/up's 11264 packed rows, norm2 before and SwiGLU after
 ])
 def test_gpu_llama_fused(n, k, fusion):
     """LLaMA-1.1B's layer, bf16: qkv and gate/up after the norm, o and down into the residual stream."""

@@ -22,7 +22,8 @@ def gemv_calls(monkeypatch):
     real = flash_kernels.gemv
 
     def spy(*args, **kwargs):
-        calls.append((args[0].shape, kwargs.get("norm_weight") is not None, kwargs.get("residual") is not None))
+        calls.append((args[0].shape, kwargs.get("norm_weight") is not None, kwargs.get("residual") is not None,
+                      kwargs.get("swiglu_output", False)))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash_kernels, "gemv", spy)
@@ -39,7 +40,7 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
         assert gemv_calls == []
         with programmatic_launch():
             out = linear_module.dense(row, weight, bias)
-            assert gemv_calls == [((1, 1, 64), False, False)]
+            assert gemv_calls == [((1, 1, 64), False, False, False)]
             linear_module.dense(torch.randn(2, 64).bfloat16(), weight, bias)  # two rows: a GEMM's job
             linear_module.dense(row.float(), weight.float(), bias.float())  # float32: cuBLAS, not TF32
     with programmatic_launch():
@@ -69,17 +70,19 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
     model = fm.create_model(preset, dtype=torch.bfloat16, **TINY[preset]).eval()
     prompt = torch.randint(0, 256, (1, 5))
     with torch.no_grad():
-        plain = model.generate(prompt, max_new_tokens=3, eos_token_id=[])
+        plain = model.generate(prompt, max_new_tokens=3, eos_token_id=[], programmatic_launch=False)
         assert entered == [False, False] and gemv_calls == []
-        chained = model.generate(prompt, max_new_tokens=3, eos_token_id=[], programmatic_launch=True)
+        chained = model.generate(prompt, max_new_tokens=3, eos_token_id=[])  # on by default
     assert entered[2:] == [True, True]
     # Every projection of a decode step (qkv, out and the MLP's two per layer, then the head) was a GEMV; in the
-    # LLaMA blocks the qkv one normalized its input and the out and down ones added the residual stream.
+    # LLaMA blocks the qkv and gate/up ones normalized their input, gate/up applied SwiGLU to its output and the
+    # out and down ones added the residual stream.
     assert len(gemv_calls) == 2 * (4 * 2 + 1)
-    fused = [(norm, residual) for _, norm, residual in gemv_calls]
-    unfused = [(False, False)] * 4
-    per_layer = [(True, False), (False, True), (False, False), (False, True)] if preset == "llama-1b" else unfused
-    assert fused == (per_layer * 2 + [(False, False)]) * 2
+    fused = [call[1:] for call in gemv_calls]
+    unfused = [(False, False, False)] * 4
+    per_layer = [(True, False, False), (False, True, False), (True, False, True), (False, True, False)]
+    per_layer = per_layer if preset == "llama-1b" else unfused
+    assert fused == (per_layer * 2 + [(False, False, False)]) * 2
     # The prefill (five rows: GEMMs either way) picks the same first token; the later ones come from GEMV
     # logits, equal to cuBLAS's up to float32 summation order.
     assert chained.shape == plain.shape and torch.equal(chained[:, :6], plain[:, :6])
@@ -87,8 +90,9 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
 
 @torch.no_grad()
 def test_chained_llama_decode_steps_give_the_plain_logits(gemv_calls):
-    """The chained block (norm1 in the qkv GEMV, the residual adds in the out and down GEMVs, the stream carried
-    whole) against the plain block, decode step by decode step on the same tokens."""
+    """The chained block (the norms in the qkv and gate/up GEMVs, SwiGLU after gate/up's, the residual adds in
+    the out and down GEMVs, the stream carried whole) against the plain block, decode step by decode step on the
+    same tokens."""
     torch.manual_seed(0)
     model = fm.create_model("llama-1b", dtype=torch.bfloat16, **TINY["llama-1b"]).eval()
     prompt = torch.randint(0, 256, (1, 7))
