@@ -211,7 +211,7 @@ class Attention(nn.Module):
         input_norm: nn.Module | None = None, residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position.
-        ``input_norm`` and ``residual`` are for a decode row in a programmatic-launch chain (PreNormBlock): x is
+        ``input_norm`` and ``residual`` are for a decode step in a programmatic-launch chain (PreNormBlock): x is
         then the residual stream, normalized in the qkv GEMV's prologue, and the output is the new stream, the
         out projection's GEMV adding ``residual``."""
         cfg = self.cfg

@@ -53,7 +53,7 @@ class PreNormBlock(nn.Module):
         return norm_output_recomputed(normed, norm, stream) if self.recompute_norm_outputs else contextlib.nullcontext()
 
     def _chained_decode(self, hidden: torch.Tensor) -> bool:
-        """A batch-1 decode row inside ``flash_kernels.programmatic_launch()`` (``gemv_in_chain``) through a
+        """A decode step of up to 16 rows inside ``flash_kernels.programmatic_launch()`` (``gemv_in_chain``) through a
         LLaMA-style block: bias-free RMSNorms, the stream kept in the model's dtype, a gated MLP, plain
         projections. Then ``_chained`` runs it."""
         attn, mlp = self.attn, self.mlp
@@ -63,7 +63,7 @@ class PreNormBlock(nn.Module):
                 and all(plain_linear(layer) for layer in (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down)))
 
     def _chained(self, stream: torch.Tensor, **attn_kwargs):
-        """``forward`` for a decode row in a chain of programmatic launches, with the residual stream carried
+        """``forward`` for a decode step in a chain of programmatic launches, with the residual stream carried
         whole (the first block's input, and every chained block's output, is ``(stream, None)``): the norms run
         in the qkv and gate/up GEMVs' prologues, SwiGLU in gate/up's epilogue and the two residual adds in the
         out and down GEMVs' epilogues, each rounded where the unfused kernels round: three kernels a layer

@@ -13,8 +13,8 @@ Two things differ from autograd's own Linear, neither in the result:
 
 Only plain nn.Linear layers with plain tensors and no hooks take this path (``plain_linear``); anything else,
 and every call under torch.compile, is the layer's own forward. Without grad mode a plain layer is ``dense``:
-``F.linear``, or inside ``flash_kernels.programmatic_launch()`` (a decode step) for one half-precision row,
-``flash_kernels.gemv``, whose kernel takes part in the chain of programmatic launches that cuBLAS's do not.
+``F.linear``, or inside ``flash_kernels.programmatic_launch()`` (a decode step) for up to 16 half-precision
+rows, ``flash_kernels.gemv``, whose kernel takes part in the chain of programmatic launches that cuBLAS's do not.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 import flash_kernels
 from flash_kernels._backend import capturing_cuda_graph
 from flash_kernels._pdl import enabled as programmatic_launch_enabled
+from flash_kernels.gemv import GEMV_MAX_ROWS
 
 _ONES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -98,9 +99,9 @@ def linear(x: torch.Tensor, layer: nn.Module, *, recompute_weight_cast: bool = F
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for inference. Inside ``flash_kernels.programmatic_launch()`` on a GPU that
-    supports it, a single half-precision row (a batch-1 decode step) goes through ``flash_kernels.gemv``
-    instead: a programmatic launch only overlaps two kernels that both take part, and cuBLAS's GEMV does not,
-    so every projection would otherwise break the chain twice."""
+    supports it, up to 16 half-precision rows (a decode step up to batch 16) go through ``flash_kernels.gemv``
+    instead: a programmatic launch only overlaps two kernels that both take part, and cuBLAS's do not, so
+    every projection would otherwise break the chain twice."""
     if gemv_in_chain(x, weight):
         return flash_kernels.gemv(x, weight, bias, static_weight=True, backend="triton")  # a parameter
     return F.linear(x, weight, bias)
@@ -108,7 +109,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module | None = None,
                    residual: torch.Tensor | None = None, swiglu_output: bool = False) -> torch.Tensor:
-    """``layer(x)`` for a decode row in a chain of programmatic launches (``gemv_in_chain``) as one GEMV that also
+    """``layer(x)`` for a decode step in a chain of programmatic launches (``gemv_in_chain``) as one GEMV that also
     RMS-normalizes x with ``input_norm`` (a bias-free RMSNorm module) first, applies SwiGLU to a packed
     [gate; up] ``layer``'s output (``swiglu_output``) and/or adds ``residual`` to the result: the norm and
     activation kernels and the residual add folded into the projection (see flash_kernels.gemv)."""
@@ -119,6 +120,7 @@ def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module |
 
 def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there)."""
-    return (x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+    return (x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
+            and weight.dtype == x.dtype
             and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
             and programmatic_launch_enabled(x.device))

@@ -45,7 +45,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._inference_fusable(x) and gemv_in_chain(x, self.fc1.weight):
-            # A decode row in a chain of programmatic launches (modules/linear.dense): our GEMVs and our
+            # A decode step in a chain of programmatic launches (modules/linear.dense): our GEMVs and our
             # activation kernel take part in it, cuBLAS and torch's GELU would not.
             pre = linear(x, self.fc1)
             return linear(activation(pre, self.cfg.activation, backend="triton"), self.fc2)
@@ -91,7 +91,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 input_norm: nn.Module | None = None) -> torch.Tensor:
-        """``residual`` and ``input_norm``: a decode row in a programmatic-launch chain (PreNormBlock). x is then
+        """``residual`` and ``input_norm``: a decode step in a programmatic-launch chain (PreNormBlock). x is then
         the residual stream: the gate/up GEMV normalizes it with ``input_norm`` and applies SwiGLU to its own
         output, and the down projection's GEMV adds ``residual``, giving the new stream."""
         if residual is not None:

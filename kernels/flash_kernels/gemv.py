@@ -1,12 +1,14 @@
-"""One-row matrix-vector product for batch-1 decoding: ``y = x @ weight.T (+ bias)`` with x a single row,
-optionally fused with the small ops around a decoder layer's projections.
+"""Matrix-vector product for decoding: ``y = x @ weight.T (+ bias)`` with x one row (batch 1) or a few (up to
+16: a decode step's batch), optionally fused with the small ops around a decoder layer's projections.
 
 At batch 1 a decoder step reads every weight once and does little else, so its projections are bound by
 memory bandwidth. cuBLAS's GEMVs reach 83% of the copy bandwidth on LLaMA-1.1B's gate/up projection (46 MB)
 but only 39% on qkv and o (10.5 and 8.4 MB) and 53% on down, with a split-K reduction kernel after it
 (docs/benchmarks.md, Generation, session 6). This kernel splits the output rows over the programs and runs
 the whole reduction over K inside each, in float32, so there is one launch and no partial sums; the tile
-shape is autotuned per (N, K) and prologue.
+shape is autotuned per (N, K) and prologue. For 2-16 rows a second kernel reads each weight tile once and
+multiplies it with every row on the tensor cores (cuBLAS at 16 rows: a GEMM launch that a programmatic launch
+chain cannot include, see below).
 
 The ops next to those projections each read and write one row, yet cost a kernel (about 1.3-1.9 us of GPU time
 plus a launch gap in the CUDA graph), about as much as a small projection. So the kernel can absorb them:
@@ -103,18 +105,22 @@ def _swiglu_pair(gate, up, dtype):
 
 
 @triton.jit
-def _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE: tl.constexpr):
-    """The tile of the row the dot reads, in float32. A prologue's result is rounded to x's dtype, as the norm
-    or SwiGLU kernel stores it in the unfused path: the dot then sees the same values."""
-    x = tl.load(X + cols, mask=col_in, other=0.0).to(tl.float32)
+def _input_tile(X, offsets, NW, cols, mask, K, rstd, PROLOGUE: tl.constexpr):
+    """The tile of x at ``offsets`` (its columns ``cols``) that the dot reads, in float32: a row's (1-D) or a few
+    rows' (2-D, ``rstd`` then a column of per-row values). A prologue's result is rounded to x's dtype, as the
+    norm or SwiGLU kernel stores it in the unfused path: the dot then sees the same values."""
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     if PROLOGUE == "rms_norm":
-        w = tl.load(NW + cols, mask=col_in, other=0.0).to(tl.float32)
+        w = tl.load(NW + cols, mask=cols < K, other=0.0).to(tl.float32)
         x = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)  # the norm kernel's order: x * rstd, then * w
     elif PROLOGUE == "swiglu":
-        up = tl.load(X + K + cols, mask=col_in, other=0.0)
+        up = tl.load(X + K + offsets, mask=mask, other=0.0)
         x = _swiglu_pair(x, up, X.dtype.element_ty).to(X.dtype.element_ty).to(tl.float32)
     return x
 
+
+# The most rows ``gemv`` takes: a decode step up to batch 16, whose weights the few-rows kernel still reads once.
+GEMV_MAX_ROWS = 16
 
 # With ``static_weight``, the weight elements a program reads before waiting for the kernel before it (its first
 # PREFETCH_ELEMENTS // BLOCK_N columns, held in registers: 64 per thread at 4 warps).
@@ -149,7 +155,7 @@ def _gemv_kernel(
     y_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     start = 0
     if PREFETCH:
-        x_pre = _input_tile(X, NW, pre_cols, pre_cols < K, K, rstd, PROLOGUE)
+        x_pre = _input_tile(X, pre_cols, NW, pre_cols, pre_cols < K, K, rstd, PROLOGUE)
         y = tl.sum(w_pre.to(tl.float32) * x_pre[None, :], axis=1)
         if GATED:
             y_up = tl.sum(u_pre.to(tl.float32) * x_pre[None, :], axis=1)
@@ -159,7 +165,7 @@ def _gemv_kernel(
     for k0 in range(start, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_in = cols < K
-        x = _input_tile(X, NW, cols, col_in, K, rstd, PROLOGUE)
+        x = _input_tile(X, cols, NW, cols, col_in, K, rstd, PROLOGUE)
         w_mask = row_in[:, None] & col_in[None, :]
         w = tl.load(W + row_offsets + cols[None, :], mask=w_mask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]  # summed over K once, after the loop
@@ -180,6 +186,96 @@ def _gemv_kernel(
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_in)
 
 
+def _rows_configs():
+    """(BLOCK_N, BLOCK_K, warps, stages) for the few-rows kernel: narrow output tiles so that GPT-2's 768 outputs
+    still make 24-48 programs, K tiles long enough for wide loads; tensor-core dots need tiles of 16+."""
+    if triton_interpreter_enabled():
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    shapes = [(16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 3), (16, 512, 4, 2), (64, 256, 8, 3)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in shapes]
+
+
+@triton.jit
+def _rms_rstd_rows(X, x_rows, m_in, K, eps, BLOCK_M: tl.constexpr, BLOCK_ROW: tl.constexpr):
+    """``_rms_rstd`` of BLOCK_M rows at offsets ``x_rows`` (BLOCK_M, 1): a (BLOCK_M, 1) column."""
+    sq = tl.zeros([BLOCK_M, BLOCK_ROW], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_ROW):
+        cols = k0 + tl.arange(0, BLOCK_ROW)
+        x = tl.load(X + x_rows + cols[None, :], mask=m_in[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        sq += x * x
+    return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
+
+
+@triton.jit
+def _dot_rows(x, w, acc, EXACT: tl.constexpr):
+    """acc + x @ w.T on the tensor cores. EXACT: in float32 at full precision (float32 inputs, where TF32 would
+    differ from F.linear; and the CPU interpreter, whose bfloat16 dot is wrong)."""
+    if EXACT:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x.to(w.dtype), tl.trans(w), acc)
+
+
+@cached_autotune
+@triton.autotune(configs=_rows_configs(), key=["N", "K", "BLOCK_M", "PROLOGUE", "GATED", "PREFETCH"])
+@triton.jit
+def _gemv_rows_kernel(
+    X, W, B, R, NW, Y, M, N, K, stride_x, stride_r, stride_y, stride_w, eps,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PROLOGUE: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, EXACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_ROW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """``_gemv_kernel`` for M <= BLOCK_M rows (a decode step at batch 2-16): each program reads a block of
+    weight rows once and multiplies every x row with it on the tensor cores, so the weight is still read once."""
+    offs_m = tl.arange(0, BLOCK_M)
+    m_in = offs_m < M
+    outs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    out_in = outs < N
+    w_rows = outs.to(tl.int64)[:, None] * stride_w
+    up_rows = (outs + N).to(tl.int64)[:, None] * stride_w
+    x_rows = offs_m.to(tl.int64)[:, None] * stride_x
+    first = tl.arange(0, BLOCK_K)
+    if PREFETCH:  # the weight is no kernel's output: its first K tile streams in while the kernel before runs
+        w_first = tl.load(W + w_rows + first[None, :], mask=out_in[:, None] & (first < K)[None, :], other=0.0)
+        if GATED:
+            u_first = tl.load(W + up_rows + first[None, :], mask=out_in[:, None] & (first < K)[None, :], other=0.0)
+    wait_for_predecessor(PDL)
+    rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    if PROLOGUE == "rms_norm":
+        rstd = _rms_rstd_rows(X, x_rows, m_in, K, eps, BLOCK_M, BLOCK_ROW)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    start = 0
+    if PREFETCH:
+        x = _input_tile(X, x_rows + first[None, :], NW, first[None, :], m_in[:, None] & (first < K)[None, :], K,
+                        rstd, PROLOGUE)
+        acc = _dot_rows(x, w_first, acc, EXACT)
+        if GATED:
+            acc_up = _dot_rows(x, u_first, acc_up, EXACT)
+        start = BLOCK_K
+    for k0 in range(start, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_in = cols < K
+        x = _input_tile(X, x_rows + cols[None, :], NW, cols[None, :], m_in[:, None] & col_in[None, :], K, rstd,
+                        PROLOGUE)
+        w_mask = out_in[:, None] & col_in[None, :]
+        acc = _dot_rows(x, tl.load(W + w_rows + cols[None, :], mask=w_mask, other=0.0), acc, EXACT)
+        if GATED:
+            acc_up = _dot_rows(x, tl.load(W + up_rows + cols[None, :], mask=w_mask, other=0.0), acc_up, EXACT)
+    y = acc
+    if HAS_BIAS:
+        y += tl.load(B + outs, mask=out_in, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        y_up = acc_up
+        if HAS_BIAS:
+            y_up += tl.load(B + N + outs, mask=out_in, other=0.0).to(tl.float32)[None, :]
+        y = _swiglu_pair(y, y_up, Y.dtype.element_ty)
+    mask = m_in[:, None] & out_in[None, :]
+    if HAS_RESIDUAL:
+        residual = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r + outs[None, :], mask=mask, other=0.0)
+        y = y.to(Y.dtype.element_ty).to(tl.float32) + residual.to(tl.float32)
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_y + outs[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
 def _unit_vector(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     """t as n contiguous elements (the kernel indexes its vectors with unit stride), copying only when it must."""
     if t is None:
@@ -193,17 +289,31 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, resi
           static_weight: bool) -> torch.Tensor:
     rows, K = weight.shape
     N = rows // 2 if swiglu_output else rows
+    M = x.numel() // x.shape[-1]
     dev, dt = x.device, x.dtype
-    y = torch.empty(N, device=dev, dtype=dt)
-    grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     pdl = programmatic_launch_enabled(dev)
-    _gemv_kernel[grid](
-        _unit_vector(x, x.shape[-1]), weight, or_dummy(_unit_vector(bias, rows), dev, dt),
-        or_dummy(_unit_vector(residual, N), dev, dt), or_dummy(_unit_vector(norm_weight, K), dev, dt), y, N, K,
-        weight.stride(0), norm_eps, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PROLOGUE=prologue,
-        GATED=swiglu_output, PDL=pdl, PREFETCH=static_weight, BLOCK_ROW=_rstd_block(K), **launch_options(pdl),
-    )
+    flags = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, PROLOGUE=prologue, GATED=swiglu_output,
+                 PDL=pdl, PREFETCH=static_weight, BLOCK_ROW=_rstd_block(K), **launch_options(pdl))
+    bias, norm_weight = or_dummy(_unit_vector(bias, rows), dev, dt), or_dummy(_unit_vector(norm_weight, K), dev, dt)
+    grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    if M == 1:
+        y = torch.empty(N, device=dev, dtype=dt)
+        _gemv_kernel[grid](_unit_vector(x, x.shape[-1]), weight, bias, or_dummy(_unit_vector(residual, N), dev, dt),
+                           norm_weight, y, N, K, weight.stride(0), norm_eps, **flags)
+        return y.view(*x.shape[:-1], N)
+    x2 = _unit_rows(x)
+    r2 = or_dummy(None if residual is None else _unit_rows(residual), dev, dt)
+    y = torch.empty(M, N, device=dev, dtype=dt)
+    _gemv_rows_kernel[grid](x2, weight, bias, r2, norm_weight, y, M, N, K, x2.stride(0), r2.stride(0), y.stride(0),
+                            weight.stride(0), norm_eps, EXACT=dt == torch.float32 or triton_interpreter_enabled(),
+                            BLOCK_M=GEMV_MAX_ROWS, **flags)
     return y.view(*x.shape[:-1], N)
+
+
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (rows, width) with unit stride along the width (what the few-rows kernel indexes)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _rstd_block(K: int) -> int:
@@ -245,8 +355,9 @@ def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu, swiglu_outp
         what = "the packed [gate; up] of 2 * " if swiglu else ""
         raise ValueError(f"gemv: x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (expected last "
                          f"dim {what}{K} = {width})")
-    if x.numel() != x.shape[-1]:
-        raise ValueError(f"gemv: x must hold one row (batch-1 decoding), got shape {tuple(x.shape)}; use F.linear")
+    if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:
+        raise ValueError(f"gemv: x must hold at most {GEMV_MAX_ROWS} rows (a decode step), got shape "
+                         f"{tuple(x.shape)}; use F.linear")
     if bias is not None and bias.shape != (rows,):
         raise ValueError(f"gemv: bias shape {tuple(bias.shape)} != ({rows},)")
     if residual is not None and residual.shape != (*x.shape[:-1], N):
@@ -282,8 +393,8 @@ def gemv(
     static_weight: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for a one-row x (..., K) with every leading dim 1 -> (..., N), optionally
-    with a prologue on x and a residual epilogue (see the module docstring):
+    """``F.linear(x, weight, bias)`` for x (..., K) of at most ``GEMV_MAX_ROWS`` (16) rows -> (..., N),
+    optionally with a prologue on x and a residual epilogue (see the module docstring):
 
     - ``norm_weight`` and ``norm_eps``: x is RMS-normed first, ``rms_norm(x, norm_weight, eps=norm_eps)``;
     - ``swiglu=True``: x is the packed [gate; up] (..., 2K) and ``silu(gate) * up`` is projected;

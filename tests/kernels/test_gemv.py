@@ -22,15 +22,16 @@ def _operands(n, k, dtype, *, bias=True, leading=(1,), width=None):
     return x, weight, b
 
 
-def _fused_operands(n, k, dtype, fusion, *, bias):
+def _fused_operands(n, k, dtype, fusion, *, bias, leading=(1,)):
     """x, weight, bias and gemv's fusion keywords. fusion names what it fuses: "residual", "norm", "swiglu"
     (the prologue), "gated" (the SwiGLU epilogue: 2n packed weight rows) or a "+" of them; "plain" fuses
     nothing."""
     rows = 2 * n if "gated" in fusion else n
-    x, weight, b = _operands(rows, k, dtype, bias=bias, width=2 * k if "swiglu" in fusion else k)  # [gate; up]
+    x, weight, b = _operands(rows, k, dtype, bias=bias, leading=leading,
+                             width=2 * k if "swiglu" in fusion else k)  # [gate; up]
     extra = {"swiglu_output": True} if "gated" in fusion else {}
     if "residual" in fusion:
-        extra["residual"] = torch.randn(1, n, device=DEVICE).to(dtype)
+        extra["residual"] = torch.randn(*leading, n, device=DEVICE).to(dtype)
     if "norm" in fusion:
         extra.update(norm_weight=(1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype), norm_eps=EPS)
     if "swiglu" in fusion:
@@ -109,6 +110,24 @@ def test_fused(dtype, fusion, bias):
         assert_rounded_alike(ref, oracle, dtype, name="reference")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fusion,leading", [
+    ("plain", (2,)), ("plain", (16, 1)), ("residual", (5, 1)), ("norm+gated", (3,)), ("swiglu+residual", (16,)),
+    ("norm+residual", (2, 2)),
+])
+def test_few_rows(dtype, fusion, leading):
+    """2-16 rows (a decode step's batch): the tensor-core kernel, bias on, N = 77 and K = 123 across several
+    tiles (the interpreter's 16 x 32), with each prologue and epilogue; rows are independent, so each must
+    equal the one-row kernel's result for it up to summation order."""
+    x, weight, b, extra = _fused_operands(77, 123, dtype, fusion, bias=True, leading=leading)
+    out = gemv(x, weight, b, **extra, backend="triton")
+    assert out.shape == (*leading, 77) and out.dtype == dtype
+    assert_close(out, _unfused(x, weight, b, **extra), dtype, name="few rows")
+    assert_rounded_alike(out, _unfused_kernels(x, weight, b, **extra), dtype, name="few rows vs kernels")
+    prefetched = gemv(x, weight, b, **extra, static_weight=True, backend="triton")
+    assert_close(prefetched, out, dtype, name="prefetched vs plain")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fusion", ["plain", "norm+residual", "swiglu+residual", "norm+gated"])
 @pytest.mark.parametrize("k", [123, 1500])  # within the prefetched columns (1024 at the interpreter's 16 rows),
@@ -121,13 +140,15 @@ def test_static_weight_prefetch(dtype, fusion, k):  # and past them, where the K
     assert_close(out, _unfused(x, weight, b, **extra), dtype, name="prefetched")
 
 
-def test_strided_inputs_and_weight_rows():
+@pytest.mark.parametrize("rows", [1, 3])
+def test_strided_inputs_and_weight_rows(rows):
     """x, bias and residual strided views; weight rows spaced wider than K (a column slice of a bigger matrix)."""
-    x = torch.randn(1, 2 * 100, device=DEVICE)[..., ::2]
+    x = torch.randn(rows, 2 * 100, device=DEVICE)[..., ::2]
     weight = torch.randn(50, 160, device=DEVICE)[:, :100]
-    bias, residual = torch.randn(2, 2 * 50, device=DEVICE)[:, ::2].unbind(0)
-    assert not x.is_contiguous() and weight.stride(0) == 160 and bias.stride(0) == residual.stride(0) == 2
-    out = gemv(x, weight, bias, residual=residual.view(1, 50), backend="triton")
+    bias = torch.randn(2 * 50, device=DEVICE)[::2]
+    residual = torch.randn(rows, 2 * 50, device=DEVICE)[:, ::2]
+    assert not x.is_contiguous() and weight.stride(0) == 160 and bias.stride(0) == residual.stride(1) == 2
+    out = gemv(x, weight, bias, residual=residual, backend="triton")
     assert_close(out, F.linear(x, weight, bias) + residual, torch.float32)
 
 
@@ -142,8 +163,8 @@ def test_auto_is_the_reference():
 def test_bad_inputs():
     x, weight, _ = _operands(8, 16, torch.float32)
     nw, r = torch.randn(16, device=DEVICE), torch.randn(1, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="one row"):
-        gemv(torch.randn(2, 16, device=DEVICE), weight, backend="triton")
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv(torch.randn(17, 16, device=DEVICE), weight, backend="triton")
     with pytest.raises(ValueError, match="does not match weight"):
         gemv(torch.randn(1, 15, device=DEVICE), weight, backend="triton")
     with pytest.raises(ValueError, match="2-D"):
@@ -215,4 +236,17 @@ def test_gpu_llama_fused(n, k, fusion):
     oracle = _unfused(x, weight, **extra)
     assert_close(out, oracle, torch.bfloat16)
     assert_rounded_alike(out, oracle, torch.bfloat16, name="triton vs float32")
+    assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,fusion", [
+    (2304, 768, "plain"), (768, 3072, "residual"), (3072, 768, "plain"),  # GPT-2's qkv, fc2 + add, fc1
+    (2560, 2048, "norm"), (5632, 2048, "norm+gated"), (2048, 5632, "residual"),  # LLaMA-1.1B's
+])
+def test_gpu_batch16_decode_shapes(n, k, fusion):
+    """A batch-16 decode step's projections, bf16, through the tensor-core kernel."""
+    x, weight, _, extra = _fused_operands(n, k, torch.bfloat16, fusion, bias=False, leading=(16, 1))
+    out = gemv(x, weight, **extra, static_weight=True, backend="triton")
+    assert_close(out, _unfused(x, weight, **extra), torch.bfloat16)
     assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")

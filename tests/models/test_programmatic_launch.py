@@ -41,11 +41,13 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
         with programmatic_launch():
             out = linear_module.dense(row, weight, bias)
             assert gemv_calls == [((1, 1, 64), False, False, False)]
-            linear_module.dense(torch.randn(2, 64).bfloat16(), weight, bias)  # two rows: a GEMM's job
+            few = linear_module.dense(torch.randn(16, 64).bfloat16(), weight, bias)  # a batch-16 decode step's
+            assert len(gemv_calls) == 2 and few.shape == (16, 40)
+            linear_module.dense(torch.randn(17, 64).bfloat16(), weight, bias)  # more rows: a GEMM's job
             linear_module.dense(row.float(), weight.float(), bias.float())  # float32: cuBLAS, not TF32
     with programmatic_launch():
         linear_module.dense(row, weight, bias)  # grad mode: no backward in the GEMV
-    assert len(gemv_calls) == 1
+    assert len(gemv_calls) == 2
     assert_close(out, F.linear(row.float(), weight.float(), bias.float()).bfloat16(), torch.bfloat16)
 
 
@@ -88,19 +90,20 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
     assert chained.shape == plain.shape and torch.equal(chained[:, :6], plain[:, :6])
 
 
+@pytest.mark.parametrize("batch", [1, 3])  # the one-row GEMV, and the few-rows kernel
 @torch.no_grad()
-def test_chained_llama_decode_steps_give_the_plain_logits(gemv_calls):
+def test_chained_llama_decode_steps_give_the_plain_logits(gemv_calls, batch):
     """The chained block (the norms in the qkv and gate/up GEMVs, SwiGLU after gate/up's, the residual adds in
     the out and down GEMVs, the stream carried whole) against the plain block, decode step by decode step on the
     same tokens."""
     torch.manual_seed(0)
     model = fm.create_model("llama-1b", dtype=torch.bfloat16, **TINY["llama-1b"]).eval()
-    prompt = torch.randint(0, 256, (1, 7))
-    tokens, runs = torch.randint(0, 256, (6,)), {}
+    prompt = torch.randint(0, 256, (batch, 7))
+    tokens, runs = torch.randint(0, 256, (6, batch)), {}
     for chained in (False, True):
-        cache = model.new_kv_cache(1, 32)
+        cache = model.new_kv_cache(batch, 32)
         model(prompt, kv_cache=cache)
         runner = engine.DecodeRunner(model, cache, use_cuda_graph=False, programmatic_launch=chained)
-        runs[chained] = torch.stack([runner(token.view(1)).float() for token in tokens])
+        runs[chained] = torch.stack([runner(token).float() for token in tokens])
     assert len(gemv_calls) == len(tokens) * (4 * 2 + 1)
     assert_close(runs[True], runs[False], torch.bfloat16, name="chained decode logits")
