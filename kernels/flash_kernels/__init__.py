@@ -18,6 +18,7 @@ from .layer_norm import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
 from .linear_act import linear_act
 from .linear_cross_entropy import linear_cross_entropy
 from .rotary import apply_rotary
+from .rotary_append import rotary_kv_append, rotary_kv_append_ref
 
 __all__ = [
     "BACKENDS",
@@ -42,5 +43,7 @@ __all__ = [
     "programmatic_launch",
     "rms_norm",
     "rms_norm_dual",
+    "rotary_kv_append",
+    "rotary_kv_append_ref",
     "swiglu",
 ]

@@ -40,6 +40,20 @@ def kv_append_ref(
     v_cache[first, second] = v.to(v_cache.dtype)
 
 
+@triton.jit
+def slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED: tl.constexpr):
+    """The device side of ``cache_locations`` for token (b, s): its (row, slot) in a per-row cache, or
+    (block, offset) in a paged pool. Shared with rotary_append.py's fused kernel."""
+    slot = tl.load(SLOTS + b * s_slb + s * s_sls)
+    if PAGED:
+        first = tl.load(TABLE + b * s_tb + slot // block_size).to(tl.int64)
+        second = slot % block_size
+    else:
+        first = b.to(tl.int64)
+        second = slot
+    return first, second
+
+
 @lean_launch
 @triton.jit
 def _kv_append_kernel(
@@ -51,13 +65,7 @@ def _kv_append_kernel(
     token = tl.program_id(0)  # b * seqlen + s
     h = tl.program_id(1)
     b, s = token // seqlen, token % seqlen
-    slot = tl.load(SLOTS + b * s_slb + s * s_sls)
-    if PAGED:
-        first = tl.load(TABLE + b * s_tb + slot // block_size).to(tl.int64)
-        second = slot % block_size
-    else:
-        first = b.to(tl.int64)
-        second = slot
+    first, second = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED)
     d = tl.arange(0, BLOCK_D)
     m = d < head_dim
     k = tl.load(K + b * s_kb + s * s_ks + h * s_kh + d, mask=m)
@@ -85,20 +93,23 @@ def _kv_append_op(
     _kv_append_triton(k_cache, v_cache, k, v, slots, block_table)
 
 
-def _check(k_cache, v_cache, k, v, slots, block_table) -> None:
+def _check(k_cache, v_cache, k, v, slots, block_table, *, op: str = "kv_append") -> None:
+    """ValueError for inconsistent inputs; ``op`` names the public function in the message (rotary_kv_append
+    checks its k/v views of qkv here too)."""
     if k_cache.shape != v_cache.shape or k.shape != v.shape:
-        raise ValueError(f"kv_append: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} and new k/v "
+        raise ValueError(f"{op}: caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} and new k/v "
                          f"{tuple(k.shape)}/{tuple(v.shape)} must match in pairs")
     rows_match = block_table is not None or k.shape[0] == k_cache.shape[0]
     if k.dim() != 4 or k_cache.dim() != 4 or not rows_match or k.shape[2:] != k_cache.shape[2:]:
-        raise ValueError(f"kv_append: k {tuple(k.shape)} must be (B, S, Hkv, D) for a cache {tuple(k_cache.shape)}")
+        raise ValueError(f"{op}: k {tuple(k.shape)} must be (B, S, Hkv, D) for a cache {tuple(k_cache.shape)}")
     if slots.shape != k.shape[:2] or slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"kv_append: slots must be integer (B, S) = {tuple(k.shape[:2])}, got {slots.dtype} {tuple(slots.shape)}")
+        raise ValueError(f"{op}: slots must be integer (B, S) = {tuple(k.shape[:2])}, got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
     if block_table is not None and (block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != k.shape[0]):
-        raise ValueError(f"kv_append: block_table must be int32 (B={k.shape[0]}, max_blocks), got "
+        raise ValueError(f"{op}: block_table must be int32 (B={k.shape[0]}, max_blocks), got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("kv_append: the head dim must be contiguous in k, v and the caches")
+        raise ValueError(f"{op}: the head dim must be contiguous in k, v and the caches")
 
 
 def kv_append(

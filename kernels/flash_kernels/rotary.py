@@ -78,6 +78,44 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # heads x rotary-half elements per program
 
 
+# The two helpers below are the rotation itself, shared with rotary_append.py's fused decode kernel so that both
+# compute it with the same float32 operations in the same order (their results are bit-identical).
+# Both kernels are compiled without floating-point contraction: each output is then two rounded products and a
+# rounded sum, as in apply_rotary_ref, on every GPU. With contraction the compiler fuses one product of each
+# pair into an FMA, and which one it picks for the commutative x1 * s + x2 * c depends on how it ordered that
+# kernel's operands: on an H100 this kernel and the fused one picked differently and differed in the last bit.
+ROTATION_COMPILE_OPTIONS = {"enable_fp_fusion": False}
+@triton.jit
+def rotary_cos_sin(
+    COS, SIN, pos, max_pos, stride_cos, stride_sin, HALF, k, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr,
+):
+    """One token's cos/sin row at ``pos`` as float32 over the rotary-half channels ``k``, and the channel pairs
+    (first, second) they rotate."""
+    # An out-of-table position loads nothing (one comparison with a scalar limit: Triton 3.9's interpreter
+    # rejects a block mask and'ed with a scalar condition).
+    k_mask = k < tl.where(pos < max_pos, HALF, 0)
+    c = tl.load(COS + pos * stride_cos + k, mask=k_mask, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + pos * stride_sin + k, mask=k_mask, other=0.0).to(tl.float32)
+    if CONJ:
+        sn = -sn
+    if INTERLEAVED:
+        first, second = 2 * k, 2 * k + 1
+    else:
+        first, second = k, k + HALF
+    return c, sn, first, second
+
+
+@triton.jit
+def rotate_pairs(x_rows, c, sn, first, second, mask):
+    """The rotated channel pairs (o1, o2), float32 (heads, rotary half), of the heads whose channel 0 is at
+    ``x_rows`` (a (heads, 1) block of pointers)."""
+    x1 = tl.load(x_rows + first[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_rows + second[None, :], mask=mask, other=0.0).to(tl.float32)
+    o1 = x1 * c[None, :] - x2 * sn[None, :]
+    o2 = x1 * sn[None, :] + x2 * c[None, :]
+    return o1, o2
+
+
 @lean_launch
 @triton.jit
 def _rotary_kernel(
@@ -99,24 +137,11 @@ def _rotary_kernel(
         pos = tl.load(POS + token).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     k = tl.arange(0, BLOCK_K)
-    # An out-of-table position loads nothing (one comparison with a scalar limit: Triton 3.9's interpreter
-    # rejects a block mask and'ed with a scalar condition).
-    k_mask = k < tl.where(pos < max_pos, HALF, 0)
-    c = tl.load(COS + pos * stride_cos + k, mask=k_mask, other=0.0).to(tl.float32)
-    sn = tl.load(SIN + pos * stride_sin + k, mask=k_mask, other=0.0).to(tl.float32)
-    if CONJ:
-        sn = -sn
-    if INTERLEAVED:
-        first, second = 2 * k, 2 * k + 1
-    else:
-        first, second = k, k + HALF
+    c, sn, first, second = rotary_cos_sin(COS, SIN, pos, max_pos, stride_cos, stride_sin, HALF, k, INTERLEAVED, CONJ)
     mask = (heads[:, None] < H) & (k[None, :] < HALF)
     x_row = X + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh
     o_row = OUT + b * stride_ob + s * stride_os + heads[:, None] * stride_oh
-    x1 = tl.load(x_row + first[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + second[None, :], mask=mask, other=0.0).to(tl.float32)
-    o1 = x1 * c[None, :] - x2 * sn[None, :]
-    o2 = x1 * sn[None, :] + x2 * c[None, :]
+    o1, o2 = rotate_pairs(x_row, c, sn, first, second, mask)
     tl.store(o_row + first[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
     tl.store(o_row + second[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
 
@@ -135,7 +160,7 @@ def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, co
         x, out, cos, sin, positions, offsets, offset, S, H, half, cos.shape[0],
         *x.stride()[:3], *out.stride()[:3], cos.stride(0), sin.stride(0),
         POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k, PDL=pdl,
-        num_warps=4 if block_h * block_k <= 2048 else 8, **launch_options(pdl),
+        num_warps=4 if block_h * block_k <= 2048 else 8, **ROTATION_COMPILE_OPTIONS, **launch_options(pdl),
     )
 
 
