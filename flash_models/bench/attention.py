@@ -12,6 +12,7 @@ fraction of the measured device copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def _time_decode(make_fn, sets, repeats):
 def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw):
     from torch.nn.attention import sdpa_kernel
 
-    from flash_kernels import flash_attn_with_kvcache
+    from flash_kernels import flash_attn_with_kvcache, programmatic_launch
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
     for b in batches:
@@ -179,6 +180,11 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
             row["ours_us"], row["ours_graph_us"] = eager * 1e3, graphed * 1e3
             row["ours_GBs"] = nbytes / (graphed * 1e-3) / 1e9
             row["ours_eager_GBs"] = nbytes / (eager * 1e-3) / 1e9
+            # As a decode step runs it on Hopper: with programmatic dependent launch (each call's split kernel
+            # launching while the call before it finishes; the graphs are captured inside the context).
+            with programmatic_launch():
+                _, pdl_graphed = _time_decode(ours, sets, repeats)
+            row["ours_pdl_GBs"] = nbytes / (pdl_graphed * 1e-3) / 1e9
             best = 0.0
             for peer in PEERS:
                 backend = _sdpa_backends()[peer]
@@ -202,6 +208,7 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
             row["best_sdpa_GBs"] = best
             row["x_best_sdpa"] = _ratio(row["ours_GBs"], best)
             row["frac_copy_bw"] = row["ours_GBs"] * 1e9 / copy_bw
+            row["frac_copy_bw_pdl"] = row["ours_pdl_GBs"] * 1e9 / copy_bw
             res.add(**row)
             print(_short_row(row), flush=True)
             del sets
@@ -209,23 +216,26 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
 
 
 def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
-    """Tuning aid: graph-replayed decode bandwidth for a few split-KV schedules."""
+    """Tuning aid: graph-replayed decode bandwidth for a few split-KV schedules, plain and with programmatic
+    dependent launch."""
     from flash_kernels import attention_decode as dec
-    from flash_kernels import flash_attn_with_kvcache
+    from flash_kernels import flash_attn_with_kvcache, programmatic_launch
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
     for b, kv in ((1, 8192), (1, 32768), (16, 8192)):
         nbytes = 2 * b * kv * kv_heads * d * 2
         sets = _decode_inputs(b, kv, heads, kv_heads, d, max(1, min(8, -(-4 * l2 // nbytes))))
         seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
-        for per_sm in (2, 4, 8, 16):
-            for min_chunk in (128, 256, 512):
-                dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK = per_sm, min_chunk
+        defaults = dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK
+        for per_sm, min_chunk, pdl in itertools.product((1, 2, 3, 4, 8), (128, 256, 512), (False, True)):
+            dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK = per_sm, min_chunk
+            with programmatic_launch(pdl):
                 _, graphed = _time_decode(
                     lambda q, kc, vc: lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"),
                     sets, repeats)
-                print(f"sweep B={b} kv={kv} per_sm={per_sm} min_chunk={min_chunk} "
-                      f"{graphed * 1e3:.1f} us {nbytes / (graphed * 1e-3) / copy_bw:.3f} of copy bw", flush=True)
+            print(f"sweep B={b} kv={kv} per_sm={per_sm} min_chunk={min_chunk} pdl={pdl} "
+                  f"{graphed * 1e3:.1f} us {nbytes / (graphed * 1e-3) / copy_bw:.3f} of copy bw", flush=True)
+        dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK = defaults
 
 
 def _plot(train, decode, path):

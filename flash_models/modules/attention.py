@@ -175,6 +175,12 @@ def build_cached_attention_mask(
     )
 
 
+def _decoding(mask: AttentionMask) -> bool:
+    """New tokens, all real (no padding among them), going into a cache that already holds the prompt: a
+    decode step (or an unpadded chunk), whose attention reads the keys and values back from the cache."""
+    return not mask.cache_was_empty and mask.query_real is None
+
+
 def _eager_attention(q, k, v, mask, *, scale, dropout_p):
     """Readable reference: scores in float32, softmax, weighted sum. q (B, H, Sq, D), k/v (B, H, Sk, D)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
@@ -231,6 +237,16 @@ class Attention(nn.Module):
                 qkv = flash_kernels.apply_rotary(qkv, cos, sin, interleaved=self.rope.interleaved,
                                                  position_ids=position_ids, num_rotated_heads=hq + hkv)
             return self._out(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim))
+        if kv_cache is not None and self.rope is not None and _decoding(mask):
+            # A decode step: q and k rotate and k and v go into the cache in one launch, then attend over it.
+            cos, sin = rope_tables
+            layer = self.layer_idx
+            q = flash_kernels.rotary_kv_append(
+                qkv, cos, sin, position_ids=position_ids, k_cache=kv_cache.k[layer], v_cache=kv_cache.v[layer],
+                slots=mask.cache_slots, num_q_heads=hq, block_table=kv_cache.block_table,
+                interleaved=self.rope.interleaved,
+            )
+            return self._out(self.attend_cached(q, mask, kv_cache).reshape(B, S, q_dim), residual)
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
         if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
@@ -249,10 +265,16 @@ class Attention(nn.Module):
 
     def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
         """Store the new keys/values in the cache and attend over everything cached so far."""
+        cache.write(self.layer_idx, k, v, mask.cache_slots, mask.query_real)
+        if mask.cache_was_empty:  # prefill: the new tokens are all there is, attend among them directly
+            return self.attend(q, k, v, mask)
+        return self.attend_cached(q, mask, cache)
+
+    def attend_cached(self, q, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
+        """Attend over everything in the cache, the new tokens' keys and values already stored there."""
         layer = self.layer_idx
         backend = self.backend_for(q)
-        cache.write(layer, k, v, mask.cache_slots, mask.query_real)
-        if backend == "flash" and not mask.cache_was_empty and mask.query_real is None:
+        if backend == "flash" and _decoding(mask):
             # Decoding (or an unpadded chunk): the split-KV kernel over each row's cached keys, no mask needed.
             window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
             return flash_kernels.flash_attn_with_kvcache(
@@ -260,8 +282,6 @@ class Attention(nn.Module):
                 softmax_scale=self.softmax_scale, window_size=window, block_table=cache.block_table,
                 backend="triton" if self.attn_impl == "flash" else "auto",
             )
-        if mask.cache_was_empty:  # prefill: the new tokens are all there is, attend among them directly
-            return self.attend(q, k, v, mask)
         dense = mask.cache_dense(cache.max_len, q.device)  # (B, 1, Sq, max_len)
         keys, values = cache.layer_kv(layer)
         return self._masked_attention(q, keys, values, dense, "eager" if backend == "eager" else "sdpa", 0.0)

@@ -2,7 +2,9 @@
 
     PYTHONPATH=.:kernels python scripts/profile/decode_kernels.py [gpt2-124m|llama-1.1b] [batch] [pdl]   # on a CUDA GPU
 
-With "pdl", the decode step runs with programmatic dependent launch (the ``programmatic_launch`` setting).
+With "pdl", the decode step runs with programmatic dependent launch (the ``programmatic_launch`` setting),
+without it with plain launches. Besides each kernel's own time, the time each adds to the timeline (from its
+predecessor's end to its own: under PDL a kernel's duration includes its wait), and an excerpt of one step.
 """
 
 import sys
@@ -12,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from flash_models.bench.generate import MODELS
 from flash_models.checkpoint import create_model
-from kernel_table import kernels_per_step, print_top  # this folder's sibling module
+from kernel_table import critical_path_per_step, kernels_per_step, print_timeline, print_top  # sibling module
 
 
 def main():
@@ -36,6 +38,11 @@ def main():
     print(f"{name} batch {batch}{mode}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
           f"included, spread over {steps} steps)")
     print_top(kernels)
+    added, timeline = critical_path_per_step(prof, steps, name_chars=90)
+    print(f"time added to the timeline per step (gaps between steps included): {sum(t for _, t in added.values()) / 1e3:.3f} ms")
+    print_top(added)
+    print("one decode step's excerpt, from the middle of the run:")
+    print_timeline(timeline, len(timeline) // 2, 24)
 
 
 if __name__ == "__main__":

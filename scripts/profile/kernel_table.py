@@ -18,6 +18,32 @@ def kernels_per_step(prof, steps: int, name_chars: int = 100) -> dict[str, list[
     return kernels
 
 
+def critical_path_per_step(prof, steps: int, name_chars: int = 100) -> tuple[dict[str, list[float]], list[tuple]]:
+    """Per kernel name, [launches per step, us per step of the timeline it adds]: with programmatic dependent
+    launch a kernel starts while its predecessor runs and waits in-kernel, so its own duration overstates its
+    cost; what it adds is the time from its predecessor's end to its own (one stream: they end in order).
+    Also the ordered (name, start us, duration us, added us) of every kernel, for a timeline excerpt."""
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.end)
+    kernels = collections.defaultdict(lambda: [0.0, 0.0])
+    timeline, prev_end = [], None
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        added = end - (start if prev_end is None else prev_end)  # a gap before it (its launch) counts too
+        prev_end = end
+        k = kernels[e.name[:name_chars]]
+        k[0] += 1 / steps
+        k[1] += added / steps
+        timeline.append((e.name[:name_chars], start, end - start, added))
+    return kernels, timeline
+
+
+def print_timeline(timeline: list[tuple], first: int, count: int) -> None:
+    """``count`` kernels of the timeline from index ``first``: start (relative), duration, time added."""
+    t0 = timeline[first][1]
+    for name, start, duration, added in timeline[first:first + count]:
+        print(f"  {start - t0:8.1f} +{duration:6.1f} us  adds {added:6.1f} us  {name[:60]}")
+
+
 def print_top(kernels: dict[str, list[float]], n: int = 25) -> None:
     """The ``n`` kernels with the most time per step."""
     for name, (launches, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:n]:
