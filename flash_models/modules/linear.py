@@ -99,7 +99,8 @@ def linear(x: torch.Tensor, layer: nn.Module, *, recompute_weight_cast: bool = F
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for inference. Inside ``flash_kernels.programmatic_launch()`` on a GPU that
-    supports it, up to 16 half-precision rows (a decode step up to batch 16) go through ``flash_kernels.gemv``
+    supports it, up to 16 half-precision rows (a decode step up to batch 16; past one row, only for small
+    weights: ``FEW_ROWS_MAX_WEIGHT``) go through ``flash_kernels.gemv``
     instead: a programmatic launch only overlaps two kernels that both take part, and cuBLAS's do not, so
     every projection would otherwise break the chain twice."""
     if gemv_in_chain(x, weight):
@@ -118,9 +119,17 @@ def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module |
                               static_weight=True, backend="triton", **norm)
 
 
+# The largest weight (elements) whose projection of 2-16 rows is our few-rows GEMV in a chain. That kernel has
+# one program per 16 outputs, too few to stream a big weight as fast as cuBLAS: on an H100 (2026-11-23) it made
+# GPT-2 124M's batch-16 step (weights up to 2.4M elements) 13% faster (0.50 vs 0.58 ms) but LLaMA-1.1B's
+# (4.2M-23M) 8% slower (1.61 vs 1.49 ms). One row always takes the GEMV (batch 1: 0.36 vs 0.52 ms, 1.08 vs 1.34).
+FEW_ROWS_MAX_WEIGHT = 4 << 20
+
+
 def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there)."""
-    return (x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype
+    rows = x.numel() // max(x.shape[-1], 1)
+    return ((rows == 1 or (rows <= GEMV_MAX_ROWS and weight.numel() <= FEW_ROWS_MAX_WEIGHT))
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
             and programmatic_launch_enabled(x.device))

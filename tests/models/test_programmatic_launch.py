@@ -44,10 +44,14 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
             few = linear_module.dense(torch.randn(16, 64).bfloat16(), weight, bias)  # a batch-16 decode step's
             assert len(gemv_calls) == 2 and few.shape == (16, 40)
             linear_module.dense(torch.randn(17, 64).bfloat16(), weight, bias)  # more rows: a GEMM's job
+            big = torch.zeros(linear_module.FEW_ROWS_MAX_WEIGHT // 64 + 1, 64).bfloat16()
+            linear_module.dense(torch.randn(16, 64).bfloat16(), big)  # a weight too big for the few-rows kernel
+            assert len(gemv_calls) == 2
+            linear_module.dense(row, big)  # one row takes the GEMV whatever the size
             linear_module.dense(row.float(), weight.float(), bias.float())  # float32: cuBLAS, not TF32
     with programmatic_launch():
         linear_module.dense(row, weight, bias)  # grad mode: no backward in the GEMV
-    assert len(gemv_calls) == 2
+    assert len(gemv_calls) == 3
     assert_close(out, F.linear(row.float(), weight.float(), bias.float()).bfloat16(), torch.bfloat16)
 
 
@@ -107,3 +111,13 @@ def test_chained_llama_decode_steps_give_the_plain_logits(gemv_calls, batch):
         runs[chained] = torch.stack([runner(token).float() for token in tokens])
     assert len(gemv_calls) == len(tokens) * (4 * 2 + 1)
     assert_close(runs[True], runs[False], torch.bfloat16, name="chained decode logits")
+
+
+def test_a_compiled_step_launches_plainly():
+    """Inductor's kernels cannot join the chain, and a compiled step must give the plain step's tokens: the
+    runner of a compiled step leaves the context off whatever the setting says."""
+    model = fm.create_model("llama-1b", dtype=torch.bfloat16, **TINY["llama-1b"]).eval()
+    cache = model.new_kv_cache(1, 32)
+    compiled = engine.DecodeRunner(model, cache, use_cuda_graph=False, compile="eager", programmatic_launch=True)
+    plain = engine.DecodeRunner(model, cache, use_cuda_graph=False, programmatic_launch=True)
+    assert not compiled.programmatic_launch and plain.programmatic_launch
