@@ -38,14 +38,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("splits", ["planned", "single"])
+@pytest.mark.parametrize("splits", ["planned", "single", "planned+prefetch", "single+prefetch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
     """The planned split-KV schedule (several splits and the merge, under the interpreter) and one split that
-    writes the output itself (what short caches at a large batch get on the GPU)."""
-    if splits == "single":
+    writes the output itself (what short caches at a large batch get on the GPU); each also with the first key
+    tile read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys after."""
+    if splits.startswith("single"):
         monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other: (capacity, 1))
+    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: splits.endswith("prefetch"))
     torch.manual_seed(0)
     bsz, sq, hq, hkv, d, capacity, s_new, page, causal, window, softcap = case
     q = torch.randn(bsz, sq, hq, d, dtype=dtype, device=DEVICE)
