@@ -40,7 +40,10 @@ def programmatic_launch(enabled: bool = True):
 
 
 def enabled(device: torch.device) -> bool:
-    """Whether a kernel launched now on ``device`` should use PDL."""
+    """Whether a kernel launched now on ``device`` should use PDL. Never in code torch.compile traces: its own
+    kernels take no part in the chain, and Dynamo (torch 2.11) cannot trace ``ContextVar.get``."""
+    if torch.compiler.is_compiling():
+        return False
     return _ENABLED.get() and pdl_supported(device)
 
 

@@ -24,3 +24,13 @@ def test_never_enabled_off_a_hopper_gpu():
         assert not _pdl.enabled(torch.device("cpu"))
     assert _pdl.launch_options(False) == {}
     assert _pdl.launch_options(True) == {"launch_pdl": True}
+
+
+def test_never_while_compiling(monkeypatch):
+    """Code torch.compile traces launches plainly (and never reads the context variable, which Dynamo of torch
+    2.11 cannot trace: a compiled decode step failed on it)."""
+    monkeypatch.setattr(_pdl, "pdl_supported", lambda device: True)
+    with programmatic_launch():
+        assert _pdl.enabled(torch.device("cuda"))
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not _pdl.enabled(torch.device("cuda"))
