@@ -85,6 +85,8 @@ _TILE = 4096  # heads x rotary-half elements per program
 # pair into an FMA, and which one it picks for the commutative x1 * s + x2 * c depends on how it ordered that
 # kernel's operands: on an H100 this kernel and the fused one picked differently and differed in the last bit.
 ROTATION_COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def rotary_cos_sin(
     COS, SIN, pos, max_pos, stride_cos, stride_sin, HALF, k, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr,
