@@ -195,7 +195,7 @@ class DecoderLM(nn.Module):
         if self.project_out is not None:
             hidden = self.project_out(hidden)  # (B, S, embed_dim)
         if kv_cache is not None:
-            kv_cache.advance(mask.cache_lengths - kv_cache.seqlens)
+            kv_cache.advance_to(mask.cache_lengths)
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -160,9 +160,11 @@ def build_cached_attention_mask(
     tokens (None: all real). Real tokens take the next free slots of their row; padding takes none.
     ``cache_was_empty`` defaults to the cache's own host-side state; a decode step that must not read it (a
     compiled one) says False."""
-    if new_mask is None:
-        slots = cache.seqlens.long().unsqueeze(1) + torch.arange(q_len, device=cache.seqlens.device)  # (B, S)
-        new_counts = torch.full_like(cache.seqlens, q_len)
+    if new_mask is None:  # the fewest kernels: this runs at the start of every decode step
+        slots = cache.seqlens.long().unsqueeze(1)  # (B, S)
+        if q_len > 1:
+            slots = slots + torch.arange(q_len, device=cache.seqlens.device)
+        new_counts = q_len
         query_real = None
     else:
         query_real = new_mask.bool()

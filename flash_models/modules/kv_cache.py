@@ -63,5 +63,7 @@ class KVCache:
         """Keys and values of one layer as (B, max_len, Hkv, D), for attention that masks the whole cache."""
         return self.k[layer_idx], self.v[layer_idx]
 
-    def advance(self, new_counts: torch.Tensor | int) -> None:
-        self.seqlens += new_counts
+    def advance_to(self, lengths: torch.Tensor) -> None:
+        """Set every row's length to ``lengths`` (B,), the lengths after the tokens just written: one copy
+        kernel (a decode step's graph has no kernel to spare)."""
+        self.seqlens.copy_(lengths)

@@ -152,7 +152,7 @@ def test_cached_decoding_flash_matches_eager():
             with torch.no_grad():
                 steps.append(layers[impl](x[:, start:end], mask=mask, position_ids=mask.cache_slots, kv_cache=cache).float())
             cache.reserve(end - start)
-            cache.advance(mask.cache_lengths - cache.seqlens)
+            cache.advance_to(mask.cache_lengths)
         outs[impl] = torch.cat(steps, dim=1)
     assert_close(outs["flash"], outs["eager"], torch.bfloat16)
 
@@ -174,6 +174,6 @@ def test_paged_cached_decoding_flash_matches_eager():
             cache.reserve(end - start)
             with torch.no_grad():
                 steps.append(layers[impl](x[:, start:end], mask=mask, position_ids=mask.cache_slots, kv_cache=cache).float())
-            cache.advance(mask.cache_lengths - cache.seqlens)
+            cache.advance_to(mask.cache_lengths)
         outs[impl] = torch.cat(steps, dim=1)
     assert_close(outs["flash"], outs["eager"], torch.bfloat16)
