@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
 #   bash scripts/gpu_check.sh bench-vit      # bench vit (ours, ours+graphs, timm eager, timm compile)
 #   bash scripts/gpu_check.sh gemv           # batch-1 projections: cuBLAS vs our gemv kernel (scripts/profile/gemv_sweep.py)
+#   bash scripts/gpu_check.sh gemv-chain     # every gemv config in a PDL chain with the block's fusions (gemv_chain_sweep.py)
 #   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
 #   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
 #   bash scripts/gpu_check.sh activations    # the branchless erf (bit test vs libdevice), GELU kernels vs torch's, linear-act
@@ -44,6 +45,8 @@ case "${1:-}" in
     gemv)
         pytest_gpu tests/kernels/test_gemv.py 2>&1 | tee "$OUT/tests-gemv.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 200 python scripts/profile/gemv_sweep.py 2>&1 | tee "$OUT/gemv-sweep.log" | grep "^|" ;;
+    gemv-chain)
+        timeout 500 python scripts/profile/gemv_chain_sweep.py 2>&1 | tee "$OUT/gemv-chain.log" | grep -E "^\||copy" ;;
     gemm-rows)
         timeout 300 python scripts/profile/gemm_rows.py 2>&1 | tee "$OUT/gemm-rows.log" | grep "^|" ;;
     linear-act)
