@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peers", nargs="*", default=None, choices=["hf", "hf_static", "ours-pdl"],
-                        help="sides besides ours: HF generate (hf), HF with a static cache + compile (hf_static), ours "
-                             "without programmatic dependent launch (ours-pdl); default: hf and hf_static (hf only with "
-                             "--dry-run)")
+                        help="sides besides ours: HF generate (hf), HF with a static cache + compile (hf_static), "
+                             "ours without programmatic dependent launch (ours-pdl); default: hf and hf_static (hf "
+                             "only with --dry-run)")
     parser.add_argument("--dry-run", action="store_true", help="tiny fp32 models on the CPU: checks the code, not speed")
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     args = parser.parse_args(argv)

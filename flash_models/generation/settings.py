@@ -28,10 +28,11 @@ class GenerationSettings:
     num_draft_tokens: int = 4  # speculative decoding with a draft model
     use_cuda_graph: bool = True  # capture the decode step on CUDA
     compile_decode: bool | str = False  # torch.compile the decode step (True: inductor; or a backend name)
-    # Launch the decode step's kernels with programmatic dependent launch (see flash_kernels._pdl), its one-row
+    # Launch the decode step's kernels with programmatic dependent launch (see flash_kernels._pdl), its
     # projections through flash_kernels.gemv so they join the chain. Only Hopper and newer GPUs act on it;
-    # elsewhere, and for a compiled step (compile_decode), it changes nothing. `bench generate` measures it against plain launches (its "ours-pdl" side):
-    # H100, 2026-11-23, batch 1: LLaMA-1.1B 1.46 -> 1.20 ms a step, GPT-2 0.51 -> 0.37; batch 16 unchanged.
+    # elsewhere, and for a compiled step (compile_decode), it changes nothing. `bench generate` measures it
+    # against plain launches (its "ours-pdl" side): H100, 2026-11-23, batch 1: LLaMA-1.1B 1.46 -> 1.20 ms a
+    # step, GPT-2 0.51 -> 0.37; batch 16 unchanged (docs/benchmarks.md, Generation, session 11).
     programmatic_launch: bool = True
     kv_block_size: int | None = None  # a paged KV cache with blocks of this many tokens (None: one static block per row)
 

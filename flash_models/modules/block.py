@@ -53,14 +53,16 @@ class PreNormBlock(nn.Module):
         return norm_output_recomputed(normed, norm, stream) if self.recompute_norm_outputs else contextlib.nullcontext()
 
     def _chained_decode(self, hidden: torch.Tensor) -> bool:
-        """A decode step of up to 16 rows inside ``flash_kernels.programmatic_launch()`` (``gemv_in_chain``) through a
-        LLaMA-style block: bias-free RMSNorms, the stream kept in the model's dtype, a gated MLP, plain
-        projections. Then ``_chained`` runs it."""
+        """A decode step inside ``flash_kernels.programmatic_launch()`` whose every projection ``dense`` would run
+        as our GEMV (``gemv_in_chain``), through a LLaMA-style block: bias-free RMSNorms, the stream kept in the
+        model's dtype, a gated MLP, plain projections. Then ``_chained`` runs it."""
         attn, mlp = self.attn, self.mlp
-        return (not self.training and gemv_in_chain(hidden, attn.qkv.weight)  # cheap, and false off the chain
-                and not self.residual_in_fp32 and isinstance(mlp, GatedMLP)
+        if self.training or not gemv_in_chain(hidden, attn.qkv.weight):  # cheap, and false off the chain
+            return False
+        layers = (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down) if isinstance(mlp, GatedMLP) else ()
+        return (not self.residual_in_fp32 and bool(layers)
                 and all(norm.kind == "rms_norm" and norm.bias is None for norm in (self.norm1, self.norm2))
-                and all(plain_linear(layer) for layer in (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down)))
+                and all(plain_linear(layer) and gemv_in_chain(hidden, layer.weight) for layer in layers))
 
     def _chained(self, stream: torch.Tensor, **attn_kwargs):
         """``forward`` for a decode step in a chain of programmatic launches, with the residual stream carried

@@ -100,9 +100,9 @@ def linear(x: torch.Tensor, layer: nn.Module, *, recompute_weight_cast: bool = F
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for inference. Inside ``flash_kernels.programmatic_launch()`` on a GPU that
     supports it, up to 16 half-precision rows (a decode step up to batch 16; past one row, only for small
-    weights: ``FEW_ROWS_MAX_WEIGHT``) go through ``flash_kernels.gemv``
-    instead: a programmatic launch only overlaps two kernels that both take part, and cuBLAS's do not, so
-    every projection would otherwise break the chain twice."""
+    weights: ``FEW_ROWS_MAX_WEIGHT``) go through ``flash_kernels.gemv`` instead: a programmatic launch only
+    overlaps two kernels that both take part, and cuBLAS's do not, so every projection would otherwise break
+    the chain twice."""
     if gemv_in_chain(x, weight):
         return flash_kernels.gemv(x, weight, bias, static_weight=True, backend="triton")  # a parameter
     return F.linear(x, weight, bias)

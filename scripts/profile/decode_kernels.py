@@ -35,11 +35,12 @@ def main():
     total = sum(t for _, t in kernels.values())
     launches = sum(n for n, _ in kernels.values())
     mode = " with PDL" if pdl else ""
-    print(f"{name} batch {batch}{mode}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step (prefill "
-          f"included, spread over {steps} steps)")
+    print(f"{name} batch {batch}{mode}: {launches:.0f} kernels and {total / 1e3:.3f} ms of kernel time per step "
+          f"(prefill included, spread over {steps} steps)")
     print_top(kernels)
     added, timeline = critical_path_per_step(prof, steps, name_chars=90)
-    print(f"time added to the timeline per step (gaps between steps included): {sum(t for _, t in added.values()) / 1e3:.3f} ms")
+    added_ms = sum(t for _, t in added.values()) / 1e3
+    print(f"time added to the timeline per step (gaps between steps included): {added_ms:.3f} ms")
     print_top(added)
     print("one decode step's excerpt, from the middle of the run:")
     print_timeline(timeline, len(timeline) // 2, 24)

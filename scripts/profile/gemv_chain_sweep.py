@@ -6,6 +6,8 @@ each projection is from the copy bandwidth with each config, and which one the a
 
     PYTHONPATH=.:kernels python scripts/profile/gemv_chain_sweep.py   # on a Hopper GPU, from the repo root
 
+Written in session 11 and not yet run on a GPU.
+
 Session 11 (H100) measured the chained gate/up and down GEMVs at ~70% of the copy bandwidth (21 and 11 us a
 layer against 15 and 8 at copy speed): the largest part of what keeps LLaMA-1.1B's batch-1 step from 70% of
 its bound.

@@ -121,3 +121,18 @@ def test_a_compiled_step_launches_plainly():
     compiled = engine.DecodeRunner(model, cache, use_cuda_graph=False, compile="eager", programmatic_launch=True)
     plain = engine.DecodeRunner(model, cache, use_cuda_graph=False, programmatic_launch=True)
     assert not compiled.programmatic_launch and plain.programmatic_launch
+
+
+@torch.no_grad()
+def test_a_block_chains_only_when_every_projection_is_a_gemv(gemv_calls, monkeypatch):
+    """At batch 3 a weight past FEW_ROWS_MAX_WEIGHT stays a cuBLAS GEMM: a block whose gate/up is one cannot
+    fold its norms and adds into GEMVs, so it runs unchained (its smaller projections still GEMVs)."""
+    torch.manual_seed(0)
+    model = fm.create_model("llama-1b", dtype=torch.bfloat16, **TINY["llama-1b"]).eval()
+    monkeypatch.setattr(linear_module, "FEW_ROWS_MAX_WEIGHT", 10_000)  # qkv 8192, gate/up 16384 elements
+    cache = model.new_kv_cache(3, 32)
+    model(torch.randint(0, 256, (3, 7)), kv_cache=cache)
+    runner = engine.DecodeRunner(model, cache, use_cuda_graph=False, programmatic_launch=True)
+    runner(torch.randint(0, 256, (3,)))
+    assert gemv_calls and all(call[1:] == (False, False, False) for call in gemv_calls)
+    assert len(gemv_calls) == 3 * 2  # qkv, out and down per layer; gate/up and the head are GEMMs
