@@ -5,7 +5,7 @@ the GPU drains one grid, then launches and schedules the next. On Hopper a kerne
 attribute may start while the kernel before it still runs: its programs wait in-kernel (``gdc_wait``) until
 that kernel has finished and its writes are visible, so the result is the same, but the launch and the block
 scheduling are off the critical path. A kernel in turn lets its successor launch early by calling
-``gdc_launch_dependents`` once all its programs have started.
+``gdc_launch_dependents`` (the successor launches once every program of this kernel has called it).
 
 ``programmatic_launch()`` turns this on for the kernels launched inside it (a decode step being captured into
 a CUDA graph, say). Every PDL-aware kernel calls ``wait_for_predecessor`` before it loads or stores anything a
@@ -52,10 +52,22 @@ def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+# Where a kernel lets its successor launch: before its own wait (True) or after it. Either is correct, since
+# the successor's wait still waits for this kernel to finish; what differs is how early the successor's programs
+# get going on what they may do before their wait (a GEMV's weight prefetch). Triggering after the wait meant
+# that behind a short kernel (the split-KV merge) the next GEMV launched only once that kernel had started its
+# real work, so its 8 MB weight prefetch had nothing left to hide behind. A grid larger than one wave triggers
+# only when its last programs start, either way.
+EARLY_TRIGGER = tl.constexpr(True)
+
+
 @triton.jit
 def wait_for_predecessor(PDL: tl.constexpr):
-    """With PDL, before the kernel touches memory: wait until the kernel before it has finished (its writes
-    visible), then let the kernel after it launch. Without PDL, nothing (the stream already orders them)."""
+    """With PDL, before the kernel touches memory: let the kernel after it launch, and wait until the kernel
+    before it has finished (its writes visible). Without PDL, nothing (the stream already orders them)."""
     if PDL:
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()

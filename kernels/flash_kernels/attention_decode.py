@@ -85,8 +85,14 @@ def flash_attn_with_kvcache_ref(
 # On an H100 (2026-11-23) a sweep of tiles x programs per SM at batch 1 / 8k found 0.78 of copy bandwidth at
 # best against 0.76 for this choice, and merging the splits inside this kernel (an atomic counter, the last
 # split merges) instead of a second launch measured 1.00x: inside a CUDA graph the merge launch is free.
+# The minimum chunk was 256 keys until an H100 run of scripts/profile/decode_chunk_sweep.py (2026-11-25, PDL):
+# a graph's split plan follows the cache's capacity, which generation rounds up to 256 positions, so with
+# 256-key chunks a short cache decodes in one or two programs per kv head walking four 64-key tiles in a row.
+# 64-key chunks (a tile per program, the merge launch after), ms/step at batch 1, two rounds each, 64 vs 256:
+# LLaMA-1.1B prompt 512 1.07 vs 1.12, prompt 128 1.06-1.11 vs 1.04-1.10 (no gain), GPT-2 0.32-0.34 vs
+# 0.35-0.37; decode attention alone at 2k keys 0.53 vs 0.48 of copy bandwidth, 8k unchanged (0.79 vs 0.78-0.80).
 DECODE_PROGRAMS_PER_SM = 2
-DECODE_MIN_CHUNK = 256
+DECODE_MIN_CHUNK = 64
 # One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
 # GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per layer merging two halves.
 DECODE_SINGLE_SPLIT_MAX = 1024
@@ -218,8 +224,10 @@ def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m)  # (S,)
     denom = tl.sum(w, 0)
+    # Every split stores its partial (zeros where it saw no key), so they load alongside the lse, not after
+    # them: a decode step's merge is one memory round trip shorter.
     part = Opart + offs_s[:, None] * stride_ps + b * stride_pb + h * stride_ph + i * stride_pq + offs_d[None, :]
-    o = tl.load(part, mask=s_ok[:, None] & (w[:, None] > 0) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    o = tl.load(part, mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(O + b * stride_ob + i * stride_os + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=offs_d < HEAD_DIM)
 

@@ -43,7 +43,7 @@ from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, next_power_of_2, or_dummy, pick
+from ._triton_utils import cdiv, next_power_of_2, or_dummy, pick, sm_count
 from .activations import _act_and_grad, swiglu_ref
 from .layer_norm import rms_norm_ref
 
@@ -118,6 +118,24 @@ def _input_tile(X, offsets, NW, cols, mask, K, rstd, PROLOGUE: tl.constexpr):
         up = tl.load(X + K + offsets, mask=mask, other=0.0)
         x = _swiglu_pair(x, up, X.dtype.element_ty).to(X.dtype.element_ty).to(tl.float32)
     return x
+
+
+# With ``static_weight`` (a decode step's chain of GEMVs under PDL) the one-row kernel's tile is set by rule, not
+# autotuned: the autotuner times each config as one lone launch, and its pick moved between processes by up to
+# 3 us a call on the big projections, while in the chain another tile was faster. scripts/profile/
+# gemv_chain_sweep.py on an H100 (2026-11-25, LLaMA-1.1B's projections in a PDL chain with the block's fusions,
+# us per call): 8 x 512 (4 warps, 2 stages) is within 0.2 us of the best tile of 21 on qkv (4.93 vs 4.74), o
+# (4.51, the best), gate/up (18.21 vs 18.19; the autotuner's 8 x 256 pick of another run 21.12) and the LM head
+# (44.10 vs 44.00); down's long rows (K = 5632, 2048 outputs) want more, shorter programs: 2 x 1024 (4, 3) 10.32,
+# the best, against 11.23. (BLOCK_N, BLOCK_K, warps, stages):
+CHAIN_TILE = (8, 512, 4, 2)
+CHAIN_TILE_LONG_ROWS = (2, 1024, 4, 3)  # K >= 4096, or too few outputs for one program of 8 per SM
+
+
+def _chain_tile(N: int, K: int, device: torch.device) -> tuple[int, int, int, int]:
+    long_rows = K >= 4096 or cdiv(N, CHAIN_TILE[0]) < sm_count(device.index if device.index is not None else
+                                                                 torch.cuda.current_device())
+    return CHAIN_TILE_LONG_ROWS if long_rows else CHAIN_TILE
 
 
 # The most rows ``gemv`` takes: a decode step up to batch 16, whose weights the few-rows kernel still reads once.
@@ -299,8 +317,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, resi
     grid = lambda meta: (cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     if M == 1:
         y = torch.empty(N, device=dev, dtype=dt)
-        _gemv_kernel[grid](_unit_vector(x, x.shape[-1]), weight, bias, or_dummy(_unit_vector(residual, N), dev, dt),
-                           norm_weight, y, N, K, weight.stride(0), norm_eps, BLOCK_ROW=_rstd_block(K), **flags)
+        args = (_unit_vector(x, x.shape[-1]), weight, bias, or_dummy(_unit_vector(residual, N), dev, dt), norm_weight,
+                y, N, K, weight.stride(0), norm_eps)
+        if static_weight and dev.type == "cuda" and not triton_interpreter_enabled():
+            block_n, block_k, warps, stages = _chain_tile(N, K, dev)
+            _gemv_kernel.jit[(cdiv(N, block_n),)](*args, BLOCK_ROW=_rstd_block(K), BLOCK_N=block_n, BLOCK_K=block_k,
+                                                  num_warps=warps, num_stages=stages, **flags)
+        else:
+            _gemv_kernel[grid](*args, BLOCK_ROW=_rstd_block(K), **flags)
         return y.view(*x.shape[:-1], N)
     x2 = _unit_rows(x)
     r2 = or_dummy(None if residual is None else _unit_rows(residual), dev, dt)

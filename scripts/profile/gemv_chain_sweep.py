@@ -1,16 +1,15 @@
-"""Every gemv tile config at LLaMA-1.1B's batch-1 projections, as a decode step runs them: with programmatic
-dependent launch (each call starts while the one before runs, prefetching its first weight columns) and with
-the fusions the chained block uses (norm prologues, the SwiGLU epilogue, the residual adds). The autotuner
-times configs one plain launch at a time, so its pick may not be the fastest in the chain; this shows how far
-each projection is from the copy bandwidth with each config (the autotuner's list and EXTRA_SHAPES), and which one the autotuner picked (*).
+"""Every gemv tile at LLaMA-1.1B's batch-1 projections, as a decode step runs them: with programmatic dependent
+launch (each call starts while the one before runs, prefetching its first weight columns) and with the fusions
+the chained block uses (norm prologues, the SwiGLU epilogue, the residual adds). A chained call
+(``static_weight=True``) takes its tile from ``gemv._chain_tile``, a rule set from this sweep's first run; this
+shows how far each projection is from the copy bandwidth with each tile (the autotuner's list and EXTRA_SHAPES),
+and which one the rule picks (*).
 
     PYTHONPATH=.:kernels python scripts/profile/gemv_chain_sweep.py   # on a Hopper GPU, from the repo root
 
-Written in session 11 and not yet run on a GPU.
-
-Session 11 (H100) measured the chained gate/up and down GEMVs at ~70% of the copy bandwidth (21 and 11 us a
-layer against 15 and 8 at copy speed): the largest part of what keeps LLaMA-1.1B's batch-1 step from 70% of
-its bound.
+First run: H100, 2026-11-25 (session 12; docs/benchmarks.md, Generation). The autotuner, which timed each
+config as a lone launch, had picked 8 x 256 for gate/up in session 11 (21 us a call in the chain, against 18.2
+for the best tiles), so the chain's tiles are now set by rule.
 """
 
 import importlib
@@ -56,12 +55,12 @@ def calls(weights, k, options):
     return lambda: [gemv(x, w, **kwargs, static_weight=True, backend="triton") for w in weights]
 
 
-def force(config) -> None:
-    """Make the one-row kernel launch ``config`` alone (None: the full list, tuned afresh)."""
-    kernel = gemv_module._gemv_kernel
-    kernel.autotuner.configs = gemv_module._configs() if config is None else [config]
-    kernel.autotuner.cache.clear()
-    kernel.chosen.clear()
+def force(tile) -> None:
+    """Make chained calls launch ``tile`` (BLOCK_N, BLOCK_K, warps, stages); None: the rule's own."""
+    gemv_module._chain_tile = RULE if tile is None else (lambda n, k, device: tile)
+
+
+RULE = gemv_module._chain_tile
 
 
 def main():
@@ -72,21 +71,20 @@ def main():
     with torch.no_grad(), programmatic_launch():
         for name, (rows, k, options) in PROJECTIONS.items():
             run = calls(weight_copies(rows, k), k, options)
-            force(None)
-            per_call_us(run)  # the autotuner's own pick, tuned as in a real first call
-            picked = next(iter(gemv_module._gemv_kernel.chosen.values()))[0]
+            n = rows // (2 if options.get("swiglu_output") else 1)
+            picked = RULE(n, k, torch.device("cuda"))
             for config in candidates():
-                force(config)
                 meta = config.all_kwargs()
+                tile = (meta["BLOCK_N"], meta["BLOCK_K"], meta["num_warps"], meta["num_stages"])
+                force(tile)
                 try:
                     us = per_call_us(run)
                 except Exception as error:  # a tile that does not compile (registers, shared memory): say so, go on
-                    print(f"| {name} | {meta} | failed: {type(error).__name__} | |", flush=True)
+                    print(f"| {name} | {tile} | failed: {type(error).__name__} | |", flush=True)
                     continue
-                star = " *" if all(picked.get(key) == value for key, value in meta.items()) else ""
-                print(f"| {name} | {meta['BLOCK_N']} x {meta['BLOCK_K']}, {meta['num_warps']}, "
-                      f"{meta['num_stages']}{star} | {us:.2f} | {rows * k * 2 / (us * 1e-6) / copy_bw:.2f} |",
-                      flush=True)
+                star = " *" if tile == picked else ""
+                print(f"| {name} | {tile[0]} x {tile[1]}, {tile[2]}, {tile[3]}{star} | {us:.2f} | "
+                      f"{rows * k * 2 / (us * 1e-6) / copy_bw:.2f} |", flush=True)
     force(None)
 
 

@@ -2,6 +2,8 @@
 every dtype; its RMSNorm and SwiGLU prologues and residual epilogue against the unfused path they replace; the
 backend rules, the errors, torch.compile; on the GPU, LLaMA-1.1B's decode shapes."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,6 +238,31 @@ def test_gpu_llama_fused(n, k, fusion):
     oracle = _unfused(x, weight, **extra)
     assert_close(out, oracle, torch.bfloat16)
     assert_rounded_alike(out, oracle, torch.bfloat16, name="triton vs float32")
+    assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")
+
+
+def test_chain_tile_rule(monkeypatch):
+    """Chained calls (static_weight) take the long-row tile for long rows or too few outputs, else CHAIN_TILE."""
+    gemv_module = importlib.import_module("flash_kernels.gemv")
+    monkeypatch.setattr(gemv_module, "sm_count", lambda index: 132)  # an H100
+    cuda = torch.device("cuda", 0)
+    assert gemv_module._chain_tile(5632, 2048, cuda) == gemv_module.CHAIN_TILE  # LLaMA-1.1B's gate/up
+    assert gemv_module._chain_tile(2048, 2048, cuda) == gemv_module.CHAIN_TILE  # its o: 256 programs of 8 rows
+    assert gemv_module._chain_tile(2048, 5632, cuda) == gemv_module.CHAIN_TILE_LONG_ROWS  # its down: long rows
+    assert gemv_module._chain_tile(768, 3072, cuda) == gemv_module.CHAIN_TILE_LONG_ROWS  # GPT-2's fc2: 96 programs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,fusion", [
+    (2560, 2048, "norm"), (2048, 2048, "residual"), (5632, 2048, "norm+gated"), (2048, 5632, "residual"),
+    (32000, 2048, "plain"),  # LLaMA-1.1B's chained layer and LM head
+    (768, 3072, "residual"), (768, 768, "plain"), (2304, 768, "plain"),  # GPT-2's fc2 + add, o, qkv
+])
+def test_gpu_chain_tiles(n, k, fusion):
+    """static_weight=True at batch 1 launches the rule's tiles (both of them), with their weight prefetch, bf16."""
+    x, weight, _, extra = _fused_operands(n, k, torch.bfloat16, fusion, bias=False)
+    out = gemv(x, weight, **extra, static_weight=True, backend="triton")
+    assert_close(out, _unfused(x, weight, **extra), torch.bfloat16)
     assert_rounded_alike(out, _unfused_kernels(x, weight, **extra), torch.bfloat16, name="triton vs kernels")
 
 
