@@ -181,8 +181,9 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
             row["ours_GBs"] = nbytes / (graphed * 1e-3) / 1e9
             row["ours_eager_GBs"] = nbytes / (eager * 1e-3) / 1e9
             # As a decode step runs it on Hopper: with programmatic dependent launch (each call's split kernel
-            # launching while the call before it finishes; the graphs are captured inside the context).
-            with programmatic_launch():
+            # launching while the call before it finishes; the graphs are captured inside the context), with
+            # the early trigger at batch 1 as generation uses it.
+            with programmatic_launch(early_trigger=b == 1):
                 _, pdl_graphed = _time_decode(ours, sets, repeats)
             row["ours_pdl_GBs"] = nbytes / (pdl_graphed * 1e-3) / 1e9
             best = 0.0
@@ -227,9 +228,9 @@ def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
         sets = _decode_inputs(b, kv, heads, kv_heads, d, max(1, min(8, -(-4 * l2 // nbytes))))
         seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
         defaults = dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK
-        for per_sm, min_chunk, pdl in itertools.product((1, 2, 3, 4, 8), (128, 256, 512), (False, True)):
+        for per_sm, min_chunk, pdl in itertools.product((1, 2, 3, 4, 8), (64, 128, 256, 512), (False, True)):
             dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK = per_sm, min_chunk
-            with programmatic_launch(pdl):
+            with programmatic_launch(pdl, early_trigger=b == 1):
                 _, graphed = _time_decode(
                     lambda q, kc, vc: lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"),
                     sets, repeats)

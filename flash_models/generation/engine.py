@@ -21,7 +21,7 @@ class DecodeRunner:
     """Runs ``model.decode_step`` against one cache: eagerly, compiled (``compile``: True for inductor, or a
     torch.compile backend name), and on CUDA replayed from a captured graph (``use_cuda_graph``). With
     ``programmatic_launch`` the step's kernels are launched (and captured) inside
-    ``flash_kernels.programmatic_launch()``, unless the step is compiled: inductor's own kernels do not take
+    ``flash_kernels.programmatic_launch()`` (with its early trigger at batch 1), unless the step is compiled: inductor's own kernels do not take
     part in the chain, and a compiled step is meant to give what the plain eager step gives."""
 
     def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False,
@@ -40,6 +40,12 @@ class DecodeRunner:
         if use_cuda_graph and cache.seqlens.is_cuda:
             self._capture()
 
+    def _launch_context(self):
+        """The programmatic launch setting the step runs (and is captured) in: at batch 1 each kernel also lets
+        the next launch before its own wait (``early_trigger``), which measured faster there and slower at
+        batch 16 (flash_kernels._pdl)."""
+        return programmatic_launch_context(self.programmatic_launch, early_trigger=self.cache.batch_size == 1)
+
     def _tables_fixed(self) -> bool:
         """Dynamic-NTK rotary rebuilds its tables past the trained length, per length: such a model decodes
         through the plain forward, step by step."""
@@ -52,7 +58,7 @@ class DecodeRunner:
             return self.model(tokens.unsqueeze(1), kv_cache=self.cache).logits[:, -1]
         self.cache.reserve(1)
         if self.graph is None:
-            with programmatic_launch_context(self.programmatic_launch):
+            with self._launch_context():
                 return self.step(tokens.unsqueeze(1), self.cache, self.rope_tables)
         self.static_tokens.copy_(tokens.unsqueeze(1))
         self.graph.replay()
@@ -75,14 +81,14 @@ class DecodeRunner:
         # The launches are recorded as made, so programmatic ones must be made inside the context.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), programmatic_launch_context(self.programmatic_launch):
+        with torch.cuda.stream(stream), self._launch_context():
             for _ in range(2):
                 restore()
                 step()
         torch.cuda.current_stream().wait_stream(stream)
         restore()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), programmatic_launch_context(self.programmatic_launch):
+        with torch.cuda.graph(self.graph), self._launch_context():
             self.static_logits = step()
         # The warm-up and capture wrote into the slots at the saved lengths; the real steps overwrite them.
         restore()

@@ -25,49 +25,57 @@ import torch
 from ._triton_compat import tl, triton
 from ._triton_utils import pdl_supported
 
-_ENABLED = contextvars.ContextVar("flash_kernels_programmatic_launch", default=False)
+# What ``enabled`` returns, and so the ``PDL`` constexpr a kernel gets: off, or on with the kernel letting its
+# successor launch after its own wait or before it. Both orders are correct, since the successor's wait still
+# waits for this kernel to finish; they differ in how early the successor's programs start on what they may do
+# before their wait (a GEMV's weight prefetch, the decode attention's first key tile). On an H100 (2026-11-25,
+# scripts/profile/decode_prefetch_ab.py, run once with each order): at batch 1 the early trigger took
+# LLaMA-1.1B's step from 1.10-1.11 to 1.03-1.04 ms (behind a short kernel such as the split-KV merge, the next
+# GEMV otherwise launched too late for its 8 MB prefetch to hide), but at batch 16 it cost 6-15% (GPT-2 0.47-0.49
+# -> 0.57 ms, LLaMA 1.46-1.48 -> 1.49). So it is the caller's choice (``early_trigger``): the decode step
+# takes it at batch 1.
+OFF, TRIGGER_AFTER_WAIT, TRIGGER_BEFORE_WAIT = 0, 1, 2
+
+_MODE = contextvars.ContextVar("flash_kernels_programmatic_launch", default=OFF)
 
 
 @contextlib.contextmanager
-def programmatic_launch(enabled: bool = True):
+def programmatic_launch(enabled: bool = True, *, early_trigger: bool = False):
     """Within this block our decode-path kernels launch with programmatic dependent launch where the GPU
-    supports it (compute capability 9.0+); elsewhere, or with ``enabled=False``, they launch as usual."""
-    token = _ENABLED.set(enabled)
+    supports it (compute capability 9.0+); elsewhere, or with ``enabled=False``, they launch as usual.
+    ``early_trigger``: each kernel lets the next one launch before waiting for the one before it, and the
+    decode attention reads its first key tile before that wait: faster for a latency-bound chain (batch 1),
+    slower for a wider one (see ``TRIGGER_BEFORE_WAIT``)."""
+    token = _MODE.set(OFF if not enabled else TRIGGER_BEFORE_WAIT if early_trigger else TRIGGER_AFTER_WAIT)
     try:
         yield
     finally:
-        _ENABLED.reset(token)
+        _MODE.reset(token)
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether a kernel launched now on ``device`` should use PDL. Never in code torch.compile traces: its own
-    kernels take no part in the chain, and Dynamo (torch 2.11) cannot trace ``ContextVar.get``."""
+def enabled(device: torch.device) -> int:
+    """Whether a kernel launched now on ``device`` should use PDL, as the ``PDL`` constexpr the kernel takes:
+    ``OFF`` (0, falsy), ``TRIGGER_AFTER_WAIT`` or ``TRIGGER_BEFORE_WAIT``. Never in code torch.compile traces: its
+    own kernels take no part in the chain, and Dynamo (torch 2.11) cannot trace ``ContextVar.get``."""
     if torch.compiler.is_compiling():
-        return False
-    return _ENABLED.get() and pdl_supported(device)
+        return OFF
+    mode = _MODE.get()
+    return mode if mode != OFF and pdl_supported(device) else OFF
 
 
-def launch_options(pdl: bool) -> dict:
+def launch_options(pdl: int) -> dict:
     """The launch keyword that marks a PDL launch (none otherwise, so ordinary launches keep their key)."""
     return {"launch_pdl": True} if pdl else {}
 
 
-# Where a kernel lets its successor launch: before its own wait (True) or after it. Either is correct, since
-# the successor's wait still waits for this kernel to finish; what differs is how early the successor's programs
-# get going on what they may do before their wait (a GEMV's weight prefetch). Triggering after the wait meant
-# that behind a short kernel (the split-KV merge) the next GEMV launched only once that kernel had started its
-# real work, so its 8 MB weight prefetch had nothing left to hide behind. A grid larger than one wave triggers
-# only when its last programs start, either way.
-EARLY_TRIGGER = tl.constexpr(True)
-
-
 @triton.jit
 def wait_for_predecessor(PDL: tl.constexpr):
-    """With PDL, before the kernel touches memory: let the kernel after it launch, and wait until the kernel
-    before it has finished (its writes visible). Without PDL, nothing (the stream already orders them)."""
+    """With PDL, before the kernel touches memory: wait until the kernel before it has finished (its writes
+    visible), and let the kernel after it launch (before or after that wait, as ``PDL`` says). Without PDL,
+    nothing (the stream already orders them)."""
+    if PDL == 2:  # TRIGGER_BEFORE_WAIT
+        tl.extra.cuda.gdc_launch_dependents()
     if PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+    if PDL == 1:  # TRIGGER_AFTER_WAIT
+        tl.extra.cuda.gdc_launch_dependents()

@@ -21,7 +21,7 @@ from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_trit
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._pdl import enabled as programmatic_launch_enabled
-from ._pdl import launch_options, wait_for_predecessor
+from ._pdl import TRIGGER_BEFORE_WAIT, launch_options, wait_for_predecessor
 from ._triton_utils import cdiv, next_power_of_2, sm_count
 from .attention import (
     LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
@@ -233,13 +233,15 @@ def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
 
 
 def _prefetch_kv(device: torch.device) -> bool:
-    """Whether the split kernel reads its first key tile before waiting for the kernel before it: with
-    programmatic dependent launch, where that wait is the latency of a short decode step's attention (5.7 us of
-    LLaMA-1.1B's layer at batch 1 on an H100, for a few hundred keys). It relies on the chain's contract (see
-    ``flash_attn_with_kvcache``): the kernel before writes no key but the newest. Its first GPU run (H100,
-    session 11) showed no measurable change in LLaMA-1.1B's step (1.08 -> 1.10 ms, within the run-to-run
-    spread). A function so that the interpreter tests can turn the reordered path on without PDL."""
-    return programmatic_launch_enabled(device)
+    """Whether the split kernel reads its first key tile before waiting for the kernel before it: in the
+    early-trigger mode of programmatic dependent launch (``programmatic_launch(early_trigger=True)``, the decode
+    step at batch 1), where that wait is most of a short decode step's attention. It relies on the chain's
+    contract (see ``flash_attn_with_kvcache``): the kernel before writes no key but the newest. On an H100
+    (2026-11-25, scripts/profile/decode_prefetch_ab.py) with the early trigger it took LLaMA-1.1B's batch-1 step
+    from 1.08-1.12 to 1.03-1.04 ms and GPT-2's from 0.358 to 0.345-0.348; at batch 16, with the trigger after
+    the wait, it cost 3-7% (GPT-2 0.47-0.49 vs 0.51-0.53 ms). A function so that the interpreter tests can turn
+    the reordered path on without PDL."""
+    return programmatic_launch_enabled(device) == TRIGGER_BEFORE_WAIT
 
 
 def _split_plan(q, capacity, n_prog_other):

@@ -73,7 +73,7 @@ def sweep_attention(copy_bw: float):
             fracs = []
             for chunk in CHUNKS:
                 attention_decode.DECODE_MIN_CHUNK = chunk
-                with programmatic_launch():
+                with programmatic_launch(early_trigger=True):  # batch 1, as generation runs it
                     _, graphed_ms = _time_decode(call, sets, repeats=50)
                 fracs.append(nbytes / (graphed_ms * 1e-3) / copy_bw)
             print(f"| {kv} | {rnd} | " + " | ".join(f"{f:.3f}" for f in fracs) + " |", flush=True)

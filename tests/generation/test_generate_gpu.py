@@ -110,22 +110,23 @@ def test_head_split_at_a_multiple_of_64_equals_the_plain_head(vocab, bias):
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # other kernels: bf16 rounding
 
 
+@pytest.mark.parametrize("batch", [1, 3])  # the early trigger and the key prefetch at batch 1, neither past it
 @pytest.mark.parametrize("preset", ["gpt2", "llama-1b"])
 @torch.inference_mode()
-def test_programmatic_launch_decode_gives_the_plain_logits(preset, monkeypatch):
-    """A batch-1 decode step captured with programmatic dependent launch (its projections as our GEMV, the
-    kernels launched early and waiting in-kernel) gives the plain step's logits, step after step, for the same
-    tokens fed to both (the GEMV sums in another order than cuBLAS: a greedy pick could flip on a tie)."""
+def test_programmatic_launch_decode_gives_the_plain_logits(preset, batch, monkeypatch):
+    """A decode step captured with programmatic dependent launch (its projections as our GEMV, the kernels
+    launched early and waiting in-kernel) gives the plain step's logits, step after step, for the same tokens
+    fed to both (the GEMV sums in another order than cuBLAS: a greedy pick could flip on a tie)."""
     import flash_kernels
 
     gemv_calls = []
     real_gemv = flash_kernels.gemv
     monkeypatch.setattr(flash_kernels, "gemv", lambda *a, **k: gemv_calls.append(1) or real_gemv(*a, **k))
     model = small(preset)
-    prompt = torch.randint(0, 1000, (1, 37), device="cuda")
+    prompt = torch.randint(0, 1000, (batch, 37), device="cuda")
     tokens, runs = [], {}
     for pdl in (False, True):
-        cache = model.new_kv_cache(1, 128)
+        cache = model.new_kv_cache(batch, 128)
         logits = model(prompt, kv_cache=cache).logits[:, -1]
         runner = DecodeRunner(model, cache, programmatic_launch=pdl)
         assert runner.graph is not None and bool(gemv_calls) == pdl

@@ -174,7 +174,7 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size):
 @pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None)])
 def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size):
     """Under programmatic_launch() (split and merge kernels launched early, each waiting for its predecessor
-    in-kernel) the output is the plain launches' bit for bit, called eagerly and replayed from a CUDA graph
+    in-kernel; with the early trigger, also reading a key tile before that wait) the output is the plain launches' bit for bit, called eagerly and replayed from a CUDA graph
     that chains several decode calls, each appending into the cache the next one reads (a missed wait would
     read stale keys)."""
     torch.manual_seed(5)
@@ -189,8 +189,8 @@ def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_s
                                                     block_table=table, backend="triton") for t in range(steps)])
 
     results = {}
-    for pdl in (False, True):
-        with programmatic_launch(pdl):
+    for pdl, early_trigger in ((False, False), (True, False), (True, True)):  # the last: batch 1's mode
+        with programmatic_launch(pdl, early_trigger=early_trigger):
             kc, vc = kc0.clone(), vc0.clone()
             eager = decode_steps(kc, vc)
             kc.copy_(kc0), vc.copy_(vc0)
@@ -199,7 +199,9 @@ def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_s
                 replayed = decode_steps(kc, vc)
         kc.copy_(kc0), vc.copy_(vc0)
         graph.replay()
-        results[pdl] = (eager, replayed.clone(), kc.clone())
-    for plain, early in zip(results[False], results[True]):
-        assert torch.equal(plain, early)
-    assert torch.equal(results[True][0], results[True][1])
+        results[pdl, early_trigger] = (eager, replayed.clone(), kc.clone())
+    plain = results[False, False]
+    for mode in ((True, False), (True, True)):
+        for want, got in zip(plain, results[mode]):
+            assert torch.equal(want, got), mode
+        assert torch.equal(results[mode][0], results[mode][1])

@@ -8,13 +8,13 @@ from flash_kernels import _pdl, programmatic_launch
 
 
 def test_the_context_nests_and_restores():
-    assert not _pdl._ENABLED.get()
+    assert not _pdl._MODE.get()
     with programmatic_launch():
-        assert _pdl._ENABLED.get()
+        assert _pdl._MODE.get()
         with programmatic_launch(False):
-            assert not _pdl._ENABLED.get()
-        assert _pdl._ENABLED.get()
-    assert not _pdl._ENABLED.get()
+            assert not _pdl._MODE.get()
+        assert _pdl._MODE.get()
+    assert not _pdl._MODE.get()
 
 
 def test_never_enabled_off_a_hopper_gpu():
@@ -34,3 +34,21 @@ def test_never_while_compiling(monkeypatch):
         assert _pdl.enabled(torch.device("cuda"))
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert not _pdl.enabled(torch.device("cuda"))
+
+
+def test_the_trigger_order_follows_early_trigger(monkeypatch):
+    """The PDL constexpr kernels get says where they trigger their successor; the decode attention reads its
+    first key tile before its wait only in the early-trigger mode (batch 1), the one where that measured faster."""
+    import importlib
+
+    attention_decode = importlib.import_module("flash_kernels.attention_decode")
+    monkeypatch.setattr(_pdl, "pdl_supported", lambda device: True)
+    cuda = torch.device("cuda")
+    assert _pdl.enabled(cuda) == _pdl.OFF and not attention_decode._prefetch_kv(cuda)
+    with programmatic_launch():
+        assert _pdl.enabled(cuda) == _pdl.TRIGGER_AFTER_WAIT and not attention_decode._prefetch_kv(cuda)
+        with programmatic_launch(early_trigger=True):
+            assert _pdl.enabled(cuda) == _pdl.TRIGGER_BEFORE_WAIT and attention_decode._prefetch_kv(cuda)
+        with programmatic_launch(False, early_trigger=True):
+            assert _pdl.enabled(cuda) == _pdl.OFF
+    assert _pdl.launch_options(_pdl.TRIGGER_BEFORE_WAIT) == {"launch_pdl": True}
