@@ -21,8 +21,9 @@ class DecodeRunner:
     """Runs ``model.decode_step`` against one cache: eagerly, compiled (``compile``: True for inductor, or a
     torch.compile backend name), and on CUDA replayed from a captured graph (``use_cuda_graph``). With
     ``programmatic_launch`` the step's kernels are launched (and captured) inside
-    ``flash_kernels.programmatic_launch()`` (with its early trigger at batch 1), unless the step is compiled: inductor's own kernels do not take
-    part in the chain, and a compiled step is meant to give what the plain eager step gives."""
+    ``flash_kernels.programmatic_launch()`` (with its early trigger at batch 1), unless the step is compiled:
+    inductor's own kernels do not take part in the chain, and a compiled step is meant to give what the plain
+    eager step gives."""
 
     def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False,
                  programmatic_launch: bool = False):

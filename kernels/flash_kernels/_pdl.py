@@ -31,8 +31,8 @@ from ._triton_utils import pdl_supported
 # before their wait (a GEMV's weight prefetch, the decode attention's first key tile). On an H100 (2026-11-25,
 # scripts/profile/decode_prefetch_ab.py, run once with each order): at batch 1 the early trigger took
 # LLaMA-1.1B's step from 1.10-1.11 to 1.03-1.04 ms (behind a short kernel such as the split-KV merge, the next
-# GEMV otherwise launched too late for its 8 MB prefetch to hide), but at batch 16 it cost 6-15% (GPT-2 0.47-0.49
-# -> 0.57 ms, LLaMA 1.46-1.48 -> 1.49). So it is the caller's choice (``early_trigger``): the decode step
+# GEMV otherwise launched too late for its 8 MB prefetch to hide), but at batch 16 it cost 2% (LLaMA 1.46-1.48
+# -> 1.49 ms) to 16-21% (GPT-2 0.47-0.49 -> 0.57). So it is the caller's choice (``early_trigger``): the decode step
 # takes it at batch 1.
 OFF, TRIGGER_AFTER_WAIT, TRIGGER_BEFORE_WAIT = 0, 1, 2
 

@@ -239,8 +239,8 @@ def _prefetch_kv(device: torch.device) -> bool:
     contract (see ``flash_attn_with_kvcache``): the kernel before writes no key but the newest. On an H100
     (2026-11-25, scripts/profile/decode_prefetch_ab.py) with the early trigger it took LLaMA-1.1B's batch-1 step
     from 1.08-1.12 to 1.03-1.04 ms and GPT-2's from 0.358 to 0.345-0.348; at batch 16, with the trigger after
-    the wait, it cost 3-7% (GPT-2 0.47-0.49 vs 0.51-0.53 ms). A function so that the interpreter tests can turn
-    the reordered path on without PDL."""
+    the wait, it cost 1-8% (GPT-2 0.47-0.49 vs 0.51-0.53 ms, LLaMA 1.46-1.48 vs 1.49-1.50). A function so that
+    the interpreter tests can turn the reordered path on without PDL."""
     return programmatic_launch_enabled(device) == TRIGGER_BEFORE_WAIT
 
 

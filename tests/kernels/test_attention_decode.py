@@ -174,9 +174,9 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size):
 @pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None)])
 def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size):
     """Under programmatic_launch() (split and merge kernels launched early, each waiting for its predecessor
-    in-kernel; with the early trigger, also reading a key tile before that wait) the output is the plain launches' bit for bit, called eagerly and replayed from a CUDA graph
-    that chains several decode calls, each appending into the cache the next one reads (a missed wait would
-    read stale keys)."""
+    in-kernel; with the early trigger, also reading a key tile before that wait) the output is the plain
+    launches' bit for bit, called eagerly and replayed from a CUDA graph that chains several decode calls, each
+    appending into the cache the next one reads (a missed wait would read stale keys)."""
     torch.manual_seed(5)
     steps = 4
     q = torch.randn(steps, bsz, 1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
