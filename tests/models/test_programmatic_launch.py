@@ -27,7 +27,7 @@ def gemv_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash_kernels, "gemv", spy)
-    monkeypatch.setattr(linear_module, "programmatic_launch_enabled", lambda device: flash_kernels._pdl._ENABLED.get())
+    monkeypatch.setattr(linear_module, "programmatic_launch_enabled", lambda device: flash_kernels._pdl._MODE.get())
     return calls
 
 
@@ -67,9 +67,10 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
     entered = []
     real_context = engine.programmatic_launch_context
 
-    def recording_context(enabled=True):
+    def recording_context(enabled=True, *, early_trigger=False):
         entered.append(enabled)
-        return real_context(enabled)
+        assert early_trigger  # batch 1: the early trigger
+        return real_context(enabled, early_trigger=early_trigger)
 
     monkeypatch.setattr(engine, "programmatic_launch_context", recording_context)
     torch.manual_seed(0)
