@@ -7,9 +7,9 @@ and which one the rule picks (*).
 
     PYTHONPATH=.:kernels python scripts/profile/gemv_chain_sweep.py   # on a Hopper GPU, from the repo root
 
-First run: H100, 2026-11-25 (session 12; docs/benchmarks.md, Generation). The autotuner, which timed each
-config as a lone launch, had picked 8 x 256 for gate/up in session 11 (21 us a call in the chain, against 18.2
-for the best tiles), so the chain's tiles are now set by rule.
+First run: H100, 2026-11-25 (session 12; docs/benchmarks.md, Generation). The autotuner times each config
+as a lone launch; session 11's chained gate/up took 21-22 us a call, what 8 x 256 gives here (21.1) against
+18.2 for the best tiles (its pick then was not logged), so the chain's tiles are now set by rule.
 """
 
 import importlib
