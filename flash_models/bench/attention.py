@@ -217,26 +217,28 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
 
 
 def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
-    """Tuning aid: graph-replayed decode bandwidth for a few split-KV schedules, plain and with programmatic
-    dependent launch."""
+    """Tuning aid: graph-replayed decode bandwidth for split-KV schedules (programs per SM) x split tiles
+    (BLOCK_N, warps, stages), plain and with programmatic dependent launch (the early trigger at batch 1, as
+    generation runs it). The minimum chunk stays at its default (session 12's sweep: 64 >= 128 >= 256 keys)."""
     from flash_kernels import attention_decode as dec
     from flash_kernels import flash_attn_with_kvcache, programmatic_launch
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+    tiles = ((64, 4, 3), (64, 4, 4), (64, 8, 3), (32, 4, 4), (128, 4, 2), (128, 8, 2))
     for b, kv in ((1, 8192), (1, 32768), (16, 8192)):
         nbytes = 2 * b * kv * kv_heads * d * 2
         sets = _decode_inputs(b, kv, heads, kv_heads, d, max(1, min(8, -(-4 * l2 // nbytes))))
         seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
-        defaults = dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK
-        for per_sm, min_chunk, pdl in itertools.product((1, 2, 3, 4, 8), (64, 128, 256, 512), (False, True)):
-            dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK = per_sm, min_chunk
+        defaults = dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE
+        for per_sm, tile, pdl in itertools.product((1, 2, 3, 4), tiles, (False, True)):
+            dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE = per_sm, tile
             with programmatic_launch(pdl, early_trigger=b == 1):
                 _, graphed = _time_decode(
                     lambda q, kc, vc: lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"),
                     sets, repeats)
-            print(f"sweep B={b} kv={kv} per_sm={per_sm} min_chunk={min_chunk} pdl={pdl} "
+            print(f"sweep B={b} kv={kv} per_sm={per_sm} tile={tile} pdl={pdl} "
                   f"{graphed * 1e3:.1f} us {nbytes / (graphed * 1e-3) / copy_bw:.3f} of copy bw", flush=True)
-        dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_MIN_CHUNK = defaults
+        dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE = defaults
 
 
 def _plot(train, decode, path):

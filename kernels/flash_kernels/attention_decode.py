@@ -91,11 +91,13 @@ def flash_attn_with_kvcache_ref(
 # 64-key chunks (a tile per program, the merge launch after), ms/step at batch 1, two rounds each, 64 vs 256:
 # LLaMA-1.1B prompt 512 1.07 vs 1.12, prompt 128 1.06-1.11 vs 1.04-1.10 (no gain), GPT-2 0.32-0.34 vs
 # 0.35-0.37; decode attention alone at 2k keys 0.53 vs 0.48 of copy bandwidth, 8k unchanged (0.79 vs 0.78-0.80).
+# The split count is rounded down, so the programs never pass one wave of DECODE_PROGRAMS_PER_SM per SM (the
+# occupancy the tile allows): rounding up sent batch 16 x 16 kv heads over 8k keys (256 programs, 132 SMs) to
+# two splits, 512 programs in 1.94 waves, 0.92 of copy bandwidth; one split (no merge launch) runs at 1.02
+# (H100, 2026-11-25, `bench attention --decode-sweep`). It also gives GPT-2 at batch 16 (192 programs over a
+# few hundred keys) one split, which a special case used to do.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 64
-# One split (no merge launch) when batch x kv heads programs fill the SMs and the cache is at most this long:
-# GPT-2 at batch 16 (192 programs over a few hundred keys) spent a launch per layer merging two halves.
-DECODE_SINGLE_SPLIT_MAX = 1024
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
 
@@ -244,16 +246,18 @@ def _prefetch_kv(device: torch.device) -> bool:
     return programmatic_launch_enabled(device) == TRIGGER_BEFORE_WAIT
 
 
+def _split_count(capacity, n_prog_other, sms):
+    """How many chunks to split a cache of ``capacity`` keys into, for ``n_prog_other`` (batch x kv heads)
+    programs per split on ``sms`` SMs: as many as fit one wave, each at least DECODE_MIN_CHUNK keys long."""
+    return max(1, min(DECODE_PROGRAMS_PER_SM * sms // n_prog_other, -(-capacity // DECODE_MIN_CHUNK)))
+
+
 def _split_plan(q, capacity, n_prog_other):
     """(chunk, num_splits) for a cache of ``capacity`` keys and ``n_prog_other`` (batch x kv heads) programs
     per split."""
     if q.device.type == "cuda":
         sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        if n_prog_other >= sms and capacity <= DECODE_SINGLE_SPLIT_MAX:
-            splits = 1  # a wave of programs already, over a short cache: the merge launch would cost more
-        else:
-            splits = max(1, min(-(-DECODE_PROGRAMS_PER_SM * sms // n_prog_other), -(-capacity // DECODE_MIN_CHUNK)))
-        align = CHUNK_ALIGN
+        splits, align = _split_count(capacity, n_prog_other, sms), CHUNK_ALIGN
     else:
         splits, align = max(1, min(4, -(-capacity // 32))), 16  # the interpreter: a few splits so the merge is tested
     chunk = -(-capacity // splits)

@@ -1,7 +1,7 @@
 """Dense layers on cuBLASLt epilogues (CUDA C++ in ``csrc/``): GEMM+bias, and the GELU MLP
 ``fc2(gelu(fc1(x)))`` whose forward writes the GELU and its pre-activation from the fc1 GEMM's epilogue and
-whose backward gets gelu'(pre) * (dy @ W2) and fc1's bias gradient from the DGELU_BGRAD epilogue, and each
-weight GEMM's bias gradient from BGRADB: no separate bias, activation or reduction kernels.
+whose backward gets gelu'(pre) * (dy @ W2) from the DGELU epilogue and each weight GEMM's bias gradient from
+BGRADB: no separate bias or activation kernels (cuBLASLt runs BGRADB's reduction as a kernel of its own).
 
 The extension is built on first use by ``torch.utils.cpp_extension.load`` (JIT with nvcc and ninja, cached
 under ``FLASH_KERNELS_BUILD_DIR`` or ~/.cache/flash_kernels), unless an ahead-of-time build is installed
@@ -146,7 +146,7 @@ def _(x, weight, bias):
 def _dense_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = load_extension()
     dw, db = ext.linear_wgrad(x, dy, True)
-    return ext.linear_dgrad(dy, weight, None)[0], dw, db
+    return ext.linear_dgrad(dy, weight, None, False)[0], dw, db
 
 
 _dense_bwd_op = torch.library.custom_op("flash_kernels::fused_dense_bwd", mutates_args=())(_dense_bwd)
@@ -197,9 +197,13 @@ def _mlp_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = load_extension()
     dw2, db2 = ext.linear_wgrad(act, dy, True)
-    dpre, db1 = ext.linear_dgrad(dy, weight2, pre)  # (dy @ W2) * gelu'(pre), and its column sums
-    dw1 = ext.linear_wgrad(x, dpre, False)[0]
-    dx = ext.linear_dgrad(dpre, weight1, None)[0]
+    # fc1's bias gradient comes from BGRADB in its weight-gradient GEMM, not from DGELU_BGRAD here: cuBLASLt
+    # runs DGELU_BGRAD as a separate generic kernel (357 us at GPT-2's 16k x 768 -> 3072 on an H100, where
+    # the DGELU GEMM alone takes 168 and BGRADB's reduction ~45): forward + backward went from 0.85x to 1.05x
+    # torch's autograd (scripts/profile/mlp_backward_ab.py, 2026-11-25).
+    dpre = ext.linear_dgrad(dy, weight2, pre, False)[0]  # (dy @ W2) * gelu'(pre)
+    dw1, db1 = ext.linear_wgrad(x, dpre, True)
+    dx = ext.linear_dgrad(dpre, weight1, None, False)[0]
     return dx, dw1, db1, dw2, db2
 
 

@@ -73,6 +73,23 @@ def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
             torch.testing.assert_close(got, k[b], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("capacity,n_prog_other,expected", [
+    (8192, 16, 16),   # batch 1 x 16 kv heads: 256 programs, one wave of two per SM
+    (8192, 256, 1),   # batch 16 x 16: a second split would make 1.94 waves
+    (8192, 132, 2),   # exactly one program per SM per split: two fit
+    (512, 4, 8),      # a short cache: no chunk under DECODE_MIN_CHUNK keys
+    (100, 4, 2),
+    (1, 4, 1),
+    (32768, 600, 1),  # more programs than a wave already
+])
+def test_split_count_stays_within_one_wave(capacity, n_prog_other, expected):
+    sms = 132
+    splits = dec._split_count(capacity, n_prog_other, sms)
+    assert splits == expected
+    assert splits == 1 or splits * n_prog_other <= dec.DECODE_PROGRAMS_PER_SM * sms
+    assert splits <= -(-capacity // dec.DECODE_MIN_CHUNK)  # no more chunks than DECODE_MIN_CHUNK-key pieces
+
+
 def test_decode_steps_equal_full_attention():
     """Prefill a cache, then decode token by token: each step equals the full causal attention's last row."""
     torch.manual_seed(1)

@@ -79,14 +79,16 @@ std::vector<at::Tensor> linear_wgrad(const at::Tensor& x, const at::Tensor& dy, 
 }
 
 // dx = dy @ w (M x K). Column-major: dx^T (K x M, ld K) = w^T stored (K x N, ld K) @ dy^T stored (N x M, ld N).
-// With pre (M x K) it is the GELU backward of the layer below: dpre = (dy @ w) * gelu'(pre) and its bias
-// gradient dpre.sum(0), both from the DGELU_BGRAD epilogue.
-std::vector<at::Tensor> linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const c10::optional<at::Tensor>& pre) {
+// With pre (M x K) it is the GELU backward of the layer below: dpre = (dy @ w) * gelu'(pre) from the DGELU
+// epilogue, and with bias_grad also its bias gradient dpre.sum(0) (DGELU_BGRAD).
+std::vector<at::Tensor> linear_dgrad(const at::Tensor& dy, const at::Tensor& w, const c10::optional<at::Tensor>& pre,
+                                     bool bias_grad) {
   check_matrix(dy, "grad_output");
   check_matrix(w, "weight");
   check_same_dtype(dy, w);
   const int64_t M = dy.size(0), N = dy.size(1), K = w.size(1);
   TORCH_CHECK(w.size(0) == N, "fused_dense: weight ", w.sizes(), " does not match grad_output ", dy.sizes());
+  TORCH_CHECK(pre.has_value() || !bias_grad, "fused_dense: a bias gradient needs the pre-activation");
   auto dx = at::empty({M, K}, dy.options());
   LtGemm g;
   g.m = K; g.n = M; g.k = N;
@@ -101,10 +103,15 @@ std::vector<at::Tensor> linear_dgrad(const at::Tensor& dy, const at::Tensor& w, 
   check_matrix(*pre, "pre_activation");
   TORCH_CHECK(pre->size(0) == M && pre->size(1) == K, "fused_dense: pre_activation ", pre->sizes(), " != (", M,
               ", ", K, ")");
-  auto db = at::empty({K}, dy.options());
-  g.epilogue = Epilogue::kDgeluBgrad;
   g.aux = pre->data_ptr();
   g.ld_aux = K;
+  if (!bias_grad) {
+    g.epilogue = Epilogue::kDgelu;
+    lt_gemm(g);
+    return {dx};
+  }
+  auto db = at::empty({K}, dy.options());
+  g.epilogue = Epilogue::kDgeluBgrad;
   g.bias = db.data_ptr();
   lt_gemm(g);
   return {dx, db};
@@ -116,5 +123,5 @@ std::vector<at::Tensor> linear_dgrad(const at::Tensor& dy, const at::Tensor& w, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fwd", &flash_kernels::linear_fwd, "x @ w.T + bias (gelu: also returns the pre-activation)");
   m.def("linear_wgrad", &flash_kernels::linear_wgrad, "dy.T @ x and optionally dy.sum(0)");
-  m.def("linear_dgrad", &flash_kernels::linear_dgrad, "dy @ w, optionally times gelu'(pre) with its bias grad");
+  m.def("linear_dgrad", &flash_kernels::linear_dgrad, "dy @ w, optionally times gelu'(pre) (and its bias grad)");
 }

@@ -5,7 +5,7 @@
 namespace flash_kernels {
 
 // The cuBLASLt epilogues we use, named here so that the bindings need no CUDA headers.
-enum class Epilogue { kDefault, kBias, kGeluAuxBias, kBgradB, kDgeluBgrad };
+enum class Epilogue { kDefault, kBias, kGeluAuxBias, kBgradB, kDgelu, kDgeluBgrad };
 
 // One column-major cuBLASLt GEMM D (m x n) = op(A) op(B) (+ D if accumulate), with an epilogue.
 struct LtGemm {
@@ -20,7 +20,7 @@ struct LtGemm {
   at::ScalarType dtype = at::kHalf;
   Epilogue epilogue = Epilogue::kDefault;
   const void* bias = nullptr;  // bias (BIAS epilogues) or bias-gradient output (BGRAD epilogues)
-  void* aux = nullptr;         // pre-activation: written by GELU_AUX, read by DGELU
+  void* aux = nullptr;         // pre-activation: written by GELU_AUX, read by DGELU(_BGRAD)
   int64_t ld_aux = 0;
   bool accumulate = false;
 };

@@ -59,6 +59,7 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
     case Epilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
     case Epilogue::kGeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
     case Epilogue::kBgradB: return CUBLASLT_EPILOGUE_BGRADB;
+    case Epilogue::kDgelu: return CUBLASLT_EPILOGUE_DGELU;
     case Epilogue::kDgeluBgrad: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
     default: return CUBLASLT_EPILOGUE_DEFAULT;
   }
