@@ -15,6 +15,7 @@ extension is there, else torch). cuBLASLt's GELU is the tanh approximation, so t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -69,7 +70,14 @@ def build_directory() -> Path:
 
 @torch.compiler.assume_constant_result
 def extension_buildable() -> str | None:
-    """None when the extension is prebuilt or can be built here, else why not."""
+    """None when the extension is prebuilt or can be built here, else why not. Asked by every eager call on
+    the "auto" path, so the answer is found once per process: ``find_spec`` walks sys.path (54 us a call on
+    the CPU machine, as much as the GPU time of a small GEMM)."""
+    return None if _EXT is not None else _why_not_buildable()
+
+
+@functools.cache
+def _why_not_buildable() -> str | None:
     if importlib.util.find_spec(_PREBUILT) is not None:
         return None
     from torch.utils.cpp_extension import CUDA_HOME
