@@ -13,6 +13,7 @@ can replay it exactly.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -385,34 +386,57 @@ def _block(n: int, max_fused: int) -> tuple[int, bool]:
     return min(_LOOP_BLOCK, next_power_of_2(max_fused)), False
 
 
+# The launch geometry depends on the shape and device alone, so it is worked out once per shape: an eager
+# norm's forward + backward is host-bound at (16384, 4096) on the H100 (259 us of host work a step against
+# 240 us of kernels, session 13), and this arithmetic was a tenth of its Python.
+@functools.cache
+def _fwd_plan(n: int) -> tuple[int, bool, int]:
+    """(BLOCK_N, SINGLE_BLOCK, num_warps) of the forward kernel for rows of n elements."""
+    block, single = _block(n, _MAX_FUSED_FWD)
+    return block, single, warps_for_block(block, max_warps=8 if block <= 8192 else 16)
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_plan(m: int, n: int, device: torch.device) -> tuple[int, int, int, bool, int]:
+    """(programs, rows per program, BLOCK_N, SINGLE_BLOCK, num_warps) of the backward kernel for (m, n)."""
+    # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
+    # (16384, 768) bf16 backward from 65 to 53 us; at 2048 and wider, 4 per SM stay best (measured).
+    programs = max(1, min(m, num_programs(device, per_sm=8 if n <= 1024 else 4)))
+    rows_per_program = cdiv(m, programs)
+    block, single = _block(n, _MAX_FUSED_BWD)
+    return cdiv(m, rows_per_program), rows_per_program, block, single, warps_for_block(
+        block, max_warps=8 if block <= 8192 else 16)
+
+
 def _norm_fwd(
     x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
     residual_dtype, out_dtype, store_residual, store_mask,
 ):
     """x, residual: (M, N) with unit last stride. Returns y, y1, residual_out, mean, rstd, seed, mask, with None
-    for those this call does not make (allocating nothing for them: the eager path's host cost)."""
+    for those this call does not make (allocating nothing for them: the eager path's host cost; an RMS norm
+    has no mean)."""
     M, N = x.shape
     dev = x.device
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
     y1 = torch.empty((M, N), device=dev, dtype=out_dtype) if weight1 is not None else None
     res_out = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_residual else None
-    mean = torch.empty((M,), device=dev, dtype=torch.float32)
+    mean = None if is_rms_norm else torch.empty((M,), device=dev, dtype=torch.float32)  # RMS has none
     rstd = torch.empty((M,), device=dev, dtype=torch.float32)
     seed = dropout_seed(dev) if dropout_p > 0.0 else None
     mask = torch.empty((M, N), device=dev, dtype=torch.uint8) if store_mask else None
-    block, single = _block(N, _MAX_FUSED_FWD)
+    block, single, warps = _fwd_plan(N)
     pdl = programmatic_launch_enabled(dev)
     _norm_fwd_kernel[(M,)](
         x, residual, rowscale, or_dummy(seed, dev, torch.int64), weight, bias, weight1, bias1, y,
         or_dummy(y1, dev, out_dtype), or_dummy(res_out, dev, residual_dtype), or_dummy(mask, dev, torch.uint8),
-        mean, rstd, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        or_dummy(mean, dev, torch.float32), rstd, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         y1.stride(0) if weight1 is not None else 0, res_out.stride(0) if store_residual else 0,
         N, eps, dropout_p,
         IS_RMS=is_rms_norm, HAS_RES=residual is not None, HAS_ROWSCALE=rowscale is not None,
         HAS_DROPOUT=dropout_p > 0.0, HAS_B=bias is not None, HAS_W1=weight1 is not None,
         HAS_B1=bias1 is not None, STORE_RES=store_residual, STORE_MASK=store_mask,
         ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single, PDL=pdl,
-        num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16), **launch_options(pdl),
+        num_warps=warps, **launch_options(pdl),
     )
     return y, y1, res_out, mean, rstd, seed, None if mask is None else mask.view(torch.bool)
 
@@ -427,17 +451,12 @@ def _norm_bwd(
     which saves the eager backward a cast launch per bf16 parameter."""
     M, N = h.shape
     dev = h.device
-    # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
-    # (16384, 768) bf16 backward from 65 to 53 us; at 2048 and wider, 4 per SM stay best (measured).
-    programs = max(1, min(M, num_programs(dev, per_sm=8 if N <= 1024 else 4)))
-    rows_per_program = cdiv(M, programs)
-    programs = cdiv(M, rows_per_program)
+    programs, rows_per_program, block, single, warps = _bwd_plan(M, N, dev)
     dx = torch.empty((M, N), device=dev, dtype=x_dtype)
     # The residual gradient equals dh; it needs its own buffer only when dx differs from dh.
     store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or residual_dtype != x_dtype)
     dres = torch.empty((M, N), device=dev, dtype=residual_dtype) if store_dres else None
 
-    block, single = _block(N, _MAX_FUSED_BWD)
     # Per-program partial sums of dw, db, dw1, db1 (those present) share one buffer, summed by one launch.
     present = (True, has_bias, weight1 is not None, weight1 is not None and has_bias1)
     # The single-block kernel writes every partial; the loop path accumulates into them.
@@ -446,7 +465,8 @@ def _norm_bwd(
     views, dummy = iter(partials), dummy_pointer(dev, torch.float32)
     dw_p, db_p, dw1_p, db1_p = (next(views) if p else dummy for p in present)
     _norm_bwd_kernel[(programs,)](
-        h, weight, weight1, dy, dy1, dres_out, mean, rstd, rowscale, or_dummy(seed, dev, torch.int64), dx,
+        h, weight, weight1, dy, dy1, dres_out, or_dummy(mean, dev, torch.float32), rstd, rowscale,
+        or_dummy(seed, dev, torch.int64), dx,
         or_dummy(dres, dev, residual_dtype), dw_p, db_p, dw1_p, db1_p,
         h.stride(0), dy.stride(0), dy1.stride(0) if dy1 is not None else 0,
         dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0) if store_dres else 0,
@@ -454,7 +474,7 @@ def _norm_bwd(
         IS_RMS=is_rms_norm, HAS_B=has_bias, HAS_W1=weight1 is not None, HAS_B1=has_bias1,
         HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_ROWSCALE=rowscale is not None,
         HAS_DROPOUT=dropout_p > 0.0, ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
-        num_warps=warps_for_block(block, max_warps=8 if block <= 8192 else 16),
+        num_warps=warps,
     )
     if has_residual and not store_dres:
         dres = dx
@@ -481,7 +501,7 @@ def _norm_fwd_op(
         residual_dtype, out_dtype, store_residual, store_mask,
     )
     dev = x.device
-    return (y, or_placeholder(y1, dev, out_dtype), or_placeholder(res_out, dev, residual_dtype), mean, rstd,
+    return (y, or_placeholder(y1, dev, out_dtype), or_placeholder(res_out, dev, residual_dtype), or_placeholder(mean, dev), rstd,
             or_placeholder(seed, dev, torch.int64), or_placeholder(mask, dev, torch.bool))
 
 
@@ -496,7 +516,7 @@ def _(x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rm
 
     return (
         full(True, out_dtype), full(weight1 is not None, out_dtype), full(store_residual, residual_dtype),
-        x.new_empty((M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32),
+        x.new_empty((0,) if is_rms_norm else (M,), dtype=torch.float32), x.new_empty((M,), dtype=torch.float32),
         x.new_empty((1,) if dropout_p > 0.0 else (0,), dtype=torch.int64), full(store_mask, torch.bool),
     )
 
@@ -564,9 +584,9 @@ def _norm_backward_with(bwd, *, sums_in_param_dtypes: bool):
                                          None if dres_out is None else as_rows(dres_out), weight, weight1,
                                          mean, rstd, rowscale, seed, **ctx.args, **extra)
         w_dt, b_dt, w1_dt, b1_dt = ctx.param_dtypes
-        cast = lambda g, dt: g.to(dt) if dt is not None else None  # noqa: E731
+        cast = lambda g, dt: None if dt is None else g if g.dtype == dt else g.to(dt)  # noqa: E731
         dres = dres if ctx.args["has_residual"] else None
-        return (dx, dw.to(w_dt), cast(db, b_dt), cast(dw1, w1_dt), cast(db1, b1_dt), dres,
+        return (dx, cast(dw, w_dt), cast(db, b_dt), cast(dw1, w1_dt), cast(db1, b1_dt), dres,
                 None, None, None, None, None, None, None, None, None)
 
     return backward

@@ -8,6 +8,8 @@ on an H200 in 24 programs of 64 columns.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._launch import lean_launch
@@ -53,6 +55,16 @@ def _sum_partials_kernel(P, OUT0, OUT1, OUT2, OUT3, programs, N, BLOCK_P: tl.con
 # ----------------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
+def _block_n(k: int, n: int, device: torch.device) -> int:
+    """Columns per program: the widest block that still gives every SM a program (found once per shape: this
+    runs in every eager norm backward)."""
+    block_n, sms = _SUM_MAX_BLOCK_N, num_programs(device, per_sm=1)
+    while block_n > _SUM_MIN_BLOCK_N and cdiv(n, block_n) * k < sms:
+        block_n //= 2
+    return block_n
+
+
 def sum_partials(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None = None) -> list[torch.Tensor]:
     """(k <= 4, programs, N) float32 -> k tensors (N,): the column sums of k partial buffers in one launch
     (torch's sum over dim 0 costs a launch each, and about 10 us per (512, 768) buffer on an H200). Sum i is
@@ -62,9 +74,7 @@ def sum_partials(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None 
     dtypes = dtypes or (torch.float32,) * k
     outs = [torch.empty(n, device=partials.device, dtype=dtype) for dtype in dtypes]
     pointers = outs + [outs[0]] * (4 - k)  # unused slots: the grid never reaches them
-    block_n, sms = _SUM_MAX_BLOCK_N, num_programs(partials.device, per_sm=1)
-    while block_n > _SUM_MIN_BLOCK_N and cdiv(n, block_n) * k < sms:
-        block_n //= 2
+    block_n = _block_n(k, n, partials.device)
     _sum_partials_kernel[(cdiv(n, block_n), k)](
         partials, *pointers, programs, n, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=block_n, num_warps=4,
     )

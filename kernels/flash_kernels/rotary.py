@@ -11,6 +11,7 @@ reused by every head. Its backward is the same rotation by -sin.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -154,16 +155,24 @@ def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, co
     if H == 0:  # num_rotated_heads=0: nothing rotates
         return
     half = cos.shape[-1]
-    block_k = next_power_of_2(half)
-    block_h = min(next_power_of_2(H), max(1, _TILE // block_k))
+    block_h, block_k, warps = _tile(H, half)
     mode = 2 if positions is not None else (1 if offsets is not None else 0)
     pdl = programmatic_launch_enabled(x.device)
     _rotary_kernel[(B * S, cdiv(H, block_h))](
         x, out, cos, sin, positions, offsets, offset, S, H, half, cos.shape[0],
         *x.stride()[:3], *out.stride()[:3], cos.stride(0), sin.stride(0),
         POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k, PDL=pdl,
-        num_warps=4 if block_h * block_k <= 2048 else 8, **ROTATION_COMPILE_OPTIONS, **launch_options(pdl),
+        num_warps=warps, **ROTATION_COMPILE_OPTIONS, **launch_options(pdl),
     )
+
+
+@functools.cache
+def _tile(heads: int, half: int) -> tuple[int, int, int]:
+    """(BLOCK_H, BLOCK_K, num_warps) for rotating ``heads`` heads of ``half`` channel pairs (worked out once per
+    shape: an eager rotary call's host time is on the critical path of short steps)."""
+    block_k = next_power_of_2(half)
+    block_h = min(next_power_of_2(heads), max(1, _TILE // block_k))
+    return block_h, block_k, 4 if block_h * block_k <= 2048 else 8
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -179,9 +188,10 @@ def _rotary(
     rotate in their first rotary_dim channels; every other element is copied through."""
     out = torch.empty_like(x)
     rotary_dim = 2 * cos.shape[-1]
+    x_rot, out_rot = x, out
     if rotated_heads < x.shape[2]:
         out[:, :, rotated_heads:].copy_(x[:, :, rotated_heads:])
-    x_rot, out_rot = x[:, :, :rotated_heads], out[:, :, :rotated_heads]
+        x_rot, out_rot = x[:, :, :rotated_heads], out[:, :, :rotated_heads]
     if rotary_dim < x.shape[-1]:
         out_rot[..., rotary_dim:].copy_(x_rot[..., rotary_dim:])
     _rotary_launch(x_rot, out_rot, cos, sin, positions, offsets, offset, interleaved, conj)
