@@ -397,15 +397,25 @@ def _fwd_plan(n: int) -> tuple[int, bool, int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _bwd_plan(m: int, n: int, device: torch.device) -> tuple[int, int, int, bool, int]:
+def _bwd_plan(m: int, n: int, device: torch.device, rms_with_residual: bool) -> tuple[int, int, int, bool, int]:
     """(programs, rows per program, BLOCK_N, SINGLE_BLOCK, num_warps) of the backward kernel for (m, n)."""
     # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
     # (16384, 768) bf16 backward from 65 to 53 us; at 2048 and wider, 4 per SM stay best (measured).
     programs = max(1, min(m, num_programs(device, per_sm=8 if n <= 1024 else 4)))
     rows_per_program = cdiv(m, programs)
     block, single = _block(n, _MAX_FUSED_BWD)
-    return cdiv(m, rows_per_program), rows_per_program, block, single, warps_for_block(
-        block, max_warps=8 if block <= 8192 else 16)
+    return cdiv(m, rows_per_program), rows_per_program, block, single, _bwd_warps(block, single, rms_with_residual)
+
+
+def _bwd_warps(block: int, single: bool, rms_with_residual: bool) -> int:
+    if rms_with_residual and single and block == 8192:
+        # An RMS norm that also carries the residual stream's gradient, over rows of 4097-8192: 4 warps, not 8.
+        # H200, 16384 rows (2026-11-25, scripts/profile/norm_bwd_sweep.py's method): 5120 wide 231 vs 278 us
+        # (bf16 weight) and 237 vs 373 (fp32 weight), 8192 wide 302 vs 343 and 308 vs 475. Without the
+        # residual, or for layer norm, 8 warps stay the best or within 5%; at 4096 wide the best moved with
+        # the weight's dtype (2, 8 or 16 warps), so 8 stays there.
+        return 4
+    return warps_for_block(block, max_warps=8 if block <= 8192 else 16)
 
 
 def _norm_fwd(
@@ -451,7 +461,7 @@ def _norm_bwd(
     which saves the eager backward a cast launch per bf16 parameter."""
     M, N = h.shape
     dev = h.device
-    programs, rows_per_program, block, single, warps = _bwd_plan(M, N, dev)
+    programs, rows_per_program, block, single, warps = _bwd_plan(M, N, dev, is_rms_norm and dres_out is not None)
     dx = torch.empty((M, N), device=dev, dtype=x_dtype)
     # The residual gradient equals dh; it needs its own buffer only when dx differs from dh.
     store_dres = has_residual and (dropout_p > 0.0 or rowscale is not None or residual_dtype != x_dtype)

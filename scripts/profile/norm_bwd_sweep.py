@@ -1,14 +1,15 @@
 """Norm backward kernel time vs programs per SM and warps, by CUDA-graph replay (GPU time only).
-Patches layer_norm.num_programs / warps_for_block to sweep; the current launch is timed last.
+Patches layer_norm.num_programs / _bwd_warps to sweep (clearing the cached launch plan each time); the
+current launch is timed last.
 
-    PYTHONPATH=.:kernels python scripts/profile/norm_bwd_sweep.py   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/norm_bwd_sweep.py [N ...]   # on a CUDA GPU; default 768 2048 4096
 """
 import sys, torch
 import flash_kernels  # noqa
 ln = sys.modules['flash_kernels.layer_norm']
 dev = torch.device('cuda')
 sms = torch.cuda.get_device_properties(dev).multi_processor_count
-orig_np, orig_w = ln.num_programs, ln.warps_for_block
+orig_np, orig_w = ln.num_programs, ln._bwd_warps
 
 def graph_time(fn, reps=20):
     fn(); torch.cuda.synchronize()
@@ -22,7 +23,7 @@ def graph_time(fn, reps=20):
     e.record(); torch.cuda.synchronize()
     return s.elapsed_time(e) / (5 * reps) * 1e3
 
-for N in (768, 2048, 4096):
+for N in [int(a) for a in sys.argv[1:]] or (768, 2048, 4096):
     M = 16384
     h = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
     dy = torch.randn_like(h); dres = torch.randn_like(h)
@@ -34,10 +35,12 @@ for N in (768, 2048, 4096):
         for per_sm in (2, 4, 8, 16):
             for warps in (1, 2, 4, 8):
                 ln.num_programs = lambda d, per_sm=per_sm: sms * per_sm
-                ln.warps_for_block = lambda block, elems_per_thread=8, max_warps=16, warps=warps: warps
+                ln._bwd_warps = lambda block, single, rms_with_residual, warps=warps: warps
+                ln._bwd_plan.cache_clear()  # the launch plan is cached per shape
                 us = graph_time(lambda: ln._norm_bwd(*fn_args))
                 res.append((us, per_sm, warps))
-        ln.num_programs, ln.warps_for_block = orig_np, orig_w
+        ln.num_programs, ln._bwd_warps = orig_np, orig_w
+        ln._bwd_plan.cache_clear()
         base = graph_time(lambda: ln._norm_bwd(*fn_args))
         res.sort()
         gb = 4 * M * N * 2 / 1e9
