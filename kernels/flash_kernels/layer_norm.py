@@ -418,12 +418,12 @@ def _bwd_plan(m: int, n: int, device: torch.device, is_rms: bool,
 
 def _bwd_row_stages(block: int, is_rms: bool) -> int:
     """Software-pipelining stages of the single-block backward's loop over a program's rows (the next rows'
-    loads issued while this one reduces). H200, 16384 rows, bf16 (2026-11-25, session 13; 1 stage vs 3, us):
-    layer norm 768 wide 35.2 vs 31.9, 2048 68.6 vs 59.3, 4096 140.2 vs 114.4, 8192 301.9 vs 231.8 (with the
-    residual's gradient: 43.4 vs 41.5 ... 367.9 vs 284.9); RMS 768 30.9 vs 28.8, 2048 63.3 vs 57.8, but 4096
-    111.7 vs 110.4 and 8192 210.2 vs 213.6 (300.4 vs 320.8 with the residual's gradient): RMS pipelines only
-    up to 2048 wide."""
-    return 3 if not is_rms or block <= 2048 else 1
+    loads issued while this one reduces): 3 for layer norm over rows of 2049-4096, else none. H200, 16384 x
+    4096 (2026-11-25, session 13), us, 1 stage vs 3: 140.2 vs 114.4 (bf16 weight), with the residual's
+    gradient 174.7 vs 146.0 (bf16) and 175.2 vs 148.7 (fp32 weight). Elsewhere it did not hold up: layer norm
+    at 768 and 2048 wide gained with a bf16 weight but lost with an fp32 one (2048: 88.7 -> 101.5 us); RMS
+    norms gained 0-9% at most; and 3 stages of 8192-wide rows of a dual norm overflow shared memory."""
+    return 3 if not is_rms and block == 4096 else 1
 
 
 def _bwd_warps(block: int, single: bool, rms_with_residual: bool) -> int:
