@@ -18,25 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from flash_kernels.fused_dense import load_extension
-from flash_models.bench.harness import time_cuda
+from gemm_rows import graphed_us  # this folder's sibling scripts
 from kernel_table import time_and_profile
 
 SHAPES = [(16384, 768, 3072), (8192, 1024, 4096)]  # tokens, hidden, MLP width: GPT-2 small, GPT-2 medium
-CALLS = 5
-
-
-def graphed_ms(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    return time_cuda(graph.replay, repeats=20).median_ms / CALLS
 
 
 def sides(x, w1, b1, w2, b2, dy):
@@ -95,7 +80,7 @@ def main():
         print("|---|---|---|---|")
         base = None
         for name, fn in fns.items():
-            ms = min(graphed_ms(fn) for _ in range(2))
+            ms = min(graphed_us(fn) for _ in range(2)) / 1e3
             base = base or ms
             _, kernels = time_and_profile(fn)
             kernels = ", ".join(f"{k[:60]} {us:.0f}" for k, (_, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]))
