@@ -427,6 +427,7 @@ def _bwd_row_stages(block: int, is_rms: bool) -> int:
 
 
 def _bwd_warps(block: int, single: bool, rms_with_residual: bool) -> int:
+    """num_warps of the backward kernel (``scripts/profile/norm_bwd_sweep.py`` patches this to sweep it)."""
     if rms_with_residual and single and block == 8192:
         # An RMS norm that also carries the residual stream's gradient, over rows of 4097-8192: 4 warps, not 8.
         # H200, 16384 rows (2026-11-25, scripts/profile/norm_bwd_sweep.py's method): 5120 wide 231 vs 278 us

@@ -7,8 +7,10 @@ with fc1's bias gradient) as a separate generic cuBLASLt kernel, slower than tor
 bias reduction. The sides, all with the same forward (GELU_AUX_BIAS for fc1, BIAS for fc2) and fc2's weight
 and bias gradients from one BGRADB GEMM:
 
-- dgelu_bgrad: fc1's bias gradient from the DGELU_BGRAD epilogue of fc2's input-gradient GEMM (the shipped path);
-- dgelu+bgradb: the DGELU epilogue alone there, fc1's bias gradient from BGRADB in fc1's weight-gradient GEMM;
+- dgelu_bgrad: fc1's bias gradient from the DGELU_BGRAD epilogue of fc2's input-gradient GEMM (the path
+  before 2026-11-25);
+- dgelu+bgradb: the DGELU epilogue alone there, fc1's bias gradient from BGRADB in fc1's weight-gradient GEMM
+  (the path since);
 - torch_gelu_bwd+bgradb: a plain input-gradient GEMM, torch's GELU backward kernel, then BGRADB as above.
 
     PYTHONPATH=.:kernels:scripts/profile python scripts/profile/mlp_backward_ab.py   # CUDA GPU; builds fused_dense
