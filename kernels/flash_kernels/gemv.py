@@ -123,9 +123,9 @@ def _input_tile(X, offsets, NW, cols, mask, K, rstd, PROLOGUE: tl.constexpr):
 # With ``static_weight`` (a decode step's chain of GEMVs under PDL) the one-row kernel's tile is set by rule, not
 # autotuned: the autotuner times each config as one lone launch, which need not rank tiles as the chain does
 # (session 11's chained gate/up took 21-22 us a call, what 8 x 256 gives below; its pick then was not logged).
-# scripts/profile/gemv_chain_sweep.py on an H100 (2026-11-25, LLaMA-1.1B's projections in a PDL chain with the block's fusions,
-# us per call): 8 x 512 (4 warps, 2 stages) is within 0.2 us of the best of the 21 tiles timed on qkv (4.93 vs 4.74), o
-# (4.51, the best), gate/up (18.21 vs 18.19; 8 x 256: 21.12) and the LM head
+# scripts/profile/gemv_chain_sweep.py on an H100 (2026-11-25, LLaMA-1.1B's projections in a PDL chain with the
+# block's fusions, us per call): 8 x 512 (4 warps, 2 stages) is within 0.2 us of the best of the 21 tiles
+# timed on qkv (4.93 vs 4.74), o (4.51, the best), gate/up (18.21 vs 18.19; 8 x 256: 21.12) and the LM head
 # (44.10 vs 44.00); down's long rows (K = 5632, 2048 outputs) want more, shorter programs: 2 x 1024 (4, 3) 10.32,
 # the best, against 11.23. (BLOCK_N, BLOCK_K, warps, stages):
 CHAIN_TILE = (8, 512, 4, 2)
