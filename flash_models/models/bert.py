@@ -154,16 +154,18 @@ class BertModel(BertPreTrainedModel):
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
         if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
             raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} != input_ids {tuple(input_ids.shape)}")
+        flash = attention_mask is not None and self.blocks[0].attn.backend_for(self.embed.tokens.weight) == "flash"
+        if flash and replays_graph(self, self.graphed, input_ids):
+            # Packed, checked, encoded inside the graph, which also makes the default positions and types.
+            hidden = self.graphed(input_ids, position_ids, token_type_ids, attention_mask)
+            return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        if attention_mask is None or self.blocks[0].attn.backend_for(self.embed.tokens.weight) != "flash":
+        if not flash:
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
             hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
-        elif replays_graph(self, self.graphed, input_ids):  # packed, encoded and unpacked inside the graph
-            self.embed.check_ids(input_ids, token_type_ids)  # the captured runs skip it
-            hidden = self.graphed(input_ids, position_ids, token_type_ids, attention_mask)
         else:  # every layer runs on the real tokens only
             packed = PackedBatch.from_mask(attention_mask)
             input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
@@ -213,8 +215,9 @@ class BertModel(BertPreTrainedModel):
         from CUDA graphs, one per bucket of (rows, columns, packed tokens, sequences, longest sequence); see
         ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Graphs read the
         weights where they were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again."""
+        check = lambda ids, types: self.embed.check_ids(ids, types, static_input=True)  # noqa: E731
         self.graphed = GraphedEncoder(self._encode, self, seq_limit=self.config.max_position_embeddings,
-                                      max_graphs=max_graphs) if enabled else None
+                                      check=check, max_graphs=max_graphs) if enabled else None
         return self
 
 

@@ -43,10 +43,13 @@ class Embeddings(nn.Module):
             hidden = hidden + self.token_types(token_type_ids)
         return hidden
 
-    def check_ids(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> None:
-        """Token ids within the vocabulary and token types within their table (see ``check_ids_in_range``)."""
+    def check_ids(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None, *,
+                  static_input: bool = False) -> None:
+        """Token ids within the vocabulary and token types within their table (see ``check_ids_in_range``,
+        also for ``static_input``)."""
         vocab = self.tokens.num_embeddings
-        check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model")
+        check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model",
+                           static_input=static_input)
         if token_type_ids is None or self.token_types is None:
             return
         if token_type_ids.shape != input_ids.shape:
@@ -54,4 +57,5 @@ class Embeddings(nn.Module):
                 f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(token_type_ids.shape)}"
             )
         types = self.token_types.num_embeddings
-        check_ids_in_range(token_type_ids, types, message=f"token_type_ids must lie in [0, {types})")
+        check_ids_in_range(token_type_ids, types, message=f"token_type_ids must lie in [0, {types})",
+                           static_input=static_input)

@@ -4,10 +4,12 @@ A BERT-base layer on a Hopper GPU takes less GPU time than the host needs to lau
 forward is host-bound (docs/benchmarks.md). A captured graph launches the whole encoder at once. Graphs need
 fixed shapes and addresses, so each batch is placed in a bucket's static buffers and the graph does the rest
 on the device: it packs the real tokens into one row (dropping the padding, so no layer spends work on it),
-runs the encoder on them and scatters the outputs back to the padded layout. The host reads one thing per
-batch, the rows' token counts, which pick the bucket; nothing is read back between that read and the replay,
-so the GPU does not wait on host work in between (an earlier version packed on the host, two reads and a
-dozen launches later, and lost 1.1 ms per BERT-base batch to the idle GPU).
+runs the encoder on them and leaves each padded position's row for the call's one gather back to the padded
+layout. The host reads one thing per batch, the rows' token counts, which pick the bucket; the GPU then idles
+until the replay starts, so the host does as little as it can in between: it copies the inputs in and replays,
+and the input checks run inside the graph (an earlier version packed on the host, two reads and a dozen
+launches later, and lost 1.1 ms per BERT-base batch to the idle GPU; session 14 measured 0.7 ms of host work
+before the replay, checks and default inputs included, on an H200 host).
 
 A bucket holds:
 - the padded input's rows and columns, each rounded up to a power of two (columns at least 16, at most the
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from flash_kernels._triton_utils import next_power_of_2
 
 from .attention import AttentionMask
@@ -50,6 +53,8 @@ class GraphKey:
     rows: int  # the padded batch's rows and columns as the graph's static buffers hold them
     columns: int
     bucket: Bucket
+    positions_given: bool = False  # else each token's column, made inside the graph (BERT's default)
+    token_types_given: bool = False  # else zeros, made inside the graph
 
 
 def bucket_for(lengths: list[int], *, seq_limit: int) -> Bucket:
@@ -63,21 +68,24 @@ def bucket_for(lengths: list[int], *, seq_limit: int) -> Bucket:
     return Bucket(tokens=tokens, sequences=next_power_of_2(len(lengths) + 1), max_seqlen=max_seqlen)
 
 
-def graph_key(lengths: list[int], columns: int, *, seq_limit: int) -> GraphKey:
+def graph_key(lengths: list[int], columns: int, *, seq_limit: int, positions_given: bool = False,
+              token_types_given: bool = False) -> GraphKey:
     """The graph for a padded batch of ``len(lengths)`` rows of ``columns`` tokens, the rows holding
     ``lengths`` real tokens."""
     if columns > seq_limit:
         raise ValueError(f"a sequence of {columns} tokens exceeds the model's {seq_limit} positions")
     rows = next_power_of_2(len(lengths))
     padded_columns = min(max(next_power_of_2(columns), MIN_SEQLEN_BUCKET), seq_limit)
-    return GraphKey(rows, padded_columns, bucket_for(lengths + [0] * (rows - len(lengths)), seq_limit=seq_limit))
+    return GraphKey(rows, padded_columns, bucket_for(lengths + [0] * (rows - len(lengths)), seq_limit=seq_limit),
+                    positions_given, token_types_given)
 
 
-def packed_layout(real: torch.Tensor, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a (rows, columns) bool mask of real tokens: (index, offsets). ``index`` (bucket.tokens,) holds the
-    flat position of each packed token, row by row, then ``real.numel()`` (one past the end, a dummy slot) for
-    the padding sequence; ``offsets`` (bucket.sequences + 1,) int32 are the packed sequences' bounds. Device
-    work only, no host read, so a CUDA graph can capture it."""
+def packed_layout(real: torch.Tensor, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a (rows, columns) bool mask of real tokens: (index, offsets, slot). ``index`` (bucket.tokens,) holds
+    the flat position of each packed token, row by row, then ``real.numel()`` (one past the end, a dummy slot)
+    for the padding sequence; ``offsets`` (bucket.sequences + 1,) int32 are the packed sequences' bounds;
+    ``slot`` (rows, columns) is the inverse of ``index``: each real token's packed row, ``bucket.tokens`` at the
+    padding. Device work only, no host read, so a CUDA graph can capture it."""
     flat = real.reshape(-1)
     n = flat.numel()
     slot = torch.where(flat, flat.cumsum(0) - 1, bucket.tokens)  # the padding's slot, past the kept ones
@@ -86,86 +94,114 @@ def packed_layout(real: torch.Tensor, bucket: Bucket) -> tuple[torch.Tensor, tor
     counts = real.sum(1, dtype=torch.int32)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0, dtype=torch.int32),
                          counts.new_full((bucket.sequences - real.shape[0],), bucket.tokens)])
-    return index[:-1], offsets
+    return index[:-1], offsets, slot.view(real.shape)
 
 
 @dataclass
 class _Graph:
-    # Static (rows, columns) inputs, overwritten before each replay: ids, positions, token types, real tokens.
+    # Static (rows, columns) inputs, overwritten before each call's replay: ids, real tokens, and positions and
+    # token types where the caller gives them.
     ids: torch.Tensor
-    positions: torch.Tensor
-    token_types: torch.Tensor
     real: torch.Tensor
+    positions: torch.Tensor | None
+    token_types: torch.Tensor | None
     replay: Callable[[], None]
-    out: torch.Tensor | None = None  # (rows, columns, hidden), zeros at the padding, written by each replay
+    # Written by each replay: the encoder's (tokens, hidden) output followed by a row of zeros, and each padded
+    # position's row in it (the zero row at the padding). The call gathers its (B, S, hidden) result from them.
+    packed: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
 
 
 class GraphedEncoder:
     """``encode(ids, positions, token_types, mask) -> hidden`` on packed rows, called here on a padded batch and
     run per bucket from a captured graph on CUDA. Off CUDA (tests) the same static buffers are run eagerly at
-    each call."""
+    each call.
 
-    def __init__(self, encode: Callable, module: torch.nn.Module, *, seq_limit: int, max_graphs: int = 16):
-        self.encode, self.seq_limit, self.max_graphs = encode, seq_limit, max_graphs
+    ``check(ids, token_types)`` (token_types may be None) validates the inputs inside the graph, on its static
+    buffers, so each replay checks its own batch; the host then launches only the few copies that fill the
+    buffers, the replay and the final gather, and the GPU idles less between the host's read of the row
+    lengths and the replay."""
+
+    def __init__(self, encode: Callable, module: torch.nn.Module, *, seq_limit: int, check: Callable | None = None,
+                 max_graphs: int = 16):
+        self.encode, self.check, self.seq_limit, self.max_graphs = encode, check, seq_limit, max_graphs
         self.weights = WeightsWatch(module)  # graphs captured before the weights moved are dropped
         self.graphs: OrderedDict[GraphKey, _Graph] = OrderedDict()
         self.pool = None
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor | None, token_types: torch.Tensor | None,
                  attention_mask: torch.Tensor) -> torch.Tensor:
-        """ids/positions/token_types/attention_mask (B, S), the mask nonzero at real tokens (left or right
-        padding). Returns (B, S, hidden) with zeros at the padding, a fresh tensor."""
+        """ids/attention_mask (B, S), the mask nonzero at real tokens (left or right padding); positions and
+        token_types (B, S) or None (each token's column; zeros). Returns (B, S, hidden) with zeros at the
+        padding, a fresh tensor."""
         if self.weights.moved():
             self.graphs.clear()
             self.pool = None
         B, S = ids.shape
-        key = graph_key(attention_mask.ne(0).sum(1).tolist(), S, seq_limit=self.seq_limit)  # the one host read
+        lengths = torch.count_nonzero(attention_mask, dim=1).tolist()  # the one host read
+        key = graph_key(lengths, S, seq_limit=self.seq_limit, positions_given=positions is not None,
+                        token_types_given=token_types is not None)
+        inputs = (ids, positions, token_types, attention_mask)
         # The static buffers and graph outputs are inference tensors, changed only in inference mode; the
-        # result is cloned outside it, into an ordinary tensor the caller may change in place.
+        # result is gathered outside it, into an ordinary tensor the caller may change in place.
         with torch.inference_mode():
             graph = self.graphs.get(key)
             if graph is None:
-                graph = self._build(key, (ids, positions, token_types, attention_mask))
+                graph = self._build(key, inputs)
             else:
-                self._fill(graph, (ids, positions, token_types, attention_mask))
+                self._fill(graph, inputs)
             self.graphs.move_to_end(key)
             graph.replay()
-        return graph.out[:B, :S].clone()
+        return F.embedding(graph.slot[:B, :S], graph.packed)
 
     @staticmethod
-    def _fill(graph: _Graph, inputs: tuple[torch.Tensor, ...]) -> None:
-        B, S = inputs[0].shape
-        graph.real.zero_()  # the bucket's extra rows and columns are padding
-        for static, given in zip((graph.ids, graph.positions, graph.token_types, graph.real), inputs):
-            static[:B, :S].copy_(given)
+    def _fill(graph: _Graph, inputs: tuple[torch.Tensor | None, ...]) -> None:
+        ids, positions, token_types, mask = inputs
+        B, S = ids.shape
+        if graph.real.shape != (B, S):
+            graph.real.zero_()  # the bucket's extra rows and columns are padding
+        for static, given in ((graph.ids, ids), (graph.real, mask), (graph.positions, positions),
+                              (graph.token_types, token_types)):
+            if given is not None:
+                static[:B, :S].copy_(given)
 
-    def _build(self, key: GraphKey, inputs: tuple[torch.Tensor, ...]) -> _Graph:
+    def _build(self, key: GraphKey, inputs: tuple[torch.Tensor | None, ...]) -> _Graph:
         while len(self.graphs) >= self.max_graphs:
             self.graphs.popitem(last=False)
         device, bucket = inputs[0].device, key.bucket
         zeros = lambda dtype: torch.zeros(key.rows, key.columns, dtype=dtype, device=device)  # noqa: E731
-        graph = _Graph(ids=zeros(torch.long), positions=zeros(torch.long), token_types=zeros(torch.long),
-                       real=zeros(torch.bool), replay=lambda: None)
+        graph = _Graph(ids=zeros(torch.long), real=zeros(torch.bool),
+                       positions=zeros(torch.long) if key.positions_given else None,
+                       token_types=zeros(torch.long) if key.token_types_given else None, replay=lambda: None)
         self._fill(graph, inputs)  # the warm-up and capture runs see this batch, which fits the bucket
 
-        def run() -> torch.Tensor:
-            index, offsets = packed_layout(graph.real, bucket)
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            if self.check is not None:
+                self.check(graph.ids, graph.token_types)
+            index, offsets, slot = packed_layout(graph.real, bucket)
             # The padding sequence gathers the dummy slot past the end: id 0, position 0, token type 0.
             take = lambda t: torch.cat([t.reshape(-1), t.new_zeros(1)])[index].unsqueeze(0)  # noqa: E731
+            # The dummy slot, rows * columns, is a multiple of columns: position 0 as well.
+            positions = take(graph.positions) if key.positions_given else (index % key.columns).unsqueeze(0)
+            types = take(graph.token_types) if key.token_types_given else index.new_zeros(1, bucket.tokens)
             # A fresh mask each run: off CUDA the attention caches a dense mask built from the offsets' values.
             mask = AttentionMask(q_len=bucket.tokens, past_len=0, causal=False, sliding_window=None,
                                  key_padding=None, cu_seqlens=offsets, max_seqlen=bucket.max_seqlen)
-            hidden = self.encode(take(graph.ids), take(graph.positions), take(graph.token_types), mask)[0]
-            out = hidden.new_zeros(key.rows * key.columns + 1, hidden.shape[-1])
-            out[index] = hidden  # the padding sequence lands in the dummy last row
-            return out[:-1].view(key.rows, key.columns, -1)
+            hidden = self.encode(take(graph.ids), positions, types, mask)[0]
+            return torch.cat([hidden, hidden.new_zeros(1, hidden.shape[-1])]), slot
 
         if device.type == "cuda":
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            graph.out, graph.replay = capture(run, self.pool)
+            (graph.packed, graph.slot), graph.replay = capture(run, self.pool)
         else:
-            graph.out = run()
-            graph.replay = lambda: graph.out.copy_(run())
+            graph.packed, graph.slot = run()
+
+            def replay() -> None:
+                packed, slot = run()
+                graph.packed.copy_(packed)
+                graph.slot.copy_(slot)
+
+            graph.replay = replay
         self.graphs[key] = graph
         return graph

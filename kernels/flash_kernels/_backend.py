@@ -87,17 +87,19 @@ def capturing_cuda_graph() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: int | None = None) -> None:
+def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: int | None = None,
+                       static_input: bool = False) -> None:
     """Every id in [0, high) (or equal to ``ignore``); ``message`` names the problem and the fix.
 
     On the CPU a ValueError says so, naming the first bad id. On CUDA the check is an asynchronous device
     assert: reading the answer on the host would stall the launch queue once per forward, and an
     out-of-range id must still never index silently out of bounds. While a CUDA graph is captured nothing is
     checked (or launched): a replay would test the capture's ids, not its own; the capturer checks the ids
-    it copies in.
+    it copies in, or passes ``static_input=True`` for ids that are the graph's static input buffer, whose
+    captured check then tests each replay's own ids.
     """
     compiling = torch.compiler.is_compiling()  # traced into the graph: no host read, no capture query
-    if ids.is_cuda and not compiling and capturing_cuda_graph():
+    if ids.is_cuda and not compiling and not static_input and capturing_cuda_graph():
         return
     valid = (ids >= 0) & (ids < high)
     if ignore is not None:

@@ -143,10 +143,11 @@ def _residual_stream(
 
 
 @triton.jit
-def _as_stored(h, RES_OUT, STORE_RES: tl.constexpr):
+def _as_stored(h, RES_OUT, HAS_STREAM: tl.constexpr):
     """h as the stored residual stream holds it (rounded to its dtype): the norm normalizes exactly what the
-    backward reads back, so recomputing the output from the stored stream gives the same bits."""
-    if STORE_RES:
+    backward reads back, so recomputing the output from the stored stream gives the same bits. Rounded also
+    when the stream is not written (inference), so that y does not depend on whether it was."""
+    if HAS_STREAM:
         h = h.to(RES_OUT.dtype.element_ty).to(tl.float32)
     return h
 
@@ -168,9 +169,9 @@ def _norm_fwd_kernel(
     X, RES, ROWSCALE, SEED, W, B, W1, B1, Y, Y1, RES_OUT, MASK_OUT, MEAN, RSTD,
     stride_x, stride_res, stride_y, stride_y1, stride_res_out, N, eps, p,
     IS_RMS: tl.constexpr, HAS_RES: tl.constexpr, HAS_ROWSCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, STORE_RES: tl.constexpr,
-    STORE_MASK: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_B: tl.constexpr, HAS_W1: tl.constexpr, HAS_B1: tl.constexpr, HAS_STREAM: tl.constexpr,
+    STORE_RES: tl.constexpr, STORE_MASK: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_predecessor(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -182,7 +183,7 @@ def _norm_fwd_kernel(
         mask = cols < N
         h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                              HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
-        h = _as_stored(h, RES_OUT, STORE_RES)
+        h = _as_stored(h, RES_OUT, HAS_STREAM)
         if STORE_RES:
             tl.store(RES_OUT + row * stride_res_out + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
         if STORE_MASK:
@@ -207,7 +208,7 @@ def _norm_fwd_kernel(
                 mask = cols < N
                 h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                                      HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
-                acc += _as_stored(h, RES_OUT, STORE_RES)
+                acc += _as_stored(h, RES_OUT, HAS_STREAM)
             mean = tl.sum(acc, axis=0) / N
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
@@ -215,7 +216,7 @@ def _norm_fwd_kernel(
             mask = cols < N
             h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                                  HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
-            h = _as_stored(h, RES_OUT, STORE_RES)
+            h = _as_stored(h, RES_OUT, HAS_STREAM)
             if STORE_RES:
                 tl.store(RES_OUT + row * stride_res_out + cols, h.to(RES_OUT.dtype.element_ty), mask=mask)
             if STORE_MASK:
@@ -228,7 +229,7 @@ def _norm_fwd_kernel(
             mask = cols < N
             h = _residual_stream(X, RES, ROWSCALE, seed, row, cols, mask, N, stride_x, stride_res, p,
                                  HAS_RES, HAS_ROWSCALE, HAS_DROPOUT)
-            h = _as_stored(h, RES_OUT, STORE_RES)
+            h = _as_stored(h, RES_OUT, HAS_STREAM)
             xhat = tl.where(mask, h - mean, 0.0) * rstd
             _store_affine(Y, W, B, row, stride_y, cols, mask, xhat, HAS_B, ZERO_CENTERED)
             if HAS_W1:
@@ -400,6 +401,11 @@ def _block(n: int, max_fused: int) -> tuple[int, bool]:
 def _fwd_plan(n: int) -> tuple[int, bool, int]:
     """(BLOCK_N, SINGLE_BLOCK, num_warps) of the forward kernel for rows of n elements."""
     block, single = _block(n, _MAX_FUSED_FWD)
+    if single and block == 1024:
+        # Rows of 513-1024 (BERT, GPT-2): 2 warps, not 4. H200, bf16, x + residual -> y (scripts/profile/
+        # norm_fwd_sweep.py, 2026-11-26): 16384 x 768 20.3 vs 22.5 us (3.72 TB/s), 9216 x 1024 16.1 vs 16.2;
+        # with the stream stored 27.2 vs 27.5. Several rows per program (a (rows, BLOCK_N) tile) gained nothing.
+        return block, single, 2
     return block, single, warps_for_block(block, max_warps=8 if block <= 8192 else 16)
 
 
@@ -438,13 +444,20 @@ def _bwd_warps(block: int, single: bool, rms_with_residual: bool) -> int:
     return warps_for_block(block, max_warps=8 if block <= 8192 else 16)
 
 
+def _stream_exists(residual, rowscale, dropout_p) -> bool:
+    """Whether h differs from x: something is added to x or scales it. Only then is there a residual stream
+    to store (prenorm returns it, the backward reads it); otherwise it is x itself."""
+    return residual is not None or dropout_p > 0.0 or rowscale is not None
+
+
 def _norm_fwd(
     x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
     residual_dtype, out_dtype, store_residual, store_mask,
 ):
     """x, residual: (M, N) with unit last stride. Returns y, y1, residual_out, mean, rstd, seed, mask, with None
     for those this call does not make (allocating nothing for them: the eager path's host cost; an RMS norm
-    has no mean)."""
+    has no mean). ``store_residual`` may be off even where a residual stream exists (``_stream_exists``):
+    then it is computed and normalized as stored, but not written."""
     M, N = x.shape
     dev = x.device
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
@@ -464,7 +477,8 @@ def _norm_fwd(
         N, eps, dropout_p,
         IS_RMS=is_rms_norm, HAS_RES=residual is not None, HAS_ROWSCALE=rowscale is not None,
         HAS_DROPOUT=dropout_p > 0.0, HAS_B=bias is not None, HAS_W1=weight1 is not None,
-        HAS_B1=bias1 is not None, STORE_RES=store_residual, STORE_MASK=store_mask,
+        HAS_B1=bias1 is not None, HAS_STREAM=_stream_exists(residual, rowscale, dropout_p),
+        STORE_RES=store_residual, STORE_MASK=store_mask,
         ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single, PDL=pdl,
         num_warps=warps, **launch_options(pdl),
     )
@@ -583,7 +597,8 @@ def _norm_setup_context(ctx, inputs, output):
     (x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
      residual_dtype, out_dtype, store_residual, store_mask) = inputs
     _, _, res_out, mean, rstd, seed, _ = output
-    # The backward needs h: the stored residual stream, or x itself when nothing was added to it.
+    # The backward needs h: the stored residual stream, or x itself when nothing was added to it. (A stream
+    # that exists is stored whenever autograd records this call, see _norm.)
     h = res_out if store_residual else x
     ctx.save_for_backward(h, weight, weight1, rowscale, mean, rstd, seed)
     ctx.args = dict(dropout_p=dropout_p, is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
@@ -674,9 +689,11 @@ def _norm(
 
     shape = x.shape
     residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
-    # h differs from x only when something is added to or scales it; only then is it stored (prenorm returns
-    # it, the backward reads it). Otherwise the residual output is x itself and the backward reads x.
-    store_residual = residual is not None or dropout_p > 0.0 or rowscale is not None
+    # The stream is written only when someone reads it: prenorm returns it, the backward reads it. A post-norm
+    # block's norm in inference (BERT) thus writes one tensor instead of two.
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias, weight1, bias1, residual))
+    store_residual = _stream_exists(residual, rowscale, dropout_p) and (prenorm or grad)
     y, y1, res_out, _, _, _, mask = pick(_norm_fwd_op, _norm_eager)(
         as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual),
         None if rowscale is None else rowscale.reshape(-1), float(eps), float(dropout_p), is_rms_norm,

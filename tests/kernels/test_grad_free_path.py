@@ -20,6 +20,8 @@ def _inputs():
 
 OPS = {
     "layer_norm_prenorm": lambda x, q, w, b, cu: fk.layer_norm(x, w, b, residual=x.flip(0), prenorm=True, backend="triton"),
+    # Post-norm (BERT): grad-free, the residual stream is not written, yet y is normalized from the same bits.
+    "layer_norm_post_norm": lambda x, q, w, b, cu: fk.layer_norm(x, w, b, residual=x.flip(0), backend="triton"),
     "rms_norm": lambda x, q, w, b, cu: fk.rms_norm(x, w, backend="triton"),
     "gelu": lambda x, q, w, b, cu: fk.gelu(x, approximate="tanh", backend="triton"),
     "swiglu": lambda x, q, w, b, cu: fk.swiglu(x, backend="triton"),

@@ -98,6 +98,28 @@ def test_dropout_is_random_and_replayable():
     assert not torch.equal(m1, m2), "two calls drew the same dropout mask"
 
 
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_stream_written_only_when_read(prenorm, monkeypatch):
+    """A residual stream is written when prenorm returns it or autograd records the call, not otherwise (a
+    post-norm block's inference): one tensor written instead of two."""
+    stored = []
+    real_fwd = ln._norm_fwd
+
+    def spy(*args):
+        out = real_fwd(*args)
+        stored.append(out[2] is not None)
+        return out
+
+    monkeypatch.setattr(ln, "_norm_fwd", spy)
+    monkeypatch.setattr(ln, "_norm_eager", ln.eager_function("FusedNorm", spy, ln._norm_setup_context,
+                                                            ln._norm_backward_with(ln._norm_bwd, sums_in_param_dtypes=True)))
+    x, r, w = torch.randn(4, 96, device=DEVICE), torch.randn(4, 96, device=DEVICE), torch.randn(96, device=DEVICE)
+    with torch.no_grad():
+        layer_norm(x, w, residual=r, prenorm=prenorm, backend="triton")
+    layer_norm(x, w.requires_grad_(), residual=r, prenorm=prenorm, backend="triton")
+    assert stored == [prenorm, True]
+
+
 def test_matches_torch_modules():
     """The functional form equals torch.nn.LayerNorm / RMSNorm modules with the same parameters."""
     x = torch.randn(3, 11, 77, device=DEVICE)
@@ -145,15 +167,15 @@ def test_compile_dual_norm_gradients_match_eager():
 
 
 def test_bad_inputs():
-    x, w = torch.randn(4, 16), torch.randn(16)
+    x, w = torch.randn(4, 16, device=DEVICE), torch.randn(16, device=DEVICE)  # on a GPU machine, CUDA tensors
     with pytest.raises(ValueError, match="weight shape"):
-        layer_norm(x, torch.randn(15), backend="triton")
+        layer_norm(x, torch.randn(15, device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="residual shape"):
-        rms_norm(x, w, residual=torch.randn(4, 15), backend="triton")
+        rms_norm(x, w, residual=torch.randn(4, 15, device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="dropout_p"):
         layer_norm(x, w, dropout_p=1.0, backend="triton")
     with pytest.raises(ValueError, match="rowscale"):
-        layer_norm(x, w, rowscale=torch.rand(3), backend="triton")
+        layer_norm(x, w, rowscale=torch.rand(3, device=DEVICE), backend="triton")
     with pytest.raises(ValueError, match="dtype"):
         layer_norm(x.double(), w, backend="triton")
 

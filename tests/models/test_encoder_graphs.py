@@ -37,9 +37,11 @@ def test_packed_layout_finds_the_real_tokens_on_the_device(seed):
     real = torch.rand(rows, columns, generator=torch.Generator().manual_seed(seed)) < rng.random()
     lengths = real.sum(1).tolist()
     b = bucket_for(lengths, seq_limit=64)
-    index, offsets = packed_layout(real, b)
+    index, offsets, slot = packed_layout(real, b)
     flat = real.flatten().nonzero().squeeze(1).tolist()
     assert index.tolist() == flat + [real.numel()] * (b.tokens - len(flat))
+    assert slot.shape == real.shape and slot[~real].eq(b.tokens).all()
+    assert slot[real].tolist() == list(range(len(flat)))  # slot inverts index
     sizes = offsets.diff().tolist()
     assert offsets.dtype == torch.int32 and offsets.numel() == b.sequences + 1 and offsets[-1] == b.tokens
     assert sizes[:rows] == lengths and 0 <= sizes[rows] <= b.max_seqlen and sizes[rows + 1:] == [0] * (b.sequences - rows - 1)
@@ -52,6 +54,7 @@ def test_graph_keys_round_the_batch_up():
     assert graph_key([3], 5, seq_limit=64).columns == 16 and graph_key([3], 60, seq_limit=60).columns == 60
     with pytest.raises(ValueError, match="exceeds the model's 64 positions"):
         graph_key([3], 65, seq_limit=64)
+    assert graph_key([5, 0, 9], 20, seq_limit=64, positions_given=True) != key  # another graph: static positions
 
 
 def test_bucket_refuses_too_long_sequences():
@@ -101,7 +104,42 @@ def test_padded_bucket_runs_give_the_unpadded_outputs():
         torch.testing.assert_close(got[real], eager_packed(model, *inputs), rtol=1e-5, atol=1e-5)
         assert (got[~real] == 0).all()
         assert len(graphed.graphs) == kept
-    assert list(graphed.graphs)[-1] == graph_key([7], 9, seq_limit=64)
+    assert list(graphed.graphs)[-1] == graph_key([7], 9, seq_limit=64, positions_given=True, token_types_given=True)
+
+
+@torch.no_grad()
+def test_default_positions_and_types_are_made_in_the_graph():
+    """Without positions and token types the graph makes them: each token's column and zeros, as BERT's
+    forward defaults them (left padding keeps the column as the position, as HF does)."""
+    model, batch = model_and_batch_maker()
+    graphed = GraphedEncoder(model._encode, model, seq_limit=64)
+    for left in (False, True):
+        ids, positions, types, mask = batch([5, 17, 0, 9], 20, left)
+        got = graphed(ids, None, None, mask)
+        real = mask.bool()
+        torch.testing.assert_close(got[real], eager_packed(model, ids, positions, torch.zeros_like(types), mask),
+                                   rtol=1e-5, atol=1e-5)
+    assert list(graphed.graphs)[-1] == graph_key([5, 17, 0, 9], 20, seq_limit=64)
+
+
+@torch.no_grad()
+def test_the_graph_checks_each_batch_it_runs():
+    """The ids are checked inside the graph, on its static buffers: a later batch of the same bucket with a bad
+    id is refused (off CUDA a ValueError; in a CUDA graph a device assert)."""
+    model, batch = model_and_batch_maker()
+    seen = []
+    graphed = GraphedEncoder(model._encode, model, seq_limit=64,
+                             check=lambda ids, types: (seen.append(ids), model.embed.check_ids(ids, types)))
+    ids, positions, types, mask = batch([5, 17], 20)
+    graphed(ids, positions, types, mask)
+    assert seen[-1] is graphed.graphs[graph_key([5, 17], 20, seq_limit=64, positions_given=True,
+                                                token_types_given=True)].ids
+    ids[1, 3] = CONFIG["vocab_size"]
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        graphed(ids, positions, types, mask)
+    types[0, 0] = 2
+    with pytest.raises(ValueError, match="token_type_ids must lie in"):
+        graphed(ids.clamp(max=5), positions, types, mask)
 
 
 @pytest.mark.gpu
