@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import check_backend_name, use_triton
+from ._backend import use_triton
 from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
@@ -53,11 +53,13 @@ def gelu_ref(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 2048
 # A plain (non-gated) activation on contiguous memory runs as one flat row: no per-row tail block half
-# masked (11008 = 5 x 2048 + 768), and a block size of its own. On the H100 that took GELU (erf) at 8192 x
-# 11008 from 0.242 to 0.178 ms; 2048 with 8 warps is within 7% of the best of 1024-8192 there
-# (scripts/profile/activation_sweep.py).
-_FLAT_BLOCK = 2048
-_FLAT_WARPS = 8
+# masked (11008 = 5 x 2048 + 768), and blocks of its own, (BLOCK, warps) per direction. 32 elements a thread
+# in the forward and 16 in the backward (which reads two tensors) keep the most loads in flight: H200, bf16,
+# GELU at 16384 x 3072 / 16384 x 4096 / 8192 x 11008 (scripts/profile/activation_sweep.py, session 14): erf
+# forward 62.0 / 81.1 / 107.4 us against 72.7 / 97.5 / 128.0 with the former 2048 x 8 warps (torch's kernel:
+# 66.6 / 88.0 / 117.4), backward 84.3 / 111.7 / 147.7 against 90.0 / 119.6 / 159.0 (torch's 88.8 / 117.2 /
+# 156.5); tanh alike.
+_FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 _SQRT_2_OVER_PI = 0.7978845608028654
 _INV_SQRT_2 = 0.7071067811865476
@@ -65,32 +67,34 @@ _INV_SQRT_2PI = 0.3989422804014327
 
 
 @triton.jit
-def _erf(x):
-    """erf(x) in float32: libdevice's erff (``tl.math.erf``) for every normal x, without its branches
-    (libdevice flushes a denormal x to zero; here erf(x) ~ 1.128 x, which no GELU sees).
+def _gelu_cdf(x):
+    """Phi(x), the standard normal CDF that the exact GELU x * Phi(x) takes, in float32, as erfc(|x|/sqrt2)/2
+    mirrored: 1 - e/2 for x >= 0, e/2 below.
 
-    libdevice picks one of two degree-6 polynomials per element with a branch: |x| < 1.00296 gives
-    x + x * p(x^2), larger |x| gives sign(x) * (1 - 2^(-|x| - |x| * q(|x|))). The branches keep the compiler
-    from interleaving the elements a thread holds, so each one's chain of dependent FMAs runs alone: an erf
-    GELU ran at 43-72% of copy bandwidth where SwiGLU runs at 87% (docs/benchmarks.md, session 8). Here the
-    coefficients are selected per element, both forms are evaluated with the same operations in the same
-    order, and the result is picked, with straight-line code. On an H100 (2026-11-25) it equals libdevice's
-    bit for bit for |x| < 1.003; above, 12% of inputs differ by one ulp (the exp2 is compiled differently),
-    and against float64 ours is off by at most 1.007 ulp, libdevice by 1.048."""
-    a = tl.abs(x)
-    big = a >= 1.002959966659546
-    u = tl.where(big, a, x * x)
-    p = tl.where(big, 0.00011219871521461755, 8.483494457323104e-05)
-    p = tl.fma(p, u, tl.where(big, -0.0013275252422317863, -0.0008213091641664505))
-    p = tl.fma(p, u, tl.where(big, 0.00839653518050909, 0.005213488824665546))
-    p = tl.fma(p, u, tl.where(big, -0.04024658352136612, -0.026868773624300957))
-    p = tl.fma(p, u, tl.where(big, 0.15950430929660797, 0.11284004896879196))
-    p = tl.fma(p, u, tl.where(big, 0.9129176735877991, -0.37612664699554443))
-    p = tl.fma(p, u, tl.where(big, 0.6290600299835205, 0.12837915122509003))
-    s = tl.where(big, -a, x)
-    r = tl.fma(p, s, s)
-    tail = 1.0 - tl.math.exp2(r)
-    return tl.where(big, tl.where(x < 0, -tail, tail), r)
+    Why not 0.5 * (1 + erf(x / sqrt2)), as torch and libdevice's erff compute it: (1) for negative x the sum
+    cancels (torch's float32 GELU is off by 0.7% at x = -4, and returns 0 below about -5.5; its bf16 outputs
+    round differently from the exact GELU's for 25% of the inputs in [-9, 9], ours for 0.01%); (2) libdevice's
+    erff picks one of two polynomials with a branch, which keeps a thread's elements from interleaving, and
+    evaluating both branchlessly took ~30 instructions an element: an erf GELU was compute-bound at about 70%
+    of the H200's copy bandwidth. This form is one polynomial of 9 FMAs, an approximate reciprocal and an
+    exp2: 16384 x 3072 bf16 in 61.6 us against torch's 65.8 and the branchless erf's 66.8 (H200, session 14).
+    Relative error against float64: 2.1e-6 for |x| < 4, 8.2e-6 beyond (float32 rounding of the exponent).
+
+    erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2), z >= 0, is Numerical Recipes' "erfcc" (Press et al.),
+    fractional error below 1.2e-7 everywhere in exact arithmetic."""
+    z = tl.abs(x) * 0.7071067811865476
+    t = tl.fdiv(1.0, 1.0 + 0.5 * z, ieee_rounding=False)
+    p = tl.fma(0.17087277, t, -0.82215223)
+    p = tl.fma(p, t, 1.48851587)
+    p = tl.fma(p, t, -1.13520398)
+    p = tl.fma(p, t, 0.27886807)
+    p = tl.fma(p, t, -0.18628806)
+    p = tl.fma(p, t, 0.09678418)
+    p = tl.fma(p, t, 0.37409196)
+    p = tl.fma(p, t, 1.00002368)
+    p = tl.fma(p, t, -1.26551223)
+    half_erfc = 0.5 * t * tl.math.exp2(tl.fma(-z, z, p) * 1.4426950408889634)
+    return tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
 
 
 @triton.jit
@@ -101,7 +105,7 @@ def _act_and_grad(g, KIND: tl.constexpr):
         a = g * sig
         da = sig * (1.0 + g * (1.0 - sig))
     elif KIND == 1:
-        cdf = 0.5 * (1.0 + _erf(g * 0.7071067811865476))
+        cdf = _gelu_cdf(g)
         a = g * cdf
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
     else:
@@ -152,13 +156,14 @@ def _act_bwd_kernel(
         tl.store(DX + row * stride_dx + cols, (dy * da).to(DX.dtype.element_ty), mask=mask)
 
 
-def _launch_grid(rows: int, f_out: int) -> tuple[tuple[int], int, int]:
-    """Grid, block and warps. A single (flat) row takes _FLAT_BLOCK. Otherwise _BLOCK, or half of it when that
-    divides the row and _BLOCK does not (GPT-2's 3072 takes 1024 rather than 2048 with its second block half
-    masked): smaller blocks would cost more in per-program overhead than the masked lanes they save."""
+def _launch_grid(rows: int, f_out: int, direction: str) -> tuple[tuple[int], int, int]:
+    """Grid, block and warps. A single (flat) row takes the direction's _FLAT block. Otherwise _BLOCK, or half of
+    it when that divides the row and _BLOCK does not (GPT-2's 3072 takes 1024 rather than 2048 with its second
+    block half masked): smaller blocks would cost more in per-program overhead than the masked lanes they save."""
     if rows == 1:
-        block = min(_FLAT_BLOCK, next_power_of_2(f_out))
-        return (cdiv(f_out, block),), block, _FLAT_WARPS if block >= 2048 else 4
+        flat_block, flat_warps = _FLAT[direction]
+        block = min(flat_block, next_power_of_2(f_out))
+        return (cdiv(f_out, block),), block, flat_warps if block == flat_block else 4
     block = min(_BLOCK, next_power_of_2(f_out))
     if f_out % _BLOCK and f_out % (_BLOCK // 2) == 0:
         block = _BLOCK // 2
@@ -178,7 +183,7 @@ def _act_fwd(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
     rows, width = x2.shape
     f_out = width // 2 if gated else width
     out = torch.empty((rows, f_out), device=x.device, dtype=x.dtype)
-    grid, block, warps = _launch_grid(rows, f_out)
+    grid, block, warps = _launch_grid(rows, f_out, "fwd")
     pdl = programmatic_launch_enabled(x.device)
     _act_fwd_kernel[grid](x2, out, x2.stride(0), out.stride(0), f_out, KIND=_KINDS[kind], GATED=gated, BLOCK=block,
                           PDL=pdl, num_warps=warps, **launch_options(pdl))
@@ -189,7 +194,7 @@ def _act_bwd(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool) -> torch
     x2, dy2 = _as_launch_rows(gated, x, dy)
     rows, width = x2.shape
     dx = torch.empty((rows, width), device=x.device, dtype=x.dtype)
-    grid, block, warps = _launch_grid(rows, dy2.shape[1])
+    grid, block, warps = _launch_grid(rows, dy2.shape[1], "bwd")
     _act_bwd_kernel[grid](x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), dy2.shape[1], KIND=_KINDS[kind],
                           GATED=gated, BLOCK=block, num_warps=warps)
     return dx.view(x.shape)
@@ -271,12 +276,11 @@ def geglu(gate_up: torch.Tensor, *, approximate: str = "tanh", backend: str | No
 def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = None) -> torch.Tensor:
     """GELU, exact (erf) or tanh-approximated ("gelu_new" in HF).
 
-    With backend "auto" on CUDA this is torch's own GELU: unlike the gated forms there is nothing to fuse,
-    and on an H200 torch's kernel was faster (67 vs 107 us at 16k x 3072 bf16) and about 5x cheaper to
-    launch (see docs/benchmarks.md, "bench overhead"). backend="triton" still runs ours."""
+    "auto" takes our kernel on CUDA: faster than torch's in both directions (H200, session 14: erf forward
+    62.0 vs 66.6 us at 16k x 3072 bf16, backward 84.3 vs 88.8; tanh 51.3 vs 57.1 forward), and the erf form
+    is more accurate than torch's in the negative tail (see ``_gelu_cdf``), so results differ from torch's
+    there, towards the exact GELU."""
     _check_approximate(approximate)
-    if check_backend_name(backend) == "auto" and x.is_cuda:
-        return F.gelu(x, approximate=approximate)
     if not use_triton(backend, x, op="gelu", unsupported=_unsupported(x)):
         return gelu_ref(x, approximate=approximate)
     return pick(_act_fwd_op, _act_eager)(x, "gelu_tanh" if approximate == "tanh" else "gelu", False)

@@ -18,7 +18,8 @@ float32 summation order of the GEMM differs from cuBLAS's.
 
 Inference only: no backward (a training MLP keeps its pre-activation for the GELU gradient, which this kernel
 does not write), and inputs that need gradients are refused. Backends: "triton" runs the kernel;
-"reference" is ``F.linear`` then the activation; "auto" is the reference too. Why (H100, bf16,
+"reference" is ``F.linear`` then torch's activation; "auto" is ``F.linear`` then our activation kernel
+(``activations.gelu``, faster than torch's GELU since session 14). Why not the kernel (H100, bf16,
 docs/benchmarks.md, session 10): graph-replayed, the kernel beats cuBLAS + torch's GELU by only 1-6% at
 BERT's and ViT's fc1 shapes (the erf epilogue, not overlapped with the tensor cores, costs nearly what the
 separate GELU kernel does, and the GEMM itself runs 0-13% behind cuBLAS), BERT inference from graphs did not
@@ -35,7 +36,7 @@ from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import cdiv, hopper_or_newer, next_power_of_2, num_programs, or_dummy, pick
-from .activations import _act_and_grad
+from .activations import _act_and_grad, gelu
 from .attention import _mm
 
 if TRITON_AVAILABLE:
@@ -222,8 +223,10 @@ def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """``act(F.linear(x, weight, bias))`` for x (..., K), weight (N, K) -> (..., N); ``activation`` is "gelu"
     (exact, erf), "gelu_tanh" or "relu". Inference only (see the module docstring)."""
     _check(x, weight, bias, activation)
-    if check_backend_name(backend) == "auto" or not use_triton(
-            backend, x, op="linear_act", unsupported=_unsupported(x, weight, bias)):
+    if check_backend_name(backend) == "auto":
+        y = F.linear(x, weight, bias)
+        return F.relu(y) if activation == "relu" else gelu(y, approximate="none" if activation == "gelu" else "tanh")
+    if not use_triton(backend, x, op="linear_act", unsupported=_unsupported(x, weight, bias)):
         return linear_act_ref(x, weight, bias, activation=activation)
     x2 = x.reshape(-1, x.shape[-1])
     bias = None if bias is None else bias.contiguous()

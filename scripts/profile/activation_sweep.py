@@ -1,6 +1,7 @@
-"""Plain GELU (erf) on the GPU: torch's kernel, torch.compile's, and ours by rows and as one flat row over a
-few block sizes, forward and backward, in GB/s and as a fraction of the device copy bandwidth. Picks
-``activations._FLAT_BLOCK`` / ``_FLAT_WARPS`` and tells whether "auto" should stay on torch's GELU.
+"""Plain GELU (erf and tanh) on the GPU: torch's kernel, torch.compile's, and ours by rows and as one flat row
+over a few block sizes, forward and backward (kernel time, from CUDA-graph replays), as a fraction of the
+device copy bandwidth. Picks ``activations._FLAT`` (block and warps per direction) and tells whether "auto"
+should take ours or torch's GELU.
 
     PYTHONPATH=.:kernels python scripts/profile/activation_sweep.py   # on a CUDA GPU
 """
@@ -11,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from flash_kernels._triton_utils import as_rows
-from flash_models.bench.harness import measure_copy_bandwidth, time_cuda
+from flash_models.bench.harness import measure_copy_bandwidth
+from gemm_rows import graphed_us  # this folder's sibling module
 
 act = importlib.import_module("flash_kernels.activations")
-SHAPES = [(16384, 3072), (8192, 11008)]  # BERT-base / GPT-2 MLP at 16k tokens; LLaMA-7B's at 8k
-FLAT_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)]
+# BERT-base / GPT-2 MLP at 16k tokens; BERT-large's; LLaMA-7B's at 8k
+SHAPES = [(16384, 3072), (16384, 4096), (8192, 11008)]
+FLAT_CONFIGS = [(1024, 4), (2048, 2), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8)]
 
 
 def by_rows(gated, *tensors):
@@ -25,33 +28,36 @@ def by_rows(gated, *tensors):
 def main():
     copy_bw = measure_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy {copy_bw / 1e9:.0f} GB/s")
-    print("| shape | impl | fwd_us | fwd_frac_copy | bwd_us | bwd_frac_copy |")
-    print("|---|---|---|---|---|---|")
-    for rows, width in SHAPES:
+    print("| shape | GELU | impl | fwd_us | fwd_frac_copy | bwd_us | bwd_frac_copy |")
+    print("|---|---|---|---|---|---|---|")
+    for (rows, width), approximate in [(shape, a) for shape in SHAPES for a in ("none", "tanh")]:
         x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         nbytes = x.numel() * x.element_size()  # fwd moves 2x this, bwd 3x
-        compiled = torch.compile(lambda t: F.gelu(t))
+        kind = "gelu" if approximate == "none" else "gelu_tanh"
+        compiled = torch.compile(lambda t: F.gelu(t, approximate=approximate))
         sides = {
-            "torch F.gelu": (lambda: F.gelu(x), lambda: torch.ops.aten.gelu_backward(dy, x)),
+            "torch F.gelu": (lambda: F.gelu(x, approximate=approximate),
+                             lambda: torch.ops.aten.gelu_backward(dy, x, approximate=approximate)),
             "torch.compile": (lambda: compiled(x), None),
-            "ours by rows": (lambda: act._act_fwd(x, "gelu", False), lambda: act._act_bwd(x, dy, "gelu", False)),
+            "ours by rows": (lambda: act._act_fwd(x, kind, False), lambda: act._act_bwd(x, dy, kind, False)),
         }
         for block, warps in FLAT_CONFIGS:
-            sides[f"ours flat {block}/{warps}w"] = (lambda: act._act_fwd(x, "gelu", False),
-                                                    lambda: act._act_bwd(x, dy, "gelu", False), block, warps)
+            sides[f"ours flat {block}/{warps}w"] = (lambda: act._act_fwd(x, kind, False),
+                                                    lambda: act._act_bwd(x, dy, kind, False), block, warps)
         for name, (fwd, bwd, *config) in sides.items():
-            launch_rows, flat = act._as_launch_rows, (act._FLAT_BLOCK, act._FLAT_WARPS)
+            launch_rows, flat = act._as_launch_rows, dict(act._FLAT)
             if name == "ours by rows":
                 act._as_launch_rows = by_rows
             if config:
-                act._FLAT_BLOCK, act._FLAT_WARPS = config
+                act._FLAT.update(fwd=tuple(config), bwd=tuple(config))
             try:
-                f_us = time_cuda(fwd, repeats=50).median_ms * 1e3
-                b_us = time_cuda(bwd, repeats=50).median_ms * 1e3 if bwd else float("nan")
+                f_us = graphed_us(fwd)
+                b_us = graphed_us(bwd) if bwd else float("nan")
             finally:
-                act._as_launch_rows, (act._FLAT_BLOCK, act._FLAT_WARPS) = launch_rows, flat
-            print(f"| {rows}x{width} | {name} | {f_us:.1f} | {2 * nbytes / (f_us * 1e-6) / copy_bw:.3f} "
+                act._as_launch_rows = launch_rows
+                act._FLAT.update(flat)
+            print(f"| {rows}x{width} | {approximate} | {name} | {f_us:.1f} | {2 * nbytes / (f_us * 1e-6) / copy_bw:.3f} "
                   f"| {b_us:.1f} | {3 * nbytes / (b_us * 1e-6) / copy_bw:.3f} |", flush=True)
 
 
