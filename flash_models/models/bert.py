@@ -203,7 +203,7 @@ class BertModel(BertPreTrainedModel):
 
     def _encode(self, input_ids, position_ids, token_type_ids, mask) -> torch.Tensor:
         """Embeddings and every block: (B, S) or packed (1, total) ids -> hidden states of the same layout."""
-        hidden = self.embed_norm(self.embed(input_ids, position_ids, token_type_ids))
+        hidden = self.embed.normalized(self.embed_norm, input_ids, position_ids, token_type_ids)
         hidden = F.dropout(hidden, self.config.hidden_dropout_prob, self.training)
         residual = None
         for block in self.blocks:
@@ -215,7 +215,7 @@ class BertModel(BertPreTrainedModel):
         from CUDA graphs, one per bucket of (rows, columns, packed tokens, sequences, longest sequence); see
         ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Graphs read the
         weights where they were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again."""
-        check = lambda ids, types: self.embed.check_ids(ids, types, static_input=True)  # noqa: E731
+        check = lambda ids, positions, types: self.embed.check_ids(ids, types, positions, static_input=True)  # noqa: E731
         self.graphed = GraphedEncoder(self._encode, self, seq_limit=self.config.max_position_embeddings,
                                       check=check, max_graphs=max_graphs) if enabled else None
         return self

@@ -6,7 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import flash_kernels
 from flash_kernels._backend import check_ids_in_range
+
+from .norm import Norm
 
 
 class Embeddings(nn.Module):
@@ -43,19 +46,39 @@ class Embeddings(nn.Module):
             hidden = hidden + self.token_types(token_type_ids)
         return hidden
 
-    def check_ids(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None, *,
-                  static_input: bool = False) -> None:
-        """Token ids within the vocabulary and token types within their table (see ``check_ids_in_range``,
-        also for ``static_input``)."""
+    def check_ids(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None, *, static_input: bool = False) -> None:
+        """Token ids within the vocabulary, token types and positions within their tables (see
+        ``check_ids_in_range``, also for ``static_input``)."""
         vocab = self.tokens.num_embeddings
         check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model",
                            static_input=static_input)
-        if token_type_ids is None or self.token_types is None:
-            return
-        if token_type_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"token_type_ids must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(token_type_ids.shape)}"
-            )
-        types = self.token_types.num_embeddings
-        check_ids_in_range(token_type_ids, types, message=f"token_type_ids must lie in [0, {types})",
-                           static_input=static_input)
+        for name, ids, table, offset in (("token_type_ids", token_type_ids, self.token_types, 0),
+                                         ("position_ids", position_ids, self.positions, self.position_offset)):
+            if ids is None or table is None:
+                continue
+            if ids.shape != input_ids.shape:
+                raise ValueError(f"{name} must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(ids.shape)}")
+            rows = table.num_embeddings - offset
+            check_ids_in_range(ids, rows, message=f"{name} must lie in [0, {rows})", static_input=static_input)
+
+    def normalized(self, norm: Norm, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   token_type_ids: torch.Tensor | None = None, *, check_ids: bool = True) -> torch.Tensor:
+        """``norm(self(input_ids, position_ids, token_type_ids))`` (BERT's embedding LayerNorm). Where nothing
+        records gradients, on CUDA, it is one kernel (``flash_kernels.embedding_layer_norm``, the same bits)."""
+        if not self._fusable(norm, input_ids, position_ids, token_type_ids):
+            return norm(self(input_ids, position_ids, token_type_ids, check_ids=check_ids))
+        if check_ids:
+            self.check_ids(input_ids, token_type_ids)  # the kernel's wrapper checks the positions
+        return flash_kernels.embedding_layer_norm(
+            input_ids, self.tokens.weight, norm.weight, norm.bias, position_ids=position_ids,
+            position_table=None if self.positions is None else self.positions.weight,
+            position_offset=self.position_offset, token_type_ids=token_type_ids,
+            type_table=None if self.token_types is None else self.token_types.weight, eps=norm.eps,
+            backend=norm.kernel_backend, check_token_ids=False)
+
+    def _fusable(self, norm: Norm, input_ids, position_ids, token_type_ids) -> bool:
+        return (not torch.is_grad_enabled() and input_ids.is_cuda and norm.kind == "layer_norm"
+                and norm.kernel_backend != "reference" and self.project_in is None
+                and (self.positions is None or position_ids is not None)
+                and (self.token_types is None or token_type_ids is not None))

@@ -117,8 +117,8 @@ class GraphedEncoder:
     run per bucket from a captured graph on CUDA. Off CUDA (tests) the same static buffers are run eagerly at
     each call.
 
-    ``check(ids, token_types)`` (token_types may be None) validates the inputs inside the graph, on its static
-    buffers, so each replay checks its own batch; the host then launches only the few copies that fill the
+    ``check(ids, positions, token_types)`` (positions and token_types may be None) validates the inputs inside
+    the graph, on its static buffers, so each replay checks its own batch; the host then launches only the few copies that fill the
     buffers, the replay and the final gather, and the GPU idles less between the host's read of the row
     lengths and the replay."""
 
@@ -177,7 +177,7 @@ class GraphedEncoder:
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
             if self.check is not None:
-                self.check(graph.ids, graph.token_types)
+                self.check(graph.ids, graph.positions, graph.token_types)
             index, offsets, slot = packed_layout(graph.real, bucket)
             # The padding sequence gathers the dummy slot past the end: id 0, position 0, token type 0.
             take = lambda t: torch.cat([t.reshape(-1), t.new_zeros(1)])[index].unsqueeze(0)  # noqa: E731

@@ -11,6 +11,7 @@ from .attention import flash_attn_func, flash_attn_varlen_func
 from .attention_decode import flash_attn_with_kvcache
 from .attention_packed import flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func
 from .cross_entropy import cross_entropy
+from .embedding_norm import embedding_layer_norm
 from .kv_append import kv_append
 from .fused_dense import fused_dense, fused_dense_gelu_dense
 from .gemv import gemv
@@ -25,6 +26,7 @@ __all__ = [
     "apply_rotary",
     "cross_entropy",
     "default_backend",
+    "embedding_layer_norm",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",

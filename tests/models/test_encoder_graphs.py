@@ -128,8 +128,8 @@ def test_the_graph_checks_each_batch_it_runs():
     id is refused (off CUDA a ValueError; in a CUDA graph a device assert)."""
     model, batch = model_and_batch_maker()
     seen = []
-    graphed = GraphedEncoder(model._encode, model, seq_limit=64,
-                             check=lambda ids, types: (seen.append(ids), model.embed.check_ids(ids, types)))
+    graphed = GraphedEncoder(model._encode, model, seq_limit=64, check=lambda ids, positions, types: (
+        seen.append(ids), model.embed.check_ids(ids, types, positions)))
     ids, positions, types, mask = batch([5, 17], 20)
     graphed(ids, positions, types, mask)
     assert seen[-1] is graphed.graphs[graph_key([5, 17], 20, seq_limit=64, positions_given=True,
@@ -140,6 +140,10 @@ def test_the_graph_checks_each_batch_it_runs():
     types[0, 0] = 2
     with pytest.raises(ValueError, match="token_type_ids must lie in"):
         graphed(ids.clamp(max=5), positions, types, mask)
+    positions = positions.clone()
+    positions[1, 0] = CONFIG["max_position_embeddings"]
+    with pytest.raises(ValueError, match="position_ids must lie in"):
+        graphed(ids.clamp(max=5), positions, types.clamp(max=1), mask)
 
 
 @pytest.mark.gpu
