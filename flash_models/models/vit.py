@@ -194,10 +194,22 @@ class VisionTransformer(PretrainedModel):
         self.graphed = GraphedInference(self._encode, self, max_graphs=max_graphs) if enabled else None
         return self
 
+    def _patchify(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The patch embedding, ``patch_embed`` (a Conv2d whose kernel is its stride) as what it is: one GEMM of
+        the flattened (channel, row, column) patches against the flattened kernel, (B, C, H, W) -> (B, N, D).
+        Why not the Conv2d: cuDNN runs it as an implicit-GEMM convolution plus layout conversions of the input
+        and output, 1.06 ms of a ViT-B/16 batch of 128's 10.8 ms of kernels on an H200 (docs/benchmarks.md,
+        session 14); the patch copy and the GEMM take a fraction of that. Same sums in another order."""
+        conv, p = self.patch_embed, self.config.patch_size
+        B, C, H, W = pixel_values.shape
+        patches = (pixel_values.to(conv.weight.dtype).reshape(B, C, H // p, p, W // p, p)
+                   .permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p))
+        return F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
+
     def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """(logits or None, last hidden state after the final norm, pooled features) of checked pixel values."""
         c = self.config
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype)).flatten(2).transpose(1, 2)  # (B, N, D)
+        x = self._patchify(pixel_values)  # (B, N, D)
         B = x.shape[0]
         prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if c.no_embed_class:

@@ -160,3 +160,19 @@ def test_timm_model_in_hf_shape_saves_for_transformers_and_timm_only_options_ref
         assert max_rel_err(reread(pixel_values=x).logits, source(x)) < 1e-5
     with pytest.raises(ValueError, match="no HF ViT layout"):
         fm.from_timm(timm_vit(seed=8, global_pool="avg")).save_pretrained(tmp_path / "avg")
+
+
+@pytest.mark.parametrize("patch_bias", [True, False])
+def test_patch_embedding_gemm_equals_the_conv(patch_bias):
+    """The patch embedding runs as a GEMM over flattened patches: the Conv2d's outputs and gradients."""
+    model = fm.from_timm(timm_vit(seed=0, **({} if patch_bias else {"pre_norm": True})))
+    conv = model.patch_embed
+    x = images(batch=3).requires_grad_()
+    ours = model._patchify(x)
+    want = conv(x).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(ours)
+    params = [p for p in (conv.weight, conv.bias) if p is not None]
+    assert len(params) == (2 if patch_bias else 1)
+    for got, exp in zip(torch.autograd.grad(ours, (x, *params), g), torch.autograd.grad(want, (x, *params), g)):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-4)
