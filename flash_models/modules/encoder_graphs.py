@@ -118,9 +118,9 @@ class GraphedEncoder:
     each call.
 
     ``check(ids, positions, token_types)`` (positions and token_types may be None) validates the inputs inside
-    the graph, on its static buffers, so each replay checks its own batch; the host then launches only the few copies that fill the
-    buffers, the replay and the final gather, and the GPU idles less between the host's read of the row
-    lengths and the replay."""
+    the graph, on its static buffers, so each replay checks its own batch; the host then launches only the
+    copies that fill the buffers, the replay and the final gather, and the GPU idles less between the host's
+    read of the row lengths and the replay."""
 
     def __init__(self, encode: Callable, module: torch.nn.Module, *, seq_limit: int, check: Callable | None = None,
                  max_graphs: int = 16):

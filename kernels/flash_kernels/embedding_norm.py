@@ -125,7 +125,8 @@ def embedding_layer_norm(
     if check_token_ids:
         check_ids_in_range(input_ids, token_table.shape[0], message="embedding_layer_norm: input_ids out of range")
         if type_table is not None:
-            check_ids_in_range(token_type_ids, type_table.shape[0], message="embedding_layer_norm: token_type_ids out of range")
+            check_ids_in_range(token_type_ids, type_table.shape[0],
+                               message="embedding_layer_norm: token_type_ids out of range")
     if position_table is not None:
         rows = position_table.shape[0] - position_offset
         check_ids_in_range(position_ids, rows, message=f"embedding_layer_norm: position_ids must lie in [0, {rows})")
@@ -134,11 +135,12 @@ def embedding_layer_norm(
     y = torch.empty((ids.numel(), n), device=dev, dtype=dt)
     if ids.numel():
         block, _, warps = _fwd_plan(n)
+        row_stride = lambda table: 0 if table is None else table.stride(0)  # noqa: E731
         _embedding_norm_kernel[(ids.numel(),)](
             ids, token_table, or_dummy(position_ids, dev, torch.int64).reshape(-1), or_dummy(position_table, dev, dt),
             or_dummy(token_type_ids, dev, torch.int64).reshape(-1), or_dummy(type_table, dev, dt), weight,
-            or_dummy(bias, dev, dt), y, token_table.stride(0), position_table.stride(0) if position_table is not None else 0,
-            type_table.stride(0) if type_table is not None else 0, y.stride(0), position_offset, n, float(eps),
+            or_dummy(bias, dev, dt), y, token_table.stride(0), row_stride(position_table), row_stride(type_table),
+            y.stride(0), position_offset, n, float(eps),
             HAS_POSITIONS=position_table is not None, HAS_TYPES=type_table is not None, HAS_B=bias is not None,
             BLOCK_N=block, num_warps=warps,
         )

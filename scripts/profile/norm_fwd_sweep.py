@@ -27,7 +27,8 @@ def main():
     shipped_plan = ln._fwd_plan
     for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        r, w, b = torch.randn_like(x), torch.randn(n, device="cuda", dtype=torch.bfloat16), torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w, b = (torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for kind, prenorm in (("post-norm, inference", False), ("pre-norm", True)):
             tensors = 4 if prenorm else 3
             tbps = lambda us: tensors * m * n * 2 / us / 1e6  # noqa: E731
