@@ -74,23 +74,28 @@ def _gelu_cdf(x):
     erff picks one of two polynomials with a branch, which keeps a thread's elements from interleaving, and
     evaluating both branchlessly took ~30 instructions an element: an erf GELU was compute-bound at about 70%
     of the H200's copy bandwidth. This form is one polynomial of 9 FMAs, an approximate reciprocal and an
-    exp2: 16384 x 3072 bf16 in 61.6 us against torch's 65.8 and the branchless erf's 66.8 (H200, session 14).
-    Relative error against float64: 2.1e-6 for |x| < 4, 8.2e-6 beyond (float32 rounding of the exponent).
+    exp2: 16384 x 3072 bf16 in 61.6 us against torch's 65.8 and the branchless erf's 66.8 (H200, session 14);
+    with the constants folded into the polynomial (below) the shipped kernel went 62.0 -> 59.9 us (torch's
+    66.3). Relative error against float64 on the GPU: 1.1e-6 for |x| < 4, 3.4e-6 down to -9 (float32
+    rounding of the exponent).
 
     erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2), z >= 0, is Numerical Recipes' "erfcc" (Press et al.),
     fractional error below 1.2e-7 everywhere in exact arithmetic."""
-    z = tl.abs(x) * 0.7071067811865476
-    t = tl.fdiv(1.0, 1.0 + 0.5 * z, ieee_rounding=False)
-    p = tl.fma(0.17087277, t, -0.82215223)
-    p = tl.fma(p, t, 1.48851587)
-    p = tl.fma(p, t, -1.13520398)
-    p = tl.fma(p, t, 0.27886807)
-    p = tl.fma(p, t, -0.18628806)
-    p = tl.fma(p, t, 0.09678418)
-    p = tl.fma(p, t, 0.37409196)
-    p = tl.fma(p, t, 1.00002368)
-    p = tl.fma(p, t, -1.26551223)
-    half_erfc = 0.5 * t * tl.math.exp2(tl.fma(-z, z, p) * 1.4426950408889634)
+    # With z = |x| / sqrt2: t = 1 / (1 + z / 2), and erfc(z) / 2 = t * 2^(log2(e) * (P(t) - z^2) - 1). The
+    # coefficients below are P's times log2(e), the constant term less 1 (the halving), so that no multiply
+    # is left outside the polynomial: 3-5% faster than scaling after it (H200, session 14), and more accurate.
+    a = tl.abs(x)
+    t = tl.fdiv(1.0, tl.fma(a, 0.35355339059327373, 1.0), ieee_rounding=False)
+    p = tl.fma(0.24651729790196045, t, -1.1861149450768025)
+    p = tl.fma(p, t, 2.147474463933521)
+    p = tl.fma(p, t, -1.637753152343414)
+    p = tl.fma(p, t, 0.40232158165127635)
+    p = tl.fma(p, t, -0.2687568603388257)
+    p = tl.fma(p, t, 0.1396300565225048)
+    p = tl.fma(p, t, 0.5397006155284324)
+    p = tl.fma(p, t, 1.4427292039075317)
+    p = tl.fma(p, t, -2.825748218405333)
+    half_erfc = t * tl.math.exp2(tl.fma(-a * 0.7213475204444817, a, p))  # log2(e) / 2 * x^2 = log2(e) z^2
     return tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
 
 
