@@ -78,6 +78,10 @@ def _check(input_ids, token_table, weight, bias, lookups) -> None:
     if token_table.dim() != 2:
         raise ValueError(f"embedding_layer_norm: token_table must be (vocab, hidden), got {tuple(token_table.shape)}")
     n = token_table.shape[1]
+    for name, ids, _ in (("input", input_ids, None), *lookups):
+        if ids is not None and ids.device != token_table.device:
+            raise ValueError(f"embedding_layer_norm: {name}_ids are on {ids.device}, the tables on "
+                             f"{token_table.device}: move them to one device")
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.shape != (n,):
             raise ValueError(f"embedding_layer_norm: {name} shape {tuple(p.shape)} != (hidden,) = ({n},)")

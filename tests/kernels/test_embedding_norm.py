@@ -68,6 +68,8 @@ def test_bad_inputs_and_out_of_range_ids():
         embedding_layer_norm(**{**kw, "weight": kw["weight"][:5]}, backend="triton")
     with pytest.raises(ValueError, match="type_table must be"):
         embedding_layer_norm(**{**kw, "type_table": kw["type_table"].double()}, backend="triton")
+    with pytest.raises(ValueError, match="move them to one device"):
+        embedding_layer_norm(**{**kw, "input_ids": kw["input_ids"].to("meta")}, backend="triton")
     if DEVICE == "cpu":  # on CUDA an out-of-range id is a device assert, which ends the process
         with pytest.raises(ValueError, match="position_ids must lie in"):
             embedding_layer_norm(**{**kw, "position_ids": kw["position_ids"] + 16}, backend="triton")
