@@ -64,3 +64,11 @@ class CachedAutotune:
         config = self.autotuner.best_config
         self.chosen[key] = (config.all_kwargs(), config.pre_hook)
         return result
+
+    def bind(self, grid, args: tuple, kwargs: dict, slots: tuple[int, ...]):
+        """``LeanKernel.bind`` for the config chosen for these arguments; None before the choice, for a config
+        with a pre_hook (which must run at every launch), or when launches do not go through ``lean_launch``."""
+        chosen = self.chosen.get(self.key(args, kwargs))
+        if chosen is None or chosen[1] is not None or not hasattr(self.jit, "bind"):
+            return None
+        return self.jit.bind(grid, args, {**kwargs, **chosen[0]}, slots)

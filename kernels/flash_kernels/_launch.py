@@ -112,6 +112,23 @@ class LeanKernel:
         compiled[grid3](*args, *rest)
         return compiled
 
+    def bind(self, grid, args: tuple, kwargs: dict, slots: tuple[int, ...]) -> "Relaunch | None":
+        """The compiled kernel, grid and arguments of an earlier launch with exactly these arguments, as a
+        ``Relaunch`` taking new tensors at the positional indices ``slots``; None where no compiled kernel is
+        kept for them (not launched yet, or launched through Triton's own path)."""
+        try:
+            key = (torch.cuda.current_device(), *self.launch_key(args, kwargs))
+        except (_Unkeyable, TypeError):
+            return None
+        entry = self.compiled.get(key)
+        if entry is None:
+            return None
+        compiled, rest = entry
+        if callable(grid):
+            grid = grid(dict(zip(self.arg_names, (*args, *rest))))
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        return Relaunch(compiled[grid3], (*args, *rest), slots)
+
     def _first_launch(self, key: tuple, grid, args: tuple, kwargs: dict):
         compiled = self.jit.run(*args, grid=grid, warmup=False, **kwargs)
         if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
@@ -124,3 +141,29 @@ class LeanKernel:
             return compiled
         self.compiled[key] = (compiled, rest)
         return compiled
+
+
+class Relaunch:
+    """One compiled kernel launch, kept with its grid and every argument, that runs again on new tensors.
+
+    Made by ``LeanKernel.bind`` (or ``CachedAutotune.bind``) right after a launch; the caller owns the promise
+    that makes reuse valid: its own key covers every value the arguments were computed from, and the new
+    tensors specialize as the old ones did (same dtypes, 16-byte aligned where those were). The tensors at
+    ``slots`` are not kept (a kept launch must not hold on to a caller's memory).
+    """
+
+    __slots__ = ("runner", "template", "slots")
+
+    def __init__(self, runner, args: tuple, slots: tuple[int, ...]):
+        self.runner = runner  # the compiled kernel's launcher for one grid; it reads the current stream per call
+        template = list(args)
+        for i in slots:
+            template[i] = None
+        self.template = template
+        self.slots = slots
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        args = self.template.copy()
+        for i, t in zip(self.slots, tensors):
+            args[i] = t
+        self.runner(*args)

@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
+from ._launch_plans import LaunchPlans
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, dropout_seed, dummy_pointer, eager_function, next_power_of_2, pick, placeholder
 
@@ -309,10 +310,15 @@ def _scores(qk, rows, cols, len_q, len_k, left, right, scale_log2, softcap, slop
         dist = tl.abs(rows + (len_k - len_q) - cols).to(tl.float32)
         s = s - slope_log2 * dist
     if MASK:
-        diag = rows + (len_k - len_q)
-        visible = (cols < len_k) & (cols >= diag - left) & (cols <= diag + right)
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where(_visible(rows, cols, len_q, len_k, left, right), s, float("-inf"))
     return s, t
+
+
+@triton.jit
+def _visible(rows, cols, len_q, len_k, left, right):
+    """Which (query row, key col) pairs attend: real keys inside the window around the bottom-right diagonal."""
+    diag = rows + (len_k - len_q)
+    return (cols < len_k) & (cols >= diag - left) & (cols <= diag + right)
 
 
 @triton.jit
@@ -337,20 +343,30 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
-               DOT_F32: tl.constexpr):
+               DOT_F32: tl.constexpr, RAW_MAX: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)  # (N, D)
         qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
-        s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap,
-                       slope_log2, SOFTCAP, ALIBI, MASK)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if RAW_MAX:
+            # Scores are qk * scale_log2 with scale_log2 > 0: the row maximum of the raw products, scaled once
+            # per row, and the scaling folded into the exponent's FMA: one multiply an element fewer.
+            if MASK:
+                qk = tl.where(_visible(offs_m[:, None], offs_n[None, :], len_q, len_k, left, right), qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        else:
+            s, _ = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap,
+                           slope_log2, SOFTCAP, ALIBI, MASK)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = m_new
         if MASK:
             # A row that has seen no key yet keeps m = -inf (so its first real maximum still counts); only
             # the exponent uses 0 then, which keeps exp2 finite: p = 0 and alpha = 0 for that row.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
+        if RAW_MAX:
+            p = tl.math.exp2(qk * scale_log2 - m_use[:, None])
+        else:
+            p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
@@ -422,9 +438,10 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    RAW_MAX: tl.constexpr = POSITIVE_SCALE and not SOFTCAP and not ALIBI  # scores are qk * scale_log2
     if CAUSAL_OR_LOCAL:  # causal: the last row blocks have the most keys; start them first (less tail)
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
@@ -459,13 +476,13 @@ def _attn_fwd_kernel(
         hi = len_k
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32, RAW_MAX)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if DROPOUT:
@@ -798,72 +815,166 @@ def _launch_params(q, cu_q, alibi):
     return varlen, d, next_power_of_2(d), dummy, alibi_t, stride_ab
 
 
+# Forward launches kept per call signature (see _launch_plans); the tensors each plan takes, in order.
+_FWD_PLANS = LaunchPlans()
+_FWD_SLOTS, _FWD_SLOTS_VARLEN = (0, 1, 2, 3, 4), (0, 1, 2, 3, 4, 5, 6)  # Q, K, V, O, LSE[, CuQ, CuK]
+
+
+def _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
+    """Every value the forward's launch arguments derive from, other than the tensors a plan takes; None for a
+    call that gets no plan: ALiBi or dropout (more tensors to take), or an input not 16-byte aligned (Triton
+    specializes on alignment, and a plan must not meet a tensor aligned unlike its first one)."""
+    if alibi is not None or dropout_p > 0:
+        return None
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
+    offsets = None
+    if cu_q is not None:
+        ptrs |= cu_q.data_ptr() | cu_k.data_ptr()
+        offsets = (cu_q.shape, cu_k.shape, cu_q.dtype, cu_k.dtype)
+    if ptrs % 16:
+        return None
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            offsets, max_q, max_k, causal, scale, wl, wr, softcap)
+
+
 def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
     q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
-    nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
-    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
-    hq, hkv = q4.shape[2], k4.shape[2]
+    varlen = cu_q is not None
     out = torch.empty_like(q)
     o4 = _as4d(out)
     lse, slb, slh = _lse_layout(q4, varlen, max_q)
-    left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
+    plan_key = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)
+    plan = _FWD_PLANS.get(plan_key)
+    if plan is not None:  # (a plan exists only for a launch that was made: q is not empty)
+        plan(q4, k4, v4, o4, lse, cu_q, cu_k) if varlen else plan(q4, k4, v4, o4, lse)
+        return out, lse, placeholder(q.device, torch.int64)  # no dropout in a plan, so no seed
     # The seed stays on the device: no host sync, and graph replays draw fresh masks.
     rng_state = dropout_seed(q.device) if dropout_p > 0 else placeholder(q.device, torch.int64)
+    if not (q4.numel() and max_q > 0):
+        return out, lse, rng_state
+    nseq = cu_q.numel() - 1 if varlen else q4.shape[0]
+    _, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
+    hq, hkv = q4.shape[2], k4.shape[2]
+    left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
     seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
-    if q4.numel() and max_q > 0:
-        grid = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
-        _attn_fwd_kernel[grid](
-            q4, k4, v4, o4, lse, cu_q if varlen else dummy, cu_k if varlen else dummy, alibi_t,
-            scale * LOG2E, softcap, dropout_p, seed,
-            *_bsh_strides(q4, varlen), *_bsh_strides(k4, varlen), *_bsh_strides(v4, varlen),
-            *_bsh_strides(o4, varlen), slb, slh, stride_ab,
-            max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k),
-            HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
-            ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q),
-        )
+    grid = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
+    args = (
+        q4, k4, v4, o4, lse, cu_q if varlen else dummy, cu_k if varlen else dummy, alibi_t,
+        scale * LOG2E, softcap, dropout_p, seed,
+        *_bsh_strides(q4, varlen), *_bsh_strides(k4, varlen), *_bsh_strides(v4, varlen),
+        *_bsh_strides(o4, varlen), slb, slh, stride_ab,
+        max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k),
+    )
+    kwargs = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
+                  ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q), POSITIVE_SCALE=scale > 0)
+    _attn_fwd_kernel[grid](*args, **kwargs)
+    bind = getattr(_attn_fwd_kernel, "bind", None)  # absent where launches go through Triton's own path
+    if bind is not None:
+        _FWD_PLANS.consider(plan_key, lambda: bind(grid, args, kwargs, _FWD_SLOTS_VARLEN if varlen else _FWD_SLOTS))
     return out, lse, rng_state
+
+
+# Backward launches (preprocess, dK/dV, dQ) kept per call signature, and the tensors each takes, in order:
+# (O, dO, Delta[, CuQ]); (Q, K, V, dO, dK, dV, LSE, Delta[, CuQ, CuK]); (Q, K, V, dO, dQ, LSE, Delta[, CuQ, CuK]).
+_BWD_PLANS = LaunchPlans()
+_BWD_SLOTS = {False: ((0, 1, 2), tuple(range(8)), tuple(range(7))),
+              True: ((0, 1, 2, 3), tuple(range(10)), tuple(range(9)))}
+
+
+def _bwd_plan_key(do, q, k, v, out, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p,
+                  grads):
+    """The forward's plan key plus what else the backward's launches derive from: the strides of dO and O,
+    and of the gradient buffers when the caller gives them (all 16-byte aligned, or no plan)."""
+    fwd = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)
+    if fwd is None:
+        return None
+    tensors = (do, out) if grads is None else (do, out, *grads)
+    ptrs = 0
+    for t in tensors:
+        ptrs |= t.data_ptr()
+    if ptrs % 16:
+        return None
+    return (fwd, *(t.stride() for t in tensors), do.dtype, out.dtype, None if grads is None else grads[0].dtype)
 
 
 def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p,
                    rng_state, grads=None):
     """dq, dk, dv; written into ``grads`` (three tensors shaped like q, k, v, any strides) when given, which is
     how the packed-qkv op gets one dqkv buffer without a gradient copy per slice."""
-    q4, k4, v4, o4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(out), _as4d(do.contiguous())
-    nseq = cu_q.numel() - 1 if cu_q is not None else q4.shape[0]
-    varlen, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
-    hq, hkv = q4.shape[2], k4.shape[2]
+    do = do.contiguous()
+    q4, k4, v4, o4, do4 = _as4d(q), _as4d(k), _as4d(v), _as4d(out), _as4d(do)
+    varlen = cu_q is not None
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    if max_q == 0 or q4.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
     dq4, dk4, dv4 = _as4d(dq), _as4d(dk), _as4d(dv)
     delta = torch.empty_like(lse)
+    plan_key = _bwd_plan_key(do, q, k, v, out, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi,
+                             dropout_p, grads)
+    plan = _BWD_PLANS.get(plan_key)
+    if plan is not None:
+        preprocess, dkdv, dq_only = plan
+        offsets = (cu_q, cu_k) if varlen else ()
+        preprocess(o4, do4, delta, *offsets[:1])
+        if dkdv is not None:
+            dkdv(q4, k4, v4, do4, dk4, dv4, lse, delta, *offsets)
+        dq_only(q4, k4, v4, do4, dq4, lse, delta, *offsets)
+        return dq, dk, dv
+    nseq = cu_q.numel() - 1 if varlen else q4.shape[0]
+    _, d, bd, dummy, alibi_t, stride_ab = _launch_params(q4, cu_q, alibi)
+    hq, hkv = q4.shape[2], k4.shape[2]
     slb, slh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
     seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
-    if max_q == 0 or q4.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
     cu_q_t, cu_k_t = (cu_q, cu_k) if varlen else (dummy, dummy)
     q_s, k_s, v_s, do_s = (_bsh_strides(t, varlen) for t in (q4, k4, v4, do4))
     pre_block = 16 if triton_interpreter_enabled() else 64
-    _bwd_preprocess_kernel[(cdiv(max_q, pre_block), nseq * hq)](
-        o4, do4, delta, cu_q_t, *_bsh_strides(o4, varlen), *do_s,
-        slb, slh, max_q, hq, HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, BLOCK_M=pre_block,
-    )
+    launches = []  # (kernel, grid, args, kwargs) of each launch, for the plan
+    pre_grid = (cdiv(max_q, pre_block), nseq * hq)
+    pre_args = (o4, do4, delta, cu_q_t, *_bsh_strides(o4, varlen), *do_s, slb, slh, max_q, hq)
+    pre_kwargs = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, BLOCK_M=pre_block)
+    _bwd_preprocess_kernel[pre_grid](*pre_args, **pre_kwargs)
+    launches.append((_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs))
     common = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
                   ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q))
     tune = _tune_buckets(max_q, max_k)
     if max_k > 0:
         grid_kv = lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq * hkv)  # noqa: E731
-        _attn_bwd_dkdv_kernel[grid_kv](
+        kv_args = (
             q4, k4, v4, do4, dk4, dv4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
             *q_s, *k_s, *v_s, *do_s, *_bsh_strides(dk4, varlen), *_bsh_strides(dv4, varlen), slb, slh, stride_ab,
-            max_q, max_k, hq, hq // hkv, left, right, *tune, **common,
+            max_q, max_k, hq, hq // hkv, left, right, *tune,
         )
+        _attn_bwd_dkdv_kernel[grid_kv](*kv_args, **common)
+        launches.append((_attn_bwd_dkdv_kernel, grid_kv, kv_args, common))
+    else:
+        launches.append(None)
     grid_q = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
-    _attn_bwd_dq_kernel[grid_q](
+    q_args = (
         q4, k4, v4, do4, dq4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
         *q_s, *k_s, *v_s, *do_s, *_bsh_strides(dq4, varlen), slb, slh, stride_ab,
-        max_q, max_k, hq, hq // hkv, left, right, *tune, **common,
+        max_q, max_k, hq, hq // hkv, left, right, *tune,
     )
+    _attn_bwd_dq_kernel[grid_q](*q_args, **common)
+    launches.append((_attn_bwd_dq_kernel, grid_q, q_args, common))
+    _BWD_PLANS.consider(plan_key, lambda: _bind_all(launches, _BWD_SLOTS[varlen]))
     return dq, dk, dv
+
+
+def _bind_all(launches, slots):
+    """One Relaunch per launch (None stays None), or None when any launch cannot be bound."""
+    bound = []
+    for launch, launch_slots in zip(launches, slots):
+        if launch is None:
+            bound.append(None)
+            continue
+        kernel, grid, args, kwargs = launch
+        bind = getattr(kernel, "bind", None)
+        relaunch = bind(grid, args, kwargs, launch_slots) if bind is not None else None
+        if relaunch is None:
+            return None
+        bound.append(relaunch)
+    return tuple(bound)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -279,18 +279,21 @@ def test_validation_errors():
     flat = dict(max_seqlen_q=8, max_seqlen_k=8)
     q2, k2, v2 = q[0], k[0], v[0]
     good = torch.tensor([0, 3, 8], dtype=torch.int32, device=q.device)
-    for bad, msg in [
-        (good.long(), "int32"),
-        (torch.tensor([0, 5, 3], dtype=torch.int32, device=q.device), "non-decreasing"),
-        (torch.tensor([0, 3, 7], dtype=torch.int32, device=q.device), "number of packed tokens"),
-        (torch.tensor([1, 3, 8], dtype=torch.int32, device=q.device), r"\[0\] must be 0"),
-    ]:
+    bad_offsets = [(good.long(), "int32")]
+    if DEVICE == "cpu":  # on CUDA the values are asserted on the device (no sync), which no ValueError reports
+        bad_offsets += [
+            (torch.tensor([0, 5, 3], dtype=torch.int32, device=q.device), "non-decreasing"),
+            (torch.tensor([0, 3, 7], dtype=torch.int32, device=q.device), "number of packed tokens"),
+            (torch.tensor([1, 3, 8], dtype=torch.int32, device=q.device), r"\[0\] must be 0"),
+        ]
+    for bad, msg in bad_offsets:
         with pytest.raises(ValueError, match=msg):
             flash_attn_varlen_func(q2, k2, v2, cu_seqlens_q=bad, cu_seqlens_k=bad, **flat, backend="triton")
     with pytest.raises(ValueError, match="cu_seqlens_q shape"):
         flash_attn_varlen_func(q2, k2, v2, cu_seqlens_q=good, cu_seqlens_k=good[:2], **flat, backend="triton")
-    with pytest.raises(ValueError, match="max_seqlen"):
-        flash_attn_varlen_func(q2, k2, v2, cu_seqlens_q=good, cu_seqlens_k=good, max_seqlen_q=2, max_seqlen_k=8)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="max_seqlen"):
+            flash_attn_varlen_func(q2, k2, v2, cu_seqlens_q=good, cu_seqlens_k=good, max_seqlen_q=2, max_seqlen_k=8)
 
 
 # ---- GPU, real sizes ---------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
-"""With grad mode off (inference_mode, no_grad) the eager ops call their kernels without an autograd.Function:
-the outputs must be the very ones the recording path computes, and carry no graph."""
+"""With grad mode off (inference_mode, no_grad), or on with no input that needs a gradient, the eager ops call
+their kernels without an autograd.Function: the outputs must be the very ones the recording path computes, and
+carry no graph."""
+
+import contextlib
 
 import pytest
 import torch
@@ -31,16 +34,16 @@ OPS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad_mode_on"])
 @pytest.mark.parametrize("name", list(OPS))
 def test_grad_free_call_equals_recorded_call(name, mode):
     x, q, w, b, cu = _inputs()
     recorded = OPS[name](x.requires_grad_(), q.requires_grad_(), w, b, cu)
-    with getattr(torch, mode)():
+    with contextlib.nullcontext() if mode == "grad_mode_on" else getattr(torch, mode)():
         free = OPS[name](x.detach(), q.detach(), w, b, cu)
     recorded = recorded if isinstance(recorded, tuple) else (recorded,)
     free = free if isinstance(free, tuple) else (free,)
     assert any(t.requires_grad for t in recorded)
     for got, want in zip(free, recorded, strict=True):
-        assert not got.requires_grad
+        assert not got.requires_grad and got.grad_fn is None
         assert torch.equal(got, want.detach())

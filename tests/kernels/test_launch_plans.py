@@ -1,0 +1,160 @@
+"""Launch plans (flash_kernels._launch_plans, _launch.Relaunch, LeanKernel.bind) and the attention forward's
+use of them: a plan is kept only for a key seen twice, takes the new call's tensors and keeps none of the old
+ones, and the attention key separates every call whose launch arguments differ. On CUDA, forwards that run
+from a plan match the reference on fresh data."""
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+
+import flash_kernels as fk
+from flash_kernels import attention
+from flash_kernels._launch import LeanKernel, Relaunch
+from flash_kernels._launch_plans import LaunchPlans
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_a_plan_is_kept_the_second_time_a_key_is_seen():
+    plans = LaunchPlans(limit=3)
+    made = []
+
+    def make():
+        made.append(1)
+        return lambda: "plan"
+
+    plans.consider("a", make)
+    assert plans.get("a") is None and not made  # one sighting: nothing made
+    plans.consider("a", make)
+    assert plans.get("a")() == "plan" and len(made) == 1
+    plans.consider(None, make)  # a call that gets no plan
+    assert plans.get(None) is None and len(made) == 1
+    plans.consider("b", lambda: None)
+    plans.consider("b", lambda: None)  # the launch could not be bound: no plan
+    assert plans.get("b") is None
+
+
+def test_the_table_empties_at_its_limit():
+    plans = LaunchPlans(limit=2)
+    for key in ("a", "a", "b"):
+        plans.consider(key, lambda: (lambda: None))
+    assert plans.get("a") is not None
+    plans.consider("c", lambda: (lambda: None))  # a third new key: everything goes
+    assert plans.get("a") is None and plans.seen == {"c"}
+
+
+def test_a_relaunch_takes_new_tensors_and_keeps_none_of_the_old():
+    calls = []
+    old = (torch.zeros(2), torch.ones(3))
+    relaunch = Relaunch(lambda *args: calls.append(args), (old[0], 7, old[1], 2.5, None), slots=(0, 2))
+    assert relaunch.template == [None, 7, None, 2.5, None]
+    new = (torch.full((2,), 4.0), torch.full((3,), 5.0))
+    relaunch(*new)
+    relaunch(*new)
+    assert len(calls) == 2
+    got = calls[0]
+    assert got[0] is new[0] and got[2] is new[1] and got[1:2] + got[3:] == (7, 2.5, None)
+
+
+def _copy(X, Y, n, BLOCK):  # signature only: bind never compiles
+    pass
+
+
+class _FakeCompiled:
+    """Stands for a compiled kernel: ``[grid]`` gives a launcher that records its grid and arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+def test_bind_relaunches_the_kept_compiled_kernel_with_the_grid_of_its_arguments(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    lean = LeanKernel(JITFunction(_copy))
+    x, y = torch.zeros(32), torch.zeros(32)
+    args, kwargs = (x, y, 32), {"BLOCK": 16}
+    grid = lambda meta: (meta["n"] // meta["BLOCK"],)  # noqa: E731
+    assert lean.bind(grid, args, kwargs, (0, 1)) is None  # never launched: nothing to bind
+    compiled = _FakeCompiled()
+    lean.compiled[(0, *lean.launch_key(args, kwargs))] = (compiled, (16,))
+    relaunch = lean.bind(grid, args, kwargs, (0, 1))
+    x2, y2 = torch.ones(32), torch.ones(32)
+    relaunch(x2, y2)
+    (grid3, launched), = compiled.launches
+    assert grid3 == (2, 1, 1)
+    assert launched[0] is x2 and launched[1] is y2 and launched[2:] == (32, 16)
+
+
+def _qkv(b=2, s=33, h=4, d=64, dtype=torch.float16):
+    q = torch.randn(b, s, h, d, device=DEVICE, dtype=dtype)
+    return q, torch.randn_like(q), torch.randn_like(q)
+
+
+def _key(q, k, v, cu=None, causal=True, window=(-1, -1), softcap=0.0, alibi=None, dropout_p=0.0, scale=0.125):
+    max_q = q.shape[-3] if cu is None else 40
+    return attention._fwd_plan_key(q, k, v, cu, cu, max_q, max_q, causal, scale, *window, softcap, alibi, dropout_p)
+
+
+def test_the_forward_plan_key_separates_calls_whose_launches_differ():
+    q, k, v = _qkv()
+    base = _key(q, k, v)
+    assert _key(*_qkv()) == base  # other values, same launch
+    cu = torch.tensor([0, 33, 66], dtype=torch.int32, device=DEVICE)
+    packed = q.reshape(-1, 4, 64)
+    different = [
+        _key(*_qkv(s=34)),
+        _key(*_qkv(h=8)),
+        _key(*_qkv(dtype=torch.bfloat16)),
+        _key(q.transpose(0, 1).contiguous().transpose(0, 1), k, v),  # same shape, other strides
+        _key(q, k[:, :20], v[:, :20]),  # Sk != Sq
+        _key(q, k, v, causal=False),
+        _key(q, k, v, window=(8, 0)),
+        _key(q, k, v, softcap=30.0),
+        _key(q, k, v, scale=0.1),
+        _key(packed, packed, packed, cu=cu),
+    ]
+    assert None not in different and base not in different and len(set(different)) == len(different)
+    storage = torch.randn(2 * 33 * 4 * 64 + 1, device=DEVICE, dtype=torch.float16)
+    misaligned = storage[1:].view(2, 33, 4, 64)
+    assert _key(misaligned, k, v) is None  # Triton would specialize it unlike an aligned q
+    assert _key(q, k, v, alibi=torch.ones(4, device=DEVICE)) is None
+    assert _key(q, k, v, dropout_p=0.1) is None
+
+
+def _grads(fn, tensors, dout):
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dense_causal", "dense_window_gqa", "varlen", "packed_qkv"])
+def test_calls_from_a_plan_match_the_reference_on_fresh_data(case):
+    """Forward and backward: the first call sees the key, the second keeps the plans, the rest run from them."""
+    attention._FWD_PLANS.clear()
+    attention._BWD_PLANS.clear()
+    cu = torch.tensor([0, 7, 7, 50, 61], dtype=torch.int32, device="cuda")
+    varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=43, max_seqlen_k=43, causal=True)
+    for call in range(4):
+        if case == "varlen":
+            tensors = [torch.randn(61, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+            fn = lambda *t, b: fk.flash_attn_varlen_func(*t, **varlen, backend=b)  # noqa: E731
+        elif case == "packed_qkv":
+            tensors = [torch.randn(61, 3, 4, 64, device="cuda", dtype=torch.bfloat16)]
+            fn = lambda qkv, b: fk.flash_attn_varlen_qkvpacked_func(  # noqa: E731
+                qkv, cu_seqlens=cu, max_seqlen=43, causal=True, backend=b)
+        else:
+            gqa = case == "dense_window_gqa"
+            q = torch.randn(3, 77, 8, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(3, 91, 2 if gqa else 8, 128, device="cuda", dtype=torch.bfloat16)
+            tensors = [q, k, torch.randn_like(k)]
+            window = (19, 0) if gqa else (-1, -1)
+            fn = lambda *t, b: fk.flash_attn_func(*t, causal=True, window_size=window, backend=b)  # noqa: E731
+        dout = torch.randn_like(fn(*tensors, b="reference"))
+        got = _grads(lambda *t: fn(*t, b="triton"), tensors, dout)
+        want = _grads(lambda *t: fn(*t, b="reference"), [t.float() for t in tensors], dout.float())
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.float(), w, atol=3e-2, rtol=3e-2)
+        assert len(attention._FWD_PLANS.plans) == len(attention._BWD_PLANS.plans) == (0 if call == 0 else 1)
