@@ -1,6 +1,7 @@
 """Our varlen attention forward at BERT's shapes, for each tile config, against torch SDPA on the padded batch,
 by CUDA-graph replay (GPU time only). The autotuner's pick is named; each config is then forced through the
-cached-autotune table (``CachedAutotune.chosen``).
+cached-autotune table (``CachedAutotune.chosen``), with the forward's launch plans dropped (a plan would keep
+launching the config it was made with).
 
     PYTHONPATH=.:kernels python scripts/profile/encoder_attention_sweep.py   # on a CUDA GPU
 """
@@ -24,6 +25,14 @@ EXTRA = [(64, 128, 4, 2), (128, 128, 4, 2), (128, 128, 8, 2), (64, 128, 8, 2), (
          (64, 64, 2, 3), (32, 64, 4, 2), (32, 64, 2, 2), (64, 128, 4, 3), (32, 32, 2, 2), (128, 32, 4, 2)]
 
 
+def force_fwd_config(meta: dict) -> None:
+    """Make every key the forward's autotuner has chosen for launch ``meta`` from now on."""
+    kernel = attention._attn_fwd_kernel
+    for key in list(kernel.chosen):
+        kernel.chosen[key] = (meta, None)
+    attention._FWD_PLANS.clear()
+
+
 def main():
     print(torch.cuda.get_device_name())
     kernel = attention._attn_fwd_kernel
@@ -45,13 +54,13 @@ def main():
             pick = dict(next(iter(kernel.chosen.values()))[0]) if kernel.chosen else {}
             times = []
             for meta in candidates:
-                for key in list(kernel.chosen):
-                    kernel.chosen[key] = (meta, None)
+                force_fwd_config(meta)
                 try:
                     times.append((graphed_us(ours), meta))
                 except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
                     print(f"  {name} {meta}: {type(e).__name__}")
             kernel.chosen.clear()
+            attention._FWD_PLANS.clear()
             qp, kp, vp = (torch.randn(rows, heads, seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             bias = None if padding == 0 else torch.where(mask.bool(), 0.0, float("-inf")).to(torch.bfloat16)[:, None, None, :]
             peers = {}
