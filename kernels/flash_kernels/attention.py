@@ -833,8 +833,10 @@ def _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, soft
         offsets = (cu_q.shape, cu_k.shape, cu_q.dtype, cu_k.dtype)
     if ptrs % 16:
         return None
+    # The current device too: a compiled kernel is loaded per device, and launches go to the current one.
+    current = torch.cuda.current_device() if q.is_cuda else None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            offsets, max_q, max_k, causal, scale, wl, wr, softcap)
+            current, offsets, max_q, max_k, causal, scale, wl, wr, softcap)
 
 
 def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):

@@ -101,7 +101,7 @@ def _rms_rstd(X, K, eps, BLOCK_ROW: tl.constexpr):
 def _swiglu_pair(gate, up, dtype):
     """silu(gate) * up from two float32 projections, each first rounded to ``dtype`` as the unfused path stores
     the gate/up projection, then computed as the swiglu kernel computes it (its own SiLU)."""
-    silu, _ = _act_and_grad(gate.to(dtype).to(tl.float32), 0)
+    silu, _ = _act_and_grad(gate.to(dtype).to(tl.float32), 0, False)
     return silu * up.to(dtype).to(tl.float32)
 
 

@@ -88,7 +88,7 @@ def _activate(y, ACT: tl.constexpr):
     """ACT 1: exact GELU (erf), 2: tanh-approximated GELU (both as the activations module computes them), 3: ReLU."""
     if ACT == 3:
         return tl.maximum(y, 0.0)
-    a, _ = _act_and_grad(y, ACT)
+    a, _ = _act_and_grad(y, ACT, False)
     return a
 
 

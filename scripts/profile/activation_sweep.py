@@ -1,7 +1,8 @@
 """Plain GELU (erf and tanh) on the GPU: torch's kernel, torch.compile's, and ours by rows and as one flat row
 over a few block sizes, forward and backward (kernel time, from CUDA-graph replays), as a fraction of the
 device copy bandwidth. Picks ``activations._FLAT`` (block and warps per direction) and tells whether "auto"
-should take ours or torch's GELU.
+should take ours or torch's GELU; "ours, portable math" is the shipped launch with ``activations._PTX_MATH``
+off (the interpreter's reciprocal and exp2), an A/B of the PTX forms.
 
     PYTHONPATH=.:kernels python scripts/profile/activation_sweep.py   # on a CUDA GPU
 """
@@ -42,20 +43,24 @@ def main():
             "torch.compile": (lambda: compiled(x), None),
             "ours by rows": (lambda: act._act_fwd(x, kind, False), lambda: act._act_bwd(x, dy, kind, False)),
         }
+        # The shipped kernel with its reciprocal and exp2 in portable Triton rather than PTX (the erf GELU only).
+        sides["ours, portable math"] = sides["ours by rows"]
         for block, warps in FLAT_CONFIGS:
             sides[f"ours flat {block}/{warps}w"] = (lambda: act._act_fwd(x, kind, False),
                                                     lambda: act._act_bwd(x, dy, kind, False), block, warps)
         for name, (fwd, bwd, *config) in sides.items():
-            launch_rows, flat = act._as_launch_rows, dict(act._FLAT)
+            launch_rows, flat, ptx = act._as_launch_rows, dict(act._FLAT), act._PTX_MATH
             if name == "ours by rows":
                 act._as_launch_rows = by_rows
+            if name == "ours, portable math":
+                act._PTX_MATH = False
             if config:
                 act._FLAT.update(fwd=tuple(config), bwd=tuple(config))
             try:
                 f_us = graphed_us(fwd)
                 b_us = graphed_us(bwd) if bwd else float("nan")
             finally:
-                act._as_launch_rows = launch_rows
+                act._as_launch_rows, act._PTX_MATH = launch_rows, ptx
                 act._FLAT.update(flat)
             print(f"| {rows}x{width} | {approximate} | {name} | {f_us:.1f} | {2 * nbytes / (f_us * 1e-6) / copy_bw:.3f} "
                   f"| {b_us:.1f} | {3 * nbytes / (b_us * 1e-6) / copy_bw:.3f} |", flush=True)

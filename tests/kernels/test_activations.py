@@ -84,15 +84,15 @@ def test_bad_inputs():
 
 
 @triton.jit
-def _cdf_kernel(X, Y, N, BLOCK: tl.constexpr):
+def _cdf_kernel(X, Y, N, BLOCK: tl.constexpr, PTX: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < N
-    tl.store(Y + offsets, act._gelu_cdf(tl.load(X + offsets, mask=mask)), mask=mask)
+    tl.store(Y + offsets, act._gelu_cdf(tl.load(X + offsets, mask=mask), PTX), mask=mask)
 
 
-def _cdf_of(x: torch.Tensor) -> torch.Tensor:
+def _cdf_of(x: torch.Tensor, ptx: bool) -> torch.Tensor:
     y = torch.empty_like(x)
-    _cdf_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096)
+    _cdf_kernel[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), BLOCK=4096, PTX=ptx)
     return y
 
 
@@ -106,16 +106,17 @@ def _cdf_inputs() -> torch.Tensor:
 
 # Under the interpreter, numpy warns for z * z of the huge inputs.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-def test_gelu_cdf_relative_accuracy():
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["portable", "ptx"])
+def test_gelu_cdf_relative_accuracy(ptx):
     """The kernels' normal CDF (erfc form, see activations._gelu_cdf) against float64, relative to the value,
     so the negative tail counts as much as the middle: within 2.5e-6 for |x| < 4, 1e-5 down to x = -9 and
     4e-5 down to -14 (a CDF of 1e-44; there the float32 rounding of z^2 ~ 98 sets the floor); exact 0 and 1 at
-    -inf and inf, NaN
-    for NaN. A wrong coefficient shows as 1e-3 or more. The exact GELU's bf16 outputs then round as the
-    float64 GELU's do for all but a few inputs in 10^4."""
+    -inf and inf, NaN for NaN. A wrong coefficient shows as 1e-3 or more. The exact GELU's bf16 outputs then
+    round as the float64 GELU's do for all but a few inputs in 10^4. Both forms: the portable one (the
+    interpreter's) and the one with PTX reciprocal and exp2 (the GPU's, see activations._PTX_MATH)."""
     x = _cdf_inputs()
     exact = 0.5 * torch.special.erfc(-x.double() / 2**0.5)
-    ours = _cdf_of(x)
+    ours = _cdf_of(x, ptx)
     rel = (ours.double() - exact).abs() / exact.clamp_min(torch.finfo(torch.float32).tiny)
     normal = exact > torch.finfo(torch.float32).tiny  # a subnormal CDF has no relative precision to keep
     assert rel[normal & (x.abs() < 4)].max() < 2.5e-6
@@ -125,7 +126,7 @@ def test_gelu_cdf_relative_accuracy():
     gelu_exact = x.double() * exact
     sizable = gelu_exact.abs() > 1e-30
     assert ((x * ours).bfloat16() != gelu_exact.bfloat16())[sizable].float().mean() < 2e-4
-    special = _cdf_of(torch.tensor([-float("inf"), float("inf"), float("nan")], device=DEVICE))
+    special = _cdf_of(torch.tensor([-float("inf"), float("inf"), float("nan")], device=DEVICE), ptx)
     assert special[:2].tolist() == [0.0, 1.0] and special[2].isnan()
 
 
