@@ -18,13 +18,16 @@ float32 summation order of the GEMM differs from cuBLAS's.
 
 Inference only: no backward (a training MLP keeps its pre-activation for the GELU gradient, which this kernel
 does not write), and inputs that need gradients are refused. Backends: "triton" runs the kernel;
-"reference" is ``F.linear`` then torch's activation; "auto" is ``F.linear`` then our activation kernel
-(``activations.gelu``, faster than torch's GELU since session 14). Why not the kernel (H100, bf16,
-docs/benchmarks.md, session 10): graph-replayed, the kernel beats cuBLAS + torch's GELU by only 1-6% at
-BERT's and ViT's fc1 shapes (the erf epilogue, not overlapped with the tensor cores, costs nearly what the
-separate GELU kernel does, and the GEMM itself runs 0-13% behind cuBLAS), BERT inference from graphs did not
-move beyond run-to-run noise with it, and an eager call costs ~88 us of host time against ~23 us for the two
-torch calls (descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``).
+"reference" is ``F.linear`` then torch's activation; "auto" runs the kernel on CUDA for inputs of at least
+``AUTO_MIN_ROWS`` rows that it can take, else ``F.linear`` then our activation kernel (``activations.gelu``).
+Why the row bound: an eager call of the kernel costs ~88 us of host time against ~23 us for the two unfused
+calls (H100, session 10: descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``),
+which only a GEMM of thousands of rows hides. What the kernel gains (H200, bf16, graph-replayed,
+docs/benchmarks.md session 15): with the GELU's reciprocal and exp2 in PTX and the tile loop flattened into
+the K loop (Triton pipelines loads across tiles), 159.9 us against 183.6 for cuBLAS + our GELU at BERT-base's
+fc1 (16384 x 768 -> 3072), 264.6 against 287.4 at BERT-large's (16384 x 1024 -> 4096), 140-145 against 162-163
+at 9011 rows; bit-identical outputs. Before those two changes the kernel was 1-6% ahead of cuBLAS + torch's
+GELU (H100, session 10) and "auto" did not take it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import cdiv, hopper_or_newer, next_power_of_2, num_programs, or_dummy, pick
+from . import activations
 from .activations import _act_and_grad, gelu
 from .attention import _mm
 
@@ -84,21 +88,23 @@ def _set_block_shapes(nargs: dict) -> None:
 
 
 @triton.jit
-def _activate(y, ACT: tl.constexpr):
-    """ACT 1: exact GELU (erf), 2: tanh-approximated GELU (both as the activations module computes them), 3: ReLU."""
+def _activate(y, ACT: tl.constexpr, PTX: tl.constexpr):
+    """ACT 1: exact GELU (erf), 2: tanh-approximated GELU (both as the activations module computes them), 3: ReLU.
+    PTX: the GELU's reciprocal and exp2 as single instructions (``activations._PTX_MATH``)."""
     if ACT == 3:
         return tl.maximum(y, 0.0)
-    a, _ = _act_and_grad(y, ACT, False)
+    a, _ = _act_and_grad(y, ACT, PTX)
     return a
 
 
 @triton.jit
-def _epilogue(acc, B, offs_n, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, out_dtype: tl.constexpr):
+def _epilogue(acc, B, offs_n, N, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr,
+              out_dtype: tl.constexpr):
     """Bias, the pre-activation rounded as the unfused GEMM stores it, then the activation, in out_dtype."""
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     pre = acc.to(out_dtype).to(tl.float32)
-    return _activate(pre, ACT).to(out_dtype)
+    return _activate(pre, ACT, PTX).to(out_dtype)
 
 
 @triton.jit
@@ -112,6 +118,11 @@ def _tile_coords(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
 
 
 _CONFIGS = _configs()
+# "auto" takes the kernel from this many rows (tokens) on. The bound is the eager host cost (module docstring):
+# ~65 us more per call than the unfused path, against the kernel's ~80-300 us of GPU time at 8k-16k rows of an
+# encoder's fc1 and ~20 us at 2k (where an eager layer is host-bound already). BERT's and ViT's benchmark
+# batches run 8k-16k tokens; small batches and decode steps stay on cuBLAS + our GELU.
+AUTO_MIN_ROWS = 8192
 
 
 @cached_autotune
@@ -119,7 +130,7 @@ _CONFIGS = _configs()
 @triton.jit
 def _linear_act_kernel(
     x_desc, w_desc, y_desc, B, M, N, K, NUM_SMS, M_BUCKET,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PTX: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS_PER_SM: tl.constexpr, SPLIT_EPILOGUE: tl.constexpr,
 ):
@@ -127,11 +138,12 @@ def _linear_act_kernel(
     operands brought by TMA (tensor descriptors; out-of-range rows and columns read as zeros and are not
     stored). SPLIT_EPILOGUE stores the tile in two column halves, so half the accumulator is converted at a
     time and the output staging buffer is half the size. M_BUCKET (a power of two at or above M) only keys the
-    autotuner: packed batches change M by a few tokens each time."""
+    autotuner: packed batches change M by a few tokens each time. The tile loop is flattened into the K loop,
+    so the pipeline loads the next tile's first operands during this tile's last steps and epilogue."""
     blocks_m = tl.cdiv(M, BLOCK_M)
     blocks_n = tl.cdiv(N, BLOCK_N)
     out_dtype = B.dtype.element_ty
-    for tile in range(tl.program_id(0), blocks_m * blocks_n, NUM_SMS * PROGRAMS_PER_SM):
+    for tile in tl.range(tl.program_id(0), blocks_m * blocks_n, NUM_SMS * PROGRAMS_PER_SM, flatten=True):
         pid_m, pid_n = _tile_coords(tile, blocks_m, blocks_n, GROUP_M)
         off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -140,12 +152,12 @@ def _linear_act_kernel(
         if SPLIT_EPILOGUE:
             left, right = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             offs_n = off_n + tl.arange(0, BLOCK_N // 2)
-            y_desc.store([off_m, off_n], _epilogue(left, B, offs_n, N, HAS_BIAS, ACT, out_dtype))
+            y_desc.store([off_m, off_n], _epilogue(left, B, offs_n, N, HAS_BIAS, ACT, PTX, out_dtype))
             y_desc.store([off_m, off_n + BLOCK_N // 2],
-                         _epilogue(right, B, offs_n + BLOCK_N // 2, N, HAS_BIAS, ACT, out_dtype))
+                         _epilogue(right, B, offs_n + BLOCK_N // 2, N, HAS_BIAS, ACT, PTX, out_dtype))
         else:
             y_desc.store([off_m, off_n],
-                         _epilogue(acc, B, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACT, out_dtype))
+                         _epilogue(acc, B, off_n + tl.arange(0, BLOCK_N), N, HAS_BIAS, ACT, PTX, out_dtype))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -170,7 +182,7 @@ def _linear_act(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                              cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
     _linear_act_kernel[grid](
         _descriptor(x2), _descriptor(weight), _descriptor(y), or_dummy(bias, x2.device, x2.dtype), M, N, K, sms,
-        next_power_of_2(M), HAS_BIAS=bias is not None, ACT=act, DOT_F32=dot_f32,
+        next_power_of_2(M), HAS_BIAS=bias is not None, ACT=act, PTX=activations._PTX_MATH, DOT_F32=dot_f32,
     )
     return y
 
@@ -221,9 +233,13 @@ def kernel_can_run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def linear_act(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str = "gelu",
                backend: str | None = None) -> torch.Tensor:
     """``act(F.linear(x, weight, bias))`` for x (..., K), weight (N, K) -> (..., N); ``activation`` is "gelu"
-    (exact, erf), "gelu_tanh" or "relu". Inference only (see the module docstring)."""
+    (exact, erf), "gelu_tanh" or "relu". Inference only; "auto" takes the fused kernel on CUDA from
+    ``AUTO_MIN_ROWS`` rows (see the module docstring)."""
     _check(x, weight, bias, activation)
-    if check_backend_name(backend) == "auto":
+    backend = check_backend_name(backend)
+    if backend == "auto" and x.is_cuda and x.numel() >= AUTO_MIN_ROWS * x.shape[-1] and kernel_can_run(x, weight, bias):
+        backend = "triton"
+    if backend == "auto":
         y = F.linear(x, weight, bias)
         return F.relu(y) if activation == "relu" else gelu(y, approximate="none" if activation == "gelu" else "tanh")
     if not use_triton(backend, x, op="linear_act", unsupported=_unsupported(x, weight, bias)):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from flash_kernels import gelu, linear_act
 from flash_kernels._testing import assert_close, assert_rounded_alike
-from flash_kernels.linear_act import ACTIVATIONS, linear_act_ref
+from flash_kernels.linear_act import ACTIVATIONS, AUTO_MIN_ROWS, linear_act_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16]
@@ -70,9 +70,10 @@ def test_dims_tma_cannot_move_fall_back_or_raise():
         linear_act(x, weight, b, backend="triton")
 
 
-def test_auto_is_the_unfused_path():
-    """Until the kernel is worth its host cost (module docstring), "auto" is cuBLAS's GEMM then our activation
-    (flash_kernels.gelu, itself the reference off CUDA); "reference" is torch's activation."""
+def test_auto_is_the_unfused_path_for_few_rows_or_off_cuda():
+    """Below AUTO_MIN_ROWS rows (where the kernel's host cost is not hidden, module docstring) and off CUDA,
+    "auto" is cuBLAS's GEMM then our activation (flash_kernels.gelu, itself the reference off CUDA);
+    "reference" is torch's activation."""
     x, weight, b = _operands(9, 16, 24, torch.float16)
     assert torch.equal(linear_act(x, weight, b, backend="auto"), gelu(F.linear(x, weight, b)))
     assert torch.equal(linear_act(x, weight, b, activation="gelu_tanh", backend="auto"),
@@ -118,4 +119,7 @@ def test_gpu_encoder_shapes(m, k, n):
     oracle = _unfused(x, weight, b, "gelu")
     assert_close(out, oracle, torch.bfloat16, name="linear_act")
     assert_rounded_alike(out, oracle, torch.bfloat16, name="linear_act")
-    assert torch.equal(linear_act(x, weight, b, backend="auto"), gelu(F.linear(x, weight, b)))
+    # From AUTO_MIN_ROWS rows "auto" is the kernel; below, the unfused path.
+    assert m >= AUTO_MIN_ROWS and torch.equal(linear_act(x, weight, b, backend="auto"), out)
+    few = x[: AUTO_MIN_ROWS - 1]
+    assert torch.equal(linear_act(few, weight, b, backend="auto"), gelu(F.linear(few, weight, b)))
