@@ -20,14 +20,16 @@ Inference only: no backward (a training MLP keeps its pre-activation for the GEL
 does not write), and inputs that need gradients are refused. Backends: "triton" runs the kernel;
 "reference" is ``F.linear`` then torch's activation; "auto" runs the kernel on CUDA for inputs of at least
 ``AUTO_MIN_ROWS`` rows that it can take, else ``F.linear`` then our activation kernel (``activations.gelu``).
-Why the row bound: an eager call of the kernel costs ~88 us of host time against ~23 us for the two unfused
-calls (H100, session 10: descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``),
-which only a GEMM of thousands of rows hides. What the kernel gains (H200, bf16, graph-replayed,
-docs/benchmarks.md session 15): with the GELU's reciprocal and exp2 in PTX and the tile loop flattened into
-the K loop (Triton pipelines loads across tiles), 159.9 us against 183.6 for cuBLAS + our GELU at BERT-base's
-fc1 (16384 x 768 -> 3072), 264.6 against 287.4 at BERT-large's (16384 x 1024 -> 4096), 140-145 against 162-163
-at 9011 rows; bit-identical outputs. Before those two changes the kernel was 1-6% ahead of cuBLAS + torch's
-GELU (H100, session 10) and "auto" did not take it.
+Why the row bound: an eager call of the kernel costs ~108 us of host time against ~23 us for the two unfused
+calls (H200, session 15: descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``),
+which only a GEMM of thousands of rows hides.
+
+What the kernel gains (H200, bf16, graph-replayed, docs/benchmarks.md session 15): with the GELU's reciprocal
+and exp2 in PTX and the tile loop flattened into the K loop (Triton pipelines loads across tiles), 1.07-1.11x
+cuBLAS + our GELU at BERT's and ViT's fc1 shapes (BERT-large, 16384 x 1024 -> 4096: 266.9 against 291.7 us),
+with outputs equal to that path's in those runs (its GEMM sums in another order, so equality is not promised).
+Before those two changes the kernel was 1-6% ahead of cuBLAS + torch's GELU (H100, session 10) and "auto" did
+not take it.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def _tile_coords(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
 
 _CONFIGS = _configs()
 # "auto" takes the kernel from this many rows (tokens) on. The bound is the eager host cost (module docstring):
-# ~65 us more per call than the unfused path, against the kernel's ~80-300 us of GPU time at 8k-16k rows of an
+# ~85 us more per call than the unfused path, against the kernel's ~80-300 us of GPU time at 8k-16k rows of an
 # encoder's fc1 and ~20 us at 2k (where an eager layer is host-bound already). BERT's and ViT's benchmark
 # batches run 8k-16k tokens; small batches and decode steps stay on cuBLAS + our GELU.
 AUTO_MIN_ROWS = 8192
