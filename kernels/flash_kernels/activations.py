@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import triton_interpreter_enabled, use_triton
+from . import _ptx_math
+from ._backend import use_triton
 from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
@@ -61,34 +62,10 @@ _BLOCK = 2048
 # 156.5); tanh alike.
 _FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-# The GELU kernels' reciprocal and exp2 as single PTX instructions (``_rcp``, ``_exp2``) on the GPU; Triton's
-# interpreter (how CI runs the kernels) cannot run inline PTX and takes the portable forms. H200, erf GELU,
+# The GELU kernels' reciprocal and exp2 are ``_ptx_math``'s single instructions on the GPU. H200, erf GELU,
 # 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15): forward 56.0 / 72.9 /
-# 97.0 us against 60.0 / 78.8 / 103.9 portable, backward 73.9 / 97.3 / 129.1 against 82.3 / 108.4 / 145.3. A
-# module global so that a profile script can A/B the two in one process.
-_PTX_MATH = not triton_interpreter_enabled()
-
-
-@triton.jit
-def _rcp(x, PTX: tl.constexpr):
-    """1 / x to about one ulp. ``rcp.approx.ftz.f32`` is one MUFU instruction; the non-IEEE division that
-    ``tl.fdiv`` emits (div.full.f32) wraps it in range handling that only matters for huge or tiny x."""
-    if PTX:
-        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return tl.fdiv(1.0, x, ieee_rounding=False)
-
-
-@triton.jit
-def _exp2(x, PTX: tl.constexpr):
-    """2^x. ``ex2.approx.ftz.f32`` is one MUFU instruction; results below float32's normal range flush to 0 (a
-    GELU tail term below 1e-38, invisible at every supported output dtype's resolution next to x)."""
-    if PTX:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return tl.math.exp2(x)
+# 97.0 us against 60.0 / 78.8 / 103.9 with the portable forms, backward 73.9 / 97.3 / 129.1 against 82.3 /
+# 108.4 / 145.3.
 
 
 @triton.jit
@@ -113,7 +90,7 @@ def _gelu_cdf(x, PTX: tl.constexpr):
     # coefficients below are P's times log2(e), the constant term less 1 (the halving), so that no multiply
     # is left outside the polynomial: 3-5% faster than scaling after it (H200, session 14), and more accurate.
     a = tl.abs(x)
-    t = _rcp(tl.fma(a, 0.35355339059327373, 1.0), PTX)
+    t = _ptx_math.rcp(tl.fma(a, 0.35355339059327373, 1.0), PTX)
     p = tl.fma(0.24651729790196045, t, -1.1861149450768025)
     p = tl.fma(p, t, 2.147474463933521)
     p = tl.fma(p, t, -1.637753152343414)
@@ -123,14 +100,14 @@ def _gelu_cdf(x, PTX: tl.constexpr):
     p = tl.fma(p, t, 0.5397006155284324)
     p = tl.fma(p, t, 1.4427292039075317)
     p = tl.fma(p, t, -2.825748218405333)
-    half_erfc = t * _exp2(tl.fma(-a * 0.7213475204444817, a, p), PTX)  # log2(e) / 2 * x^2 = log2(e) z^2
+    half_erfc = t * _ptx_math.exp2(tl.fma(-a * 0.7213475204444817, a, p), PTX)  # log2(e) / 2 * x^2 = log2(e) z^2
     return tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
 
 
 @triton.jit
 def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
     """(act(g), act'(g)) in float32. KIND 0: SiLU, 1: exact GELU (erf), 2: tanh-approximated GELU. PTX: the
-    exact GELU's reciprocal and exp2 as single instructions (``_PTX_MATH``)."""
+    exact GELU's reciprocal and exp2 as single instructions (``_ptx_math``)."""
     if KIND == 0:
         sig = 1.0 / (1.0 + tl.exp(-g))
         a = g * sig
@@ -218,7 +195,7 @@ def _act_fwd(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
     grid, block, warps = _launch_grid(rows, f_out, "fwd")
     pdl = programmatic_launch_enabled(x.device)
     _act_fwd_kernel[grid](x2, out, x2.stride(0), out.stride(0), f_out, KIND=_KINDS[kind], GATED=gated, BLOCK=block,
-                          PDL=pdl, PTX=_PTX_MATH, num_warps=warps, **launch_options(pdl))
+                          PDL=pdl, PTX=_ptx_math.ENABLED, num_warps=warps, **launch_options(pdl))
     return out.view(*x.shape[:-1], x.shape[-1] // 2 if gated else x.shape[-1])
 
 
@@ -228,7 +205,7 @@ def _act_bwd(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool) -> torch
     dx = torch.empty((rows, width), device=x.device, dtype=x.dtype)
     grid, block, warps = _launch_grid(rows, dy2.shape[1], "bwd")
     _act_bwd_kernel[grid](x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), dy2.shape[1], KIND=_KINDS[kind],
-                          GATED=gated, BLOCK=block, PTX=_PTX_MATH, num_warps=warps)
+                          GATED=gated, BLOCK=block, PTX=_ptx_math.ENABLED, num_warps=warps)
     return dx.view(x.shape)
 
 

@@ -41,7 +41,7 @@ from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import cdiv, hopper_or_newer, next_power_of_2, num_programs, or_dummy, pick
-from . import activations
+from . import _ptx_math
 from .activations import _act_and_grad, gelu
 from .attention import _mm
 
@@ -92,7 +92,7 @@ def _set_block_shapes(nargs: dict) -> None:
 @triton.jit
 def _activate(y, ACT: tl.constexpr, PTX: tl.constexpr):
     """ACT 1: exact GELU (erf), 2: tanh-approximated GELU (both as the activations module computes them), 3: ReLU.
-    PTX: the GELU's reciprocal and exp2 as single instructions (``activations._PTX_MATH``)."""
+    PTX: the GELU's reciprocal and exp2 as single instructions (``_ptx_math``)."""
     if ACT == 3:
         return tl.maximum(y, 0.0)
     a, _ = _act_and_grad(y, ACT, PTX)
@@ -184,7 +184,7 @@ def _linear_act(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                              cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
     _linear_act_kernel[grid](
         _descriptor(x2), _descriptor(weight), _descriptor(y), or_dummy(bias, x2.device, x2.dtype), M, N, K, sms,
-        next_power_of_2(M), HAS_BIAS=bias is not None, ACT=act, PTX=activations._PTX_MATH, DOT_F32=dot_f32,
+        next_power_of_2(M), HAS_BIAS=bias is not None, ACT=act, PTX=_ptx_math.ENABLED, DOT_F32=dot_f32,
     )
     return y
 

@@ -1,7 +1,7 @@
 """Plain GELU (erf and tanh) on the GPU: torch's kernel, torch.compile's, and ours by rows and as one flat row
 over a few block sizes, forward and backward (kernel time, from CUDA-graph replays), as a fraction of the
 device copy bandwidth. Picks ``activations._FLAT`` (block and warps per direction) and tells whether "auto"
-should take ours or torch's GELU; "ours, portable math" is the shipped launch with ``activations._PTX_MATH``
+should take ours or torch's GELU; "ours, portable math" is the shipped launch with ``_ptx_math.ENABLED``
 off (the interpreter's reciprocal and exp2), an A/B of the PTX forms.
 
     PYTHONPATH=.:kernels python scripts/profile/activation_sweep.py   # on a CUDA GPU
@@ -12,6 +12,7 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from flash_kernels import _ptx_math
 from flash_kernels._triton_utils import as_rows
 from flash_models.bench.harness import measure_copy_bandwidth
 from gemm_rows import graphed_us  # this folder's sibling module
@@ -49,18 +50,18 @@ def main():
             sides[f"ours flat {block}/{warps}w"] = (lambda: act._act_fwd(x, kind, False),
                                                     lambda: act._act_bwd(x, dy, kind, False), block, warps)
         for name, (fwd, bwd, *config) in sides.items():
-            launch_rows, flat, ptx = act._as_launch_rows, dict(act._FLAT), act._PTX_MATH
+            launch_rows, flat, ptx = act._as_launch_rows, dict(act._FLAT), _ptx_math.ENABLED
             if name == "ours by rows":
                 act._as_launch_rows = by_rows
             if name == "ours, portable math":
-                act._PTX_MATH = False
+                _ptx_math.ENABLED = False
             if config:
                 act._FLAT.update(fwd=tuple(config), bwd=tuple(config))
             try:
                 f_us = graphed_us(fwd)
                 b_us = graphed_us(bwd) if bwd else float("nan")
             finally:
-                act._as_launch_rows, act._PTX_MATH = launch_rows, ptx
+                act._as_launch_rows, _ptx_math.ENABLED = launch_rows, ptx
                 act._FLAT.update(flat)
             print(f"| {rows}x{width} | {approximate} | {name} | {f_us:.1f} | {2 * nbytes / (f_us * 1e-6) / copy_bw:.3f} "
                   f"| {b_us:.1f} | {3 * nbytes / (b_us * 1e-6) / copy_bw:.3f} |", flush=True)

@@ -113,7 +113,7 @@ def test_gelu_cdf_relative_accuracy(ptx):
     4e-5 down to -14 (a CDF of 1e-44; there the float32 rounding of z^2 ~ 98 sets the floor); exact 0 and 1 at
     -inf and inf, NaN for NaN. A wrong coefficient shows as 1e-3 or more. The exact GELU's bf16 outputs then
     round as the float64 GELU's do for all but a few inputs in 10^4. Both forms: the portable one (the
-    interpreter's) and the one with PTX reciprocal and exp2 (the GPU's, see activations._PTX_MATH)."""
+    interpreter's) and the one with PTX reciprocal and exp2 (the GPU's, see _ptx_math.ENABLED)."""
     x = _cdf_inputs()
     exact = 0.5 * torch.special.erfc(-x.double() / 2**0.5)
     ours = _cdf_of(x, ptx)
