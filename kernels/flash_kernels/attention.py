@@ -30,7 +30,6 @@ import os
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _ptx_math
 from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
@@ -344,7 +343,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
-               DOT_F32: tl.constexpr, RAW_MAX: tl.constexpr, PTX: tl.constexpr):
+               DOT_F32: tl.constexpr, RAW_MAX: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)  # (N, D)
@@ -365,10 +364,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
             # the exponent uses 0 then, which keeps exp2 finite: p = 0 and alpha = 0 for that row.
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         if RAW_MAX:
-            p = _ptx_math.exp2(qk * scale_log2 - m_use[:, None], PTX)
+            p = tl.math.exp2(qk * scale_log2 - m_use[:, None])
         else:
-            p = _ptx_math.exp2(s - m_use[:, None], PTX)
-        alpha = _ptx_math.exp2(m_i - m_use, PTX)
+            p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
@@ -439,7 +438,7 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     RAW_MAX: tl.constexpr = POSITIVE_SCALE and not SOFTCAP and not ALIBI  # scores are qk * scale_log2
@@ -477,13 +476,13 @@ def _attn_fwd_kernel(
         hi = len_k
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX, PTX)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32, RAW_MAX, PTX)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32, RAW_MAX)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX, PTX)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if DROPOUT:
@@ -869,8 +868,7 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
         max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k),
     )
     kwargs = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
-                  ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q), POSITIVE_SCALE=scale > 0,
-                  PTX=_ptx_math.ENABLED)
+                  ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q), POSITIVE_SCALE=scale > 0)
     _attn_fwd_kernel[grid](*args, **kwargs)
     bind = getattr(_attn_fwd_kernel, "bind", None)  # absent where launches go through Triton's own path
     if bind is not None:

@@ -10,10 +10,8 @@ eager-timed forward at the training grid's short sequences.
 4. Graph-replayed forward with a positive against a negative softmax scale: the same tile config and the same
    work, but a negative scale takes the forward's older score path (scale every product, then the row max),
    a positive one the raw-max path (row max of the raw products, scaling folded into the exponent's FMA).
-5. Graph-replayed forward with the softmax's exp2 as one PTX instruction (``_ptx_math``) against the portable
-   ``tl.math.exp2``, same tile config (the launch plans are dropped at each switch: a plan keeps its kernel).
 
-    PYTHONPATH=.:kernels python scripts/profile/attention_host.py [host forward raw-max ptx]   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/attention_host.py   # on a CUDA GPU
 """
 
 import sys
@@ -26,7 +24,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flash_kernels as fk  # noqa: E402
-from flash_kernels import _ptx_math, attention  # noqa: E402
 from host_cost import cprofile_stats, host_us  # noqa: E402
 
 from flash_models.bench.harness import time_cuda  # noqa: E402
@@ -98,31 +95,10 @@ def raw_max_table():
                 print(f"| {d} | {s} | {causal} | {us[0]:.1f} | {us[1]:.1f} | {us[1] / us[0]:.3f} |", flush=True)
 
 
-def ptx_table():
-    print("| hdim | S | causal | PTX exp2 us | portable exp2 us | ratio |\n|---|---|---|---|---|---|")
-    for d in (64, 128):
-        for s in (1024, 2048):
-            b, h = 16384 // s, 2048 // d
-            q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-            k, v = torch.randn_like(q), torch.randn_like(q)
-            for causal in (False, True):
-                us = []
-                for ptx in (True, False):
-                    _ptx_math.ENABLED = ptx
-                    attention._FWD_PLANS.clear()
-                    replay = graphed(lambda: fk.flash_attn_func(q, k, v, causal=causal, backend="triton"))
-                    us.append(time_cuda(replay, repeats=30).median_ms * 1e3)
-                _ptx_math.ENABLED = True
-                attention._FWD_PLANS.clear()
-                print(f"| {d} | {s} | {causal} | {us[0]:.1f} | {us[1]:.1f} | {us[1] / us[0]:.3f} |", flush=True)
-
-
-TABLES = {"host": host_table, "forward": forward_table, "raw-max": raw_max_table, "ptx": ptx_table}
-
-
 def main():
-    for name in sys.argv[1:] or list(TABLES):
-        TABLES[name]()
+    host_table()
+    forward_table()
+    raw_max_table()
 
 
 if __name__ == "__main__":
