@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_kernels
-from encoder_attention_sweep import attention, force_fwd_config  # this folder's sibling module
+from encoder_attention_sweep import attention, time_each_config  # this folder's sibling module
 from gemm_rows import graphed_us
 
 CASES = [(128, 1024, False), (128, 1024, True), (128, 2048, False), (128, 2048, True), (128, 4096, True),
@@ -37,13 +37,7 @@ def main():
             attention._FWD_PLANS.clear()
             ours()
             pick = dict(next(iter(kernel.chosen.values()))[0])
-            times = []
-            for meta in candidates:
-                force_fwd_config(meta)
-                try:
-                    times.append((graphed_us(ours), meta))
-                except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-                    print(f"  {meta}: {type(e).__name__}")
+            times = time_each_config(ours, candidates, f"hdim {d} S {s} causal {causal}")
             qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 fa2 = graphed_us(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))

@@ -64,35 +64,35 @@ def host_table():
     torch.cuda.synchronize()
 
 
-def forward_table():
-    print("| hdim | S | causal | side | eager us | graph us | eager - graph |\n|---|---|---|---|---|---|---|")
+def training_shapes():
+    """(hdim, S, causal, q, k, v) over the training grid's short sequences: B*S = 16k, H*D = 2048, bf16."""
     for d in (64, 128):
         for s in (1024, 2048):
             b, h = 16384 // s, 2048 // d
             q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
             k, v = torch.randn_like(q), torch.randn_like(q)
             for causal in (False, True):
-                sides = {"ours": lambda: fk.flash_attn_func(q, k, v, causal=causal, backend="triton")}
-                sides.update({name: sdpa_call(q, k, v, causal, be) for name, be in SDPA.items()})
-                for name, fn in sides.items():
-                    eager = time_cuda(fn, repeats=30).median_ms * 1e3
-                    replay = time_cuda(graphed(fn), repeats=30).median_ms * 1e3
-                    print(f"| {d} | {s} | {causal} | {name} | {eager:.1f} | {replay:.1f} | {eager - replay:.1f} |",
-                          flush=True)
+                yield d, s, causal, q, k, v
+
+
+def forward_table():
+    print("| hdim | S | causal | side | eager us | graph us | eager - graph |\n|---|---|---|---|---|---|---|")
+    for d, s, causal, q, k, v in training_shapes():
+        sides = {"ours": lambda: fk.flash_attn_func(q, k, v, causal=causal, backend="triton")}
+        sides.update({name: sdpa_call(q, k, v, causal, be) for name, be in SDPA.items()})
+        for name, fn in sides.items():
+            eager = time_cuda(fn, repeats=30).median_ms * 1e3
+            replay = time_cuda(graphed(fn), repeats=30).median_ms * 1e3
+            print(f"| {d} | {s} | {causal} | {name} | {eager:.1f} | {replay:.1f} | {eager - replay:.1f} |", flush=True)
 
 
 def raw_max_table():
     print("| hdim | S | causal | raw-max path us | scaled-scores path us | ratio |\n|---|---|---|---|---|---|")
-    for d in (64, 128):
-        for s in (1024, 2048):
-            b, h = 16384 // s, 2048 // d
-            q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-            k, v = torch.randn_like(q), torch.randn_like(q)
-            for causal in (False, True):
-                us = [time_cuda(graphed(lambda sign=sign: fk.flash_attn_func(
-                    q, k, v, causal=causal, softmax_scale=sign * d ** -0.5, backend="triton")), repeats=30).median_ms * 1e3
-                      for sign in (1.0, -1.0)]
-                print(f"| {d} | {s} | {causal} | {us[0]:.1f} | {us[1]:.1f} | {us[1] / us[0]:.3f} |", flush=True)
+    for d, s, causal, q, k, v in training_shapes():
+        us = [time_cuda(graphed(lambda sign=sign: fk.flash_attn_func(
+            q, k, v, causal=causal, softmax_scale=sign * d ** -0.5, backend="triton")), repeats=30).median_ms * 1e3
+              for sign in (1.0, -1.0)]
+        print(f"| {d} | {s} | {causal} | {us[0]:.1f} | {us[1]:.1f} | {us[1] / us[0]:.3f} |", flush=True)
 
 
 def main():

@@ -33,6 +33,19 @@ def force_fwd_config(meta: dict) -> None:
     attention._FWD_PLANS.clear()
 
 
+def time_each_config(fn, candidates: list[dict], label: str) -> list[tuple[float, dict]]:
+    """(graph-replayed us of fn, config) for each candidate forced in turn; a config that does not fit (shared
+    memory) is reported, not fatal."""
+    times = []
+    for meta in candidates:
+        force_fwd_config(meta)
+        try:
+            times.append((graphed_us(fn), meta))
+        except Exception as e:
+            print(f"  {label} {meta}: {type(e).__name__}")
+    return times
+
+
 def main():
     print(torch.cuda.get_device_name())
     kernel = attention._attn_fwd_kernel
@@ -52,13 +65,7 @@ def main():
         with torch.no_grad():
             ours()
             pick = dict(next(iter(kernel.chosen.values()))[0]) if kernel.chosen else {}
-            times = []
-            for meta in candidates:
-                force_fwd_config(meta)
-                try:
-                    times.append((graphed_us(ours), meta))
-                except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-                    print(f"  {name} {meta}: {type(e).__name__}")
+            times = time_each_config(ours, candidates, name)
             kernel.chosen.clear()
             attention._FWD_PLANS.clear()
             qp, kp, vp = (torch.randn(rows, heads, seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
