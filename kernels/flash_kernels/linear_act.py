@@ -37,11 +37,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _ptx_math
 from ._autotune_cache import cached_autotune
 from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_enabled, use_triton
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import cdiv, hopper_or_newer, next_power_of_2, num_programs, or_dummy, pick
-from . import _ptx_math
 from .activations import _act_and_grad, gelu
 from .attention import _mm
 
