@@ -123,6 +123,25 @@ def test_the_forward_plan_key_separates_calls_whose_launches_differ():
     assert _key(q, k, v, dropout_p=0.1) is None
 
 
+def test_the_backward_plan_key_adds_the_gradient_layouts():
+    q, k, v = _qkv()
+    out, do = torch.randn_like(q), torch.randn_like(q)
+
+    def key(do=do, grads=None, dropout_p=0.0):
+        return attention._bwd_plan_key(do, q, k, v, out, None, None, 33, 33, True, 0.125, -1, -1, 0.0, None,
+                                       dropout_p, grads)
+
+    base = key()
+    assert base is not None and key(do=torch.randn_like(do)) == base
+    packed = torch.randn(2, 33, 12, 64, device=DEVICE, dtype=torch.float16)
+    grads = (packed[:, :, :4], packed[:, :, 4:8], packed[:, :, 8:])  # dq, dk, dv in one buffer (packed qkv)
+    different = [key(do=do.transpose(0, 1).contiguous().transpose(0, 1)), key(grads=grads)]
+    assert None not in different and base not in different and different[0] != different[1]
+    storage = torch.randn(do.numel() + 1, device=DEVICE, dtype=torch.float16)
+    assert key(do=storage[1:].view_as(do)) is None  # a misaligned dO: no plan
+    assert key(dropout_p=0.1) is None  # dropout: no plan
+
+
 def _grads(fn, tensors, dout):
     leaves = [t.detach().requires_grad_() for t in tensors]
     out = fn(*leaves)
