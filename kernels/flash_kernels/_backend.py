@@ -74,9 +74,15 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
     return True
 
 
+def records_grad(*args) -> bool:
+    """Whether autograd would record a call taking ``args``: grad mode is on and a tensor among them needs a
+    gradient (non-tensor arguments and None are ignored)."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 def needs_grad_reason(*tensors: torch.Tensor | None) -> str | None:
     """The ``unsupported`` reason of an inference-only kernel (no backward) when autograd would record it."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if records_grad(*tensors):
         return "an input that needs gradients (the kernel has no backward; run it under torch.no_grad)"
     return None
 

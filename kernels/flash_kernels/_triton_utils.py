@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from ._backend import triton_interpreter_enabled
+from ._backend import records_grad, triton_interpreter_enabled
 
 
 # Host-side launch arithmetic in plain Python: in recent Triton (3.9 on the CPU machine this was measured on)
@@ -119,7 +119,7 @@ def eager_function(name: str, forward_impl, setup_context, backward):
     def apply(*args):
         # Where nothing would be recorded (grad mode off, or no input that needs a gradient), skip
         # autograd.Function's own host cost (tens of microseconds): its result would be the same tensors.
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if records_grad(*args):
             return fn.apply(*args)
         return forward_impl(*args)
 

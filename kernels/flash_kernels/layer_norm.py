@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._backend import use_triton
+from ._backend import records_grad, use_triton
 from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
@@ -691,8 +691,7 @@ def _norm(
     residual_dtype = torch.float32 if residual_in_fp32 else x.dtype
     # The stream is written only when someone reads it: prenorm returns it, the backward reads it. A post-norm
     # block's norm in inference (BERT) thus writes one tensor instead of two.
-    grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias, weight1, bias1, residual))
+    grad = records_grad(x, weight, bias, weight1, bias1, residual)
     store_residual = _stream_exists(residual, rowscale, dropout_p) and (prenorm or grad)
     y, y1, res_out, _, _, _, mask = pick(_norm_fwd_op, _norm_eager)(
         as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual),

@@ -121,9 +121,9 @@ def _tile_coords(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
 
 _CONFIGS = _configs()
 # "auto" takes the kernel from this many rows (tokens) on. The bound is the eager host cost (module docstring):
-# ~85 us more per call than the unfused path, against the kernel's ~80-300 us of GPU time at 8k-16k rows of an
-# encoder's fc1 and ~20 us at 2k (where an eager layer is host-bound already). BERT's and ViT's benchmark
-# batches run 8k-16k tokens; small batches and decode steps stay on cuBLAS + our GELU.
+# ~85 us more per call than the unfused path, against the kernel's 105-267 us of GPU time at 6k-16k rows of
+# an encoder's fc1 (H200, session 15); a GEMM with a few times fewer rows would no longer hide it. BERT's and
+# ViT's benchmark batches run 8k-16k tokens; small batches and decode steps stay on cuBLAS + our GELU.
 AUTO_MIN_ROWS = 8192
 
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._backend import check_backend_name, use_triton
+from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, next_power_of_2, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
 
@@ -267,8 +267,7 @@ def linear_cross_entropy(
     h2 = hidden.reshape(-1, hidden.shape[-1])
     n = h2.shape[0]
     chunk = chunk_size or default_chunk_size(n, weight.shape[1], weight.shape[0])
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    needs_grad = records_grad(hidden, weight, bias)
     loss, _, _, _ = pick(_lce_fwd_op, _lce_eager)(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1), int(ignore_index),
                                 float(label_smoothing), float(logit_scale), reduction, int(chunk), triton_ce,
                                 needs_grad)
