@@ -87,9 +87,12 @@ def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index
     losses = torch.empty((n,), device=hidden.device, dtype=torch.float32)
     dhidden = torch.empty_like(hidden) if need_grads else None
     # Accumulated in the weight's dtype by addmm (float32 inside each GEMM), as an unfused backward would: a
-    # float32 accumulator would cost a (V, H) float32 buffer, the largest tensor of the whole op.
-    dweight = torch.zeros_like(weight) if need_grads else None
-    dbias = torch.zeros((v,), device=hidden.device, dtype=torch.float32) if need_grads and bias is not None else None
+    # float32 accumulator would cost a (V, H) float32 buffer, the largest tensor of the whole op. The first
+    # chunk writes it (no zero fill, no read of zeros): each pass over the (V, H) gradient is HBM traffic
+    # that the GEMMs do not hide.
+    alloc = torch.empty if n > 0 else torch.zeros  # no chunk at all: the gradients are zero
+    dweight = alloc(weight.shape, device=weight.device, dtype=weight.dtype) if need_grads else None
+    dbias = alloc((v,), device=hidden.device, dtype=torch.float32) if need_grads and bias is not None else None
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h = hidden[start:end]
@@ -99,9 +102,15 @@ def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index
                                                logit_scale, triton_ce)
         if need_grads:
             torch.mm(dlogits, weight, out=dhidden[start:end])
-            dweight.addmm_(dlogits.t(), h)
+            if start == 0:
+                torch.mm(dlogits.t(), h, out=dweight)
+            else:
+                dweight.addmm_(dlogits.t(), h)
             if dbias is not None:
-                dbias += dlogits.sum(0, dtype=torch.float32)
+                if start == 0:
+                    torch.sum(dlogits, 0, dtype=torch.float32, out=dbias)
+                else:
+                    dbias += dlogits.sum(0, dtype=torch.float32)
     return losses, dhidden, dweight, dbias
 
 

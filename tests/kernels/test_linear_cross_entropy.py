@@ -55,6 +55,20 @@ def test_no_grad_path_and_default_chunk():
     assert default_chunk_size(10, 64, 1000) == 10
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_empty_batch_gives_zero_gradients(bias):
+    """No token, no chunk: the gradients the first chunk would have written are zeros, not an empty buffer."""
+    hidden, weight, b, labels = _inputs(torch.float32, bias)
+    hidden = hidden[:0].detach().requires_grad_()
+    loss = linear_cross_entropy(hidden, weight, labels[:0], bias=b, reduction="sum", backend="auto")
+    params = [p for p in (hidden, weight, b) if p is not None]
+    grads = torch.autograd.grad(loss, params)
+    assert loss.item() == 0.0
+    assert grads[0].shape == hidden.shape
+    for g in grads[1:]:
+        assert torch.equal(g, torch.zeros_like(g))
+
+
 def test_compile_fullgraph():
     hidden, weight, _, labels = _inputs(torch.float32, False)
 
