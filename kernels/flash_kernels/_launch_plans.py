@@ -41,3 +41,26 @@ class LaunchPlans:
     def clear(self) -> None:
         self.plans.clear()
         self.seen.clear()
+
+
+def bind_launch(kernel, grid, args: tuple, kwargs: dict, slots: tuple[int, ...]):
+    """The ``_launch.Relaunch`` of a launch just made with these arguments, taking new tensors at ``slots``; None
+    where the kernel keeps no compiled launch (Triton's own launch path: no ``bind``)."""
+    bind = getattr(kernel, "bind", None)
+    return None if bind is None else bind(grid, args, kwargs, slots)
+
+
+def present_slots(positions: tuple[int, ...], tensors: tuple) -> tuple[int, ...]:
+    """The argument positions of those ``tensors`` that are not None (an absent optional input is a dummy
+    pointer or None in the launch, the same at every call, so a plan keeps it)."""
+    return tuple(pos for pos, t in zip(positions, tensors) if t is not None)
+
+
+def all_aligned(*tensors) -> bool:
+    """Whether every given tensor's address is 16-byte aligned (None skipped). Triton specializes a kernel on
+    it, so a plan made for aligned inputs must never take a misaligned one: callers make no plan then."""
+    ptrs = 0
+    for t in tensors:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    return ptrs % 16 == 0

@@ -62,7 +62,6 @@ _BLOCK = 2048
 # 156.5); tanh alike.
 _FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-_LOG2E = tl.constexpr(1.4426950408889634)  # e^x = 2^(x log2(e))
 # The GELU kernels' reciprocal and exp2 are ``_ptx_math``'s single instructions on the GPU. H200, erf GELU,
 # 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15): forward 56.0 / 72.9 /
 # 97.0 us against 60.0 / 78.8 / 103.9 with the portable forms, backward 73.9 / 97.3 / 129.1 against 82.3 /
@@ -107,11 +106,12 @@ def _gelu_cdf(x, PTX: tl.constexpr):
 
 @triton.jit
 def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
-    """(act(g), act'(g)) in float32. KIND 0: SiLU, 1: exact GELU (erf), 2: tanh-approximated GELU. PTX: every
-    reciprocal and exp2 as a single instruction (``_ptx_math``); a plain ``1 / x`` would be an IEEE division,
-    a dozen instructions an element."""
+    """(act(g), act'(g)) in float32. KIND 0: SiLU, 1: exact GELU (erf), 2: tanh-approximated GELU. PTX: the
+    exact GELU's reciprocal and exp2 as single instructions (``_ptx_math``). SiLU and the tanh GELU keep the
+    portable forms: with the PTX ones the tanh GELU ran no faster (H200, session 16: it is at 0.96-0.99 of
+    copy bandwidth either way)."""
     if KIND == 0:
-        sig = _ptx_math.rcp(1.0 + _ptx_math.exp2(-g * _LOG2E, PTX), PTX)
+        sig = 1.0 / (1.0 + tl.exp(-g))
         a = g * sig
         da = sig * (1.0 + g * (1.0 - sig))
     elif KIND == 1:
@@ -120,8 +120,7 @@ def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
     else:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        # tanh(inner) = 2 / (1 + e^(-2 inner)) - 1: tl has no tanh that the interpreter runs. Saturates to +-1.
-        t = 2.0 * _ptx_math.rcp(1.0 + _ptx_math.exp2(inner * (-2.0 * _LOG2E), PTX), PTX) - 1.0
+        t = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0  # tanh, written with exp for portability
         a = 0.5 * g * (1.0 + t)
         da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
     return a, da

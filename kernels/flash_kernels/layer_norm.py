@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 from ._backend import records_grad, use_triton
 from ._launch import lean_launch
+from ._launch_plans import LaunchPlans, all_aligned, bind_launch, present_slots
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 from .partial_sums import sum_partials
 from ._triton_utils import (
-    as_rows, cdiv, dropout_seed, dummy_pointer, eager_function, next_power_of_2, num_programs, or_dummy,
+    as_rows, cdiv, dropout_seed, eager_function, next_power_of_2, num_programs, or_dummy,
     or_placeholder, pick, placeholder, warps_for_block,
 )
 
@@ -450,6 +451,40 @@ def _stream_exists(residual, rowscale, dropout_p) -> bool:
     return residual is not None or dropout_p > 0.0 or rowscale is not None
 
 
+def _dtype_of(t):
+    return None if t is None else t.dtype
+
+
+def _stride_and_dtype(t):
+    return None if t is None else (t.stride(0), t.dtype)
+
+
+def _current_device(t):
+    """Part of a plan key: a compiled kernel is loaded per device, and launches go to the current one."""
+    return torch.cuda.current_device() if t.is_cuda else None
+
+
+# Launches kept per call signature (``_launch_plans``): an eager norm's forward + backward is host-bound at
+# (16384, 4096) (H200, session 16: 264-551 us of host a step over three rounds, against ~175 us of kernels), and
+# in a cProfile of it the three launches' keys (``LeanKernel.launch_key``) were the largest item of our own.
+# Calls with dropout, a rowscale or a returned mask take the full path (more tensors to take). The tensors a
+# forward plan takes, where present, sit at these positions of the kernel's arguments: X, RES, W, B, W1, B1,
+# Y, Y1, RES_OUT, MEAN, RSTD.
+_FWD_PLANS = LaunchPlans()
+_FWD_TENSOR_POSITIONS = (0, 1, 4, 5, 6, 7, 8, 9, 10, 12, 13)
+
+
+def _fwd_plan_key(x, weight, bias, weight1, bias1, residual, eps, is_rms_norm, zero_centered_weight,
+                  residual_dtype, out_dtype, store_residual, pdl):
+    """Every value the forward's launch arguments derive from other than the tensors a plan takes; None when
+    an input is not 16-byte aligned. (Outputs are fresh allocations, aligned and contiguous.)"""
+    if not all_aligned(x, residual, weight, bias, weight1, bias1):
+        return None
+    return (x.shape, x.stride(0), x.dtype, x.device, _current_device(x), _stride_and_dtype(residual),
+            weight.dtype, _dtype_of(bias), _dtype_of(weight1), _dtype_of(bias1), eps, is_rms_norm,
+            zero_centered_weight, residual_dtype, out_dtype, store_residual, pdl)
+
+
 def _norm_fwd(
     x, weight, bias, weight1, bias1, residual, rowscale, eps, dropout_p, is_rms_norm, zero_centered_weight,
     residual_dtype, out_dtype, store_residual, store_mask,
@@ -467,14 +502,25 @@ def _norm_fwd(
     rstd = torch.empty((M,), device=dev, dtype=torch.float32)
     seed = dropout_seed(dev) if dropout_p > 0.0 else None
     mask = torch.empty((M, N), device=dev, dtype=torch.uint8) if store_mask else None
-    block, single, warps = _fwd_plan(N)
     pdl = programmatic_launch_enabled(dev)
-    _norm_fwd_kernel[(M,)](
+    plain = dropout_p == 0.0 and rowscale is None and not store_mask and x.is_cuda
+    key = _fwd_plan_key(x, weight, bias, weight1, bias1, residual, eps, is_rms_norm, zero_centered_weight,
+                        residual_dtype, out_dtype, store_residual, pdl) if plain else None
+    tensors = (x, residual, weight, bias, weight1, bias1, y, y1, res_out, mean, rstd)
+    plan = _FWD_PLANS.get(key)
+    if plan is not None:
+        plan(*(t for t in tensors if t is not None))
+        return y, y1, res_out, mean, rstd, seed, None
+    block, single, warps = _fwd_plan(N)
+    grid = (M,)
+    args = (
         x, residual, rowscale, or_dummy(seed, dev, torch.int64), weight, bias, weight1, bias1, y,
         or_dummy(y1, dev, out_dtype), or_dummy(res_out, dev, residual_dtype), or_dummy(mask, dev, torch.uint8),
         or_dummy(mean, dev, torch.float32), rstd, x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         y1.stride(0) if weight1 is not None else 0, res_out.stride(0) if store_residual else 0,
         N, eps, dropout_p,
+    )
+    kwargs = dict(
         IS_RMS=is_rms_norm, HAS_RES=residual is not None, HAS_ROWSCALE=rowscale is not None,
         HAS_DROPOUT=dropout_p > 0.0, HAS_B=bias is not None, HAS_W1=weight1 is not None,
         HAS_B1=bias1 is not None, HAS_STREAM=_stream_exists(residual, rowscale, dropout_p),
@@ -482,7 +528,25 @@ def _norm_fwd(
         ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single, PDL=pdl,
         num_warps=warps, **launch_options(pdl),
     )
+    _norm_fwd_kernel[grid](*args, **kwargs)
+    _FWD_PLANS.consider(key, lambda: bind_launch(_norm_fwd_kernel, grid, args, kwargs,
+                                                 present_slots(_FWD_TENSOR_POSITIONS, tensors)))
     return y, y1, res_out, mean, rstd, seed, None if mask is None else mask.view(torch.bool)
+
+
+# The tensors a backward plan takes, where present: H, W, W1, DY, DY1, DRES_OUT, MEAN, RSTD, DX, DRES, DW, DB, DW1,
+# DB1 (the last four: this call's partial-sum buffers).
+_BWD_PLANS = LaunchPlans()
+_BWD_TENSOR_POSITIONS = (0, 1, 2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15)
+
+
+def _bwd_plan_key(h, dy, dy1, dres_out, weight, weight1, mean, rstd, is_rms_norm, zero_centered_weight, has_bias,
+                  has_bias1, has_residual, x_dtype, residual_dtype):
+    if not all_aligned(h, dy, dy1, dres_out, weight, weight1, mean, rstd):
+        return None
+    return (h.shape, h.stride(0), h.dtype, h.device, _current_device(h), _stride_and_dtype(dy),
+            _stride_and_dtype(dy1), _stride_and_dtype(dres_out), weight.dtype, _dtype_of(weight1), mean is None,
+            is_rms_norm, zero_centered_weight, has_bias, has_bias1, has_residual, x_dtype, residual_dtype)
 
 
 def _norm_bwd(
@@ -506,20 +570,34 @@ def _norm_bwd(
     # The single-block kernel writes every partial; the loop path accumulates into them.
     alloc = torch.empty if single else torch.zeros
     partials = alloc((sum(present), programs, N), device=dev, dtype=torch.float32)
-    views, dummy = iter(partials), dummy_pointer(dev, torch.float32)
-    dw_p, db_p, dw1_p, db1_p = (next(views) if p else dummy for p in present)
-    _norm_bwd_kernel[(programs,)](
-        h, weight, weight1, dy, dy1, dres_out, or_dummy(mean, dev, torch.float32), rstd, rowscale,
-        or_dummy(seed, dev, torch.int64), dx,
-        or_dummy(dres, dev, residual_dtype), dw_p, db_p, dw1_p, db1_p,
-        h.stride(0), dy.stride(0), dy1.stride(0) if dy1 is not None else 0,
-        dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0) if store_dres else 0,
-        M, N, rows_per_program, dropout_p,
-        IS_RMS=is_rms_norm, HAS_B=has_bias, HAS_W1=weight1 is not None, HAS_B1=has_bias1,
-        HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_ROWSCALE=rowscale is not None,
-        HAS_DROPOUT=dropout_p > 0.0, ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
-        ROW_STAGES=stages, num_warps=warps,
-    )
+    views = iter(partials)
+    dw_p, db_p, dw1_p, db1_p = (next(views) if p else None for p in present)
+    plain = dropout_p == 0.0 and rowscale is None and h.is_cuda
+    key = _bwd_plan_key(h, dy, dy1, dres_out, weight, weight1, mean, rstd, is_rms_norm, zero_centered_weight,
+                        has_bias, has_bias1, has_residual, x_dtype, residual_dtype) if plain else None
+    tensors = (h, weight, weight1, dy, dy1, dres_out, mean, rstd, dx, dres, dw_p, db_p, dw1_p, db1_p)
+    plan = _BWD_PLANS.get(key)
+    if plan is not None:
+        plan(*(t for t in tensors if t is not None))
+    else:
+        grid = (programs,)
+        args = (
+            h, weight, weight1, dy, dy1, dres_out, or_dummy(mean, dev, torch.float32), rstd, rowscale,
+            or_dummy(seed, dev, torch.int64), dx,
+            or_dummy(dres, dev, residual_dtype), dw_p, *(or_dummy(p, dev, torch.float32) for p in (db_p, dw1_p, db1_p)),
+            h.stride(0), dy.stride(0), dy1.stride(0) if dy1 is not None else 0,
+            dres_out.stride(0) if dres_out is not None else 0, dx.stride(0), dres.stride(0) if store_dres else 0,
+            M, N, rows_per_program, dropout_p,
+        )
+        kwargs = dict(
+            IS_RMS=is_rms_norm, HAS_B=has_bias, HAS_W1=weight1 is not None, HAS_B1=has_bias1,
+            HAS_DRES_OUT=dres_out is not None, STORE_DRES=store_dres, HAS_ROWSCALE=rowscale is not None,
+            HAS_DROPOUT=dropout_p > 0.0, ZERO_CENTERED=zero_centered_weight, BLOCK_N=block, SINGLE_BLOCK=single,
+            ROW_STAGES=stages, num_warps=warps,
+        )
+        _norm_bwd_kernel[grid](*args, **kwargs)
+        _BWD_PLANS.consider(key, lambda: bind_launch(_norm_bwd_kernel, grid, args, kwargs,
+                                                     present_slots(_BWD_TENSOR_POSITIONS, tensors)))
     if has_residual and not store_dres:
         dres = dx
     grad_dtypes = tuple(dt for dt, p in zip(param_dtypes, present) if p) if param_dtypes else None

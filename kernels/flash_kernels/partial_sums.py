@@ -13,10 +13,12 @@ import functools
 import torch
 
 from ._launch import lean_launch
+from ._launch_plans import LaunchPlans, bind_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, num_programs
 
 _SUM_BLOCK_P, _SUM_MAX_BLOCK_N, _SUM_MIN_BLOCK_N = 32, 64, 16
+_PLANS = LaunchPlans()  # launches kept per call signature (``_launch_plans``): every eager norm backward sums here
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -71,11 +73,18 @@ def sum_partials(partials: torch.Tensor, dtypes: tuple[torch.dtype, ...] | None 
     summed in float32 and stored as ``dtypes[i]`` (default float32): a bf16 parameter's gradient needs no
     cast launch after it."""
     k, programs, n = partials.shape
-    dtypes = dtypes or (torch.float32,) * k
+    dtypes = tuple(dtypes) if dtypes else (torch.float32,) * k
     outs = [torch.empty(n, device=partials.device, dtype=dtype) for dtype in dtypes]
     pointers = outs + [outs[0]] * (4 - k)  # unused slots: the grid never reaches them
+    # The key: everything the launch derives from but the tensors (fresh, contiguous, aligned allocations).
+    key = (partials.shape, dtypes, partials.device, torch.cuda.current_device()) if partials.is_cuda else None
+    plan = _PLANS.get(key)
+    if plan is not None:
+        plan(partials, *pointers)
+        return outs
     block_n = _block_n(k, n, partials.device)
-    _sum_partials_kernel[(cdiv(n, block_n), k)](
-        partials, *pointers, programs, n, BLOCK_P=_SUM_BLOCK_P, BLOCK_N=block_n, num_warps=4,
-    )
+    grid, args = (cdiv(n, block_n), k), (partials, *pointers, programs, n)
+    kwargs = dict(BLOCK_P=_SUM_BLOCK_P, BLOCK_N=block_n, num_warps=4)
+    _sum_partials_kernel[grid](*args, **kwargs)
+    _PLANS.consider(key, lambda: bind_launch(_sum_partials_kernel, grid, args, kwargs, (0, 1, 2, 3, 4)))
     return outs

@@ -1,7 +1,9 @@
-"""Launch plans (flash_kernels._launch_plans, _launch.Relaunch, LeanKernel.bind) and the attention forward's
-use of them: a plan is kept only for a key seen twice, takes the new call's tensors and keeps none of the old
-ones, and the attention key separates every call whose launch arguments differ. On CUDA, forwards that run
-from a plan match the reference on fresh data."""
+"""Launch plans (flash_kernels._launch_plans, _launch.Relaunch, LeanKernel.bind) and their use by the attention
+forward and backward and the fused norms: a plan is kept only for a key seen twice, takes the new call's
+tensors and keeps none of the old ones, and each op's key separates every call whose launch arguments differ.
+On CUDA, calls that run from a plan match the reference on fresh data."""
+
+import importlib
 
 import pytest
 import torch
@@ -10,7 +12,10 @@ from triton.runtime.jit import JITFunction
 import flash_kernels as fk
 from flash_kernels import attention
 from flash_kernels._launch import LeanKernel, Relaunch
-from flash_kernels._launch_plans import LaunchPlans
+from flash_kernels._launch_plans import LaunchPlans, all_aligned, present_slots
+
+layer_norm = importlib.import_module("flash_kernels.layer_norm")  # the module (the package exports the function)
+partial_sums = importlib.import_module("flash_kernels.partial_sums")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -177,3 +182,108 @@ def test_calls_from_a_plan_match_the_reference_on_fresh_data(case):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.float(), w, atol=3e-2, rtol=3e-2)
         assert len(attention._FWD_PLANS.plans) == len(attention._BWD_PLANS.plans) == (0 if call == 0 else 1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The norms' plans (layer_norm._FWD_PLANS / _BWD_PLANS, partial_sums._PLANS)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _norm_fwd_key(x, w, b=None, w1=None, b1=None, res=None, eps=1e-5, rms=True, zero=False, res_dtype=None,
+                  out_dtype=None, store=False, pdl=0):
+    return layer_norm._fwd_plan_key(x, w, b, w1, b1, res, eps, rms, zero, res_dtype or x.dtype, out_dtype or x.dtype,
+                                    store, pdl)
+
+
+def test_the_norm_forward_plan_key_separates_calls_whose_launches_differ():
+    x, w = torch.randn(6, 40, device=DEVICE, dtype=torch.bfloat16), torch.randn(40, device=DEVICE)
+    base = _norm_fwd_key(x, w)
+    assert base is not None and _norm_fwd_key(torch.randn_like(x), torch.randn_like(w)) == base
+    wide = torch.randn(6, 80, device=DEVICE, dtype=torch.bfloat16)
+    different = [
+        _norm_fwd_key(x[:5], w),
+        _norm_fwd_key(wide[:, :40], w),  # same shape, other row stride
+        _norm_fwd_key(x.half(), w),
+        _norm_fwd_key(x, w.bfloat16()),
+        _norm_fwd_key(x, w, b=torch.zeros_like(w)),
+        _norm_fwd_key(x, w, w1=w, b1=w),
+        _norm_fwd_key(x, w, res=torch.randn_like(x)),
+        _norm_fwd_key(x, w, res=torch.randn_like(x), store=True),
+        _norm_fwd_key(x, w, res=torch.randn_like(x), res_dtype=torch.float32),
+        _norm_fwd_key(x, w, eps=1e-6),
+        _norm_fwd_key(x, w, rms=False),
+        _norm_fwd_key(x, w, zero=True),
+        _norm_fwd_key(x, w, out_dtype=torch.float32),
+        _norm_fwd_key(x, w, pdl=1),
+    ]
+    assert None not in different and base not in different and len(set(different)) == len(different)
+    misaligned = torch.randn(6 * 40 + 1, device=DEVICE, dtype=torch.bfloat16)[1:].view(6, 40)
+    assert _norm_fwd_key(misaligned, w) is None
+
+
+def test_the_norm_backward_plan_key_separates_calls_whose_launches_differ():
+    h, w = torch.randn(6, 40, device=DEVICE, dtype=torch.bfloat16), torch.randn(40, device=DEVICE)
+    dy, rstd, mean = torch.randn_like(h), torch.rand(6, device=DEVICE), torch.randn(6, device=DEVICE)
+
+    def key(h=h, dy=dy, dy1=None, dres=None, w1=None, mean=None, rms=True, bias=False, res=False, x_dtype=None):
+        return layer_norm._bwd_plan_key(h, dy, dy1, dres, w, w1, mean, rstd, rms, False, bias, False, res,
+                                        x_dtype or h.dtype, h.dtype)
+
+    base = key()
+    assert base is not None and key(h=torch.randn_like(h), dy=torch.randn_like(dy)) == base
+    different = [key(h=h[:5], dy=dy[:5]), key(dy=torch.randn(6, 80, device=DEVICE, dtype=torch.bfloat16)[:, :40]),
+                 key(dy1=dy, w1=w), key(dres=dy), key(mean=mean, rms=False), key(bias=True), key(res=True),
+                 key(x_dtype=torch.float32)]
+    assert None not in different and base not in different and len(set(different)) == len(different)
+    assert key(dy=torch.randn(6 * 40 + 1, device=DEVICE, dtype=torch.bfloat16)[1:].view(6, 40)) is None
+
+
+_NORM_CASES = {
+    "rms_norm": lambda x, r, w, b, be: fk.rms_norm(x, w, eps=1e-6, backend=be),
+    "add_rms_norm_prenorm": lambda x, r, w, b, be: fk.rms_norm(x, w, residual=r, prenorm=True, eps=1e-6, backend=be),
+    "layer_norm_bias": lambda x, r, w, b, be: fk.layer_norm(x, w, b, backend=be),
+    "layer_norm_residual_fp32": lambda x, r, w, b, be: fk.layer_norm(x, w, b, residual=r, prenorm=True,
+                                                                     residual_in_fp32=True, backend=be),
+    "dual_layer_norm": lambda x, r, w, b, be: fk.layer_norm_dual(x, w, b, w.flip(0), b.flip(0), residual=r,
+                                                                 backend=be),
+}
+
+
+def _outputs_and_grads(fn, tensors, douts):
+    """fn's outputs and the gradients of every input (None where an input does not reach the outputs)."""
+    leaves = [t.detach().requires_grad_() for t in tensors]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return (*outs, *torch.autograd.grad(outs, leaves, douts, allow_unused=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(_NORM_CASES))
+def test_norms_from_a_plan_match_the_reference_on_fresh_data(case):
+    """Forward and backward of the fused norms over four calls with fresh data: the second call keeps the plans
+    (forward, backward, the partial sums), the last two run from them, and each matches the reference."""
+    for table in (layer_norm._FWD_PLANS, layer_norm._BWD_PLANS, partial_sums._PLANS):
+        table.clear()
+    fn = _NORM_CASES[case]
+    for call in range(4):
+        x, r = (torch.randn(300, 1000, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        w, b = torch.randn(1000, device="cuda"), torch.randn(1000, device="cuda")
+        ref_outs = fn(x, r, w, b, "reference")
+        douts = [torch.randn_like(o) for o in (ref_outs if isinstance(ref_outs, tuple) else (ref_outs,))]
+        got = _outputs_and_grads(lambda *t: fn(*t, "triton"), (x, r, w, b), douts)
+        want = _outputs_and_grads(lambda *t: fn(*t, "reference"), [t.float() for t in (x, r, w, b)],
+                                  [d.float() for d in douts])
+        for g, w_ in zip(got, want, strict=True):
+            assert (g is None) == (w_ is None)
+            if g is not None:
+                torch.testing.assert_close(g.float(), w_.float(), atol=6e-2, rtol=2e-2)
+        expected = 0 if call == 0 else 1
+        assert len(layer_norm._FWD_PLANS.plans) == len(layer_norm._BWD_PLANS.plans) == expected
+        assert len(partial_sums._PLANS.plans) == expected
+
+
+def test_present_slots_and_alignment_helpers():
+    a, b = torch.zeros(4), torch.zeros(4)
+    assert present_slots((0, 3, 5, 9), (a, None, b, None)) == (0, 5)
+    assert all_aligned(a, None, b)
+    assert not all_aligned(a, torch.zeros(5)[1:])
