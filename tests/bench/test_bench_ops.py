@@ -1,0 +1,44 @@
+"""bench ops' timing rounds, on the CPU with a scripted clock: the sides of a case are timed in interleaved
+rounds, each reports its best round, and a side that fails is reported without stopping the others."""
+
+import torch
+
+from flash_models.bench import ops
+from flash_models.bench.harness import Timing
+
+
+def test_sides_are_timed_in_interleaved_rounds_and_report_their_best(monkeypatch):
+    x = torch.randn(4, 8, requires_grad=True)
+    order = []
+
+    def side(name):
+        def fn():
+            order.append(name)
+            return x * 2
+
+        return fn
+
+    def broken():
+        raise RuntimeError("this peer rejects the input")
+
+    # Per (side, forward or step): the medians the scripted clock gives, one per round; a stall hits a's round 1.
+    script = {("a", "fwd"): [3.0, 1.0, 2.0], ("a", "step"): [9.0, 4.0, 5.0],
+              ("b", "fwd"): [2.0, 2.5, 2.2], ("b", "step"): [6.0, 6.5, 7.0]}
+
+    def fake_time_cuda(fn, repeats):
+        before = len(order)
+        fn()
+        name = order[before]
+        kind = "step" if torch.is_grad_enabled() else "fwd"
+        return Timing(median_ms=script[(name, kind)].pop(0), min_ms=0.0, repeats=repeats)
+
+    monkeypatch.setattr(ops, "time_cuda", fake_time_cuda)
+    case = ops.Case("op", "4x8", {"a": side("a"), "b": side("b"), "broken": broken}, [x])
+    order.clear()
+    results = ops._time_sides(case, rounds=3)
+    assert results["a"] == {"fwd_ms": 1.0, "fwd_bwd_ms": 4.0}
+    assert results["b"] == {"fwd_ms": 2.0, "fwd_bwd_ms": 6.0}
+    assert "this peer rejects" in str(results["broken"]["error"])
+    # After each side's one call that draws its output gradients, a round times every side (forward, then
+    # forward + backward) before the next round starts.
+    assert order[2:] == ["a", "a", "b", "b"] * 3
