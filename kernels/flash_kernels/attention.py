@@ -21,10 +21,20 @@ The Triton path is registered as ``flash_kernels::attn_fwd`` / ``attn_bwd`` cust
 implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it. The backward is
 atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group, one for dQ), hence always
 deterministic; ``deterministic=`` is accepted for FA2 compatibility.
+
+The forward loads its Q, K, V tiles either with pointer loads or (``TMA``, Hopper and newer) through tensor
+descriptors that each program builds on the device over its own sequence, so rows past the sequence's end and
+columns past the head dim arrive as zeros. Which one runs is an autotune choice, not a replacement: measured on an
+H200 (session 16, CUDA-graph replay, head dim 128), TMA (BLOCK_M 128, BLOCK_N 64, 4 warps, 2 stages) took
+320 / 584 / 1120 us against 352 / 614 / 1188 at S = 1k / 2k / 4k non-causal and 373 / 647 against 387 / 668
+causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x) and at BERT's varlen S = 128
+(77 vs 51). TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
+16-byte alignment of every descriptor base and row stride); ``set_tma_loads`` forces or forbids them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -34,8 +44,10 @@ from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
 from ._launch_plans import LaunchPlans
-from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, dropout_seed, dummy_pointer, eager_function, next_power_of_2, pick, placeholder
+from ._triton_compat import TRITON_AVAILABLE, tl, triton
+from ._triton_utils import (
+    cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
+)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
@@ -261,6 +273,21 @@ def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 
 @triton.jit
+def _load_tile(src, start, rows, n_rows, stride_s, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               ROW_MASK: tl.constexpr, TMA: tl.constexpr):
+    """The (len(rows), BLOCK_D) tile at rows ``rows`` = start + arange of one (sequence, head)'s rows: from its
+    TMA descriptor (one bulk copy) or, from its base pointer, by loads masked as ``_load_rows`` masks them.
+    Either way rows >= n_rows and columns >= HEAD_DIM read as zeros."""
+    # if/else with one return: the compiler also visits code after a constexpr-if that returns.
+    if TMA:
+        x = src.load([start, 0])
+    else:
+        x = _load_rows(src + rows[:, None] * stride_s + offs_d[None, :], rows, n_rows, offs_d, HEAD_DIM, BLOCK_D,
+                       ROW_MASK)
+    return x
+
+
+@triton.jit
 def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     if HEAD_DIM == BLOCK_D:
         tl.store(ptrs, x, mask=rows[:, None] < n_rows)
@@ -339,14 +366,15 @@ def _head_seed(Seed, b, n_heads, h, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi,
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, hi,
                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
-               DOT_F32: tl.constexpr, RAW_MAX: tl.constexpr):
+               DOT_F32: tl.constexpr, RAW_MAX: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over key blocks [lo, hi); k_src / v_src are base pointers or (TMA) descriptors."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)  # (N, D)
+        k = _load_tile(k_src, start_n, offs_n, len_k, stride_ks, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)  # (N, D)
         qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
         if RAW_MAX:
             # Scores are qk * scale_log2 with scale_log2 > 0: the row maximum of the raw products, scaled once
@@ -372,7 +400,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, o
         acc = acc * alpha[:, None]
         if DROPOUT:
             p = tl.where(_keep(seed, offs_m[:, None], offs_n[None, :], max_k, dropout_p), p, 0.0)
-        v = _load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
+        v = _load_tile(v_src, start_n, offs_n, len_k, stride_vs, offs_d, HEAD_DIM, BLOCK_D, MASK, TMA)
         acc = _mm(p.to(v.dtype), v, acc, DOT_F32)
         m_i = m_new
     return acc, l_i, m_i
@@ -412,33 +440,147 @@ def _tune_buckets(max_q: int, max_k: int) -> tuple[int, int]:
     return next_power_of_2(max(max_q, 1)), next_power_of_2(max(max_k, 1))
 
 
+# ---- TMA loads in the forward (see the module docstring for why they are an autotune choice) ----------------
+
+# Device-side tensor descriptors, and the allocator of the global scratch they are written to at each launch.
+# NVIDIA only: a ROCm build reports its GPUs' gfx versions as compute capabilities (MI300: 9.4).
+TMA_AVAILABLE = (TRITON_AVAILABLE and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
+                 and torch.version.hip is None)
+# Values of the forward kernel's ``tma_ok`` argument (part of its autotune key): TMA cannot run for this launch;
+# it can, and the autotuner may pick it; it can, and TMA configs are the only candidates (set_tma_loads("force")).
+_TMA_NO, _TMA_MAY, _TMA_MUST = 0, 1, 2
+# Whether the autotuner picks TMA by itself. Not under the interpreter (one tile, never benchmarked) or with
+# FLASH_KERNELS_AUTOTUNE=0 (the default config alone): there only a forced launch takes a TMA config.
+_TMA_AUTOTUNED = not triton_interpreter_enabled() and os.environ.get("FLASH_KERNELS_AUTOTUNE", "1") != "0"
+_TMA_MODES = ("auto", "force", "off")
+_tma_mode = "auto"
+
+
+def set_tma_loads(mode: str) -> str:
+    """How the attention forward loads its tiles, for tests and benchmarks; returns the previous mode.
+
+    "auto" (the default): the autotuner may pick a TMA config wherever TMA can run. "force": only TMA configs
+    wherever TMA can run (under the interpreter too, where a test would otherwise never reach them), the plain
+    loads elsewhere, e.g. for an input that is not 16-byte aligned. "off": plain loads only. Kept launch plans
+    are dropped, since they hold the config chosen under the old mode."""
+    global _tma_mode
+    if mode not in _TMA_MODES:
+        raise ValueError(f"set_tma_loads: mode must be one of {_TMA_MODES}, got {mode!r}")
+    previous, _tma_mode = _tma_mode, mode
+    _FWD_PLANS.clear()
+    return previous
+
+
+def _tma_flag(q, k, v) -> int:
+    """The launch's ``tma_ok``: TMA configs are candidates only on a device with TMA (compute capability 9.0 or
+    newer; on the CPU, Triton's interpreter), with a Triton that has device-side descriptors, and where every
+    descriptor base is 16-byte aligned: q, k, v's addresses and all their strides but the unit last one in
+    bytes (a program's base is the address plus multiples of those strides; a varlen sequence's first row
+    moves it by q_start * stride_s, which the row stride covers). All it reads but the mode is in
+    _fwd_plan_key, and set_tma_loads drops every plan."""
+    mode = _tma_mode
+    if mode == "off" or not TMA_AVAILABLE:
+        return _TMA_NO
+    if q.is_cuda:
+        if not hopper_or_newer(q.device):
+            return _TMA_NO
+    elif not triton_interpreter_enabled():
+        return _TMA_NO
+    # Every stride times the element size (q, k, v share a dtype) is a multiple of 16 iff their gcd's is: one
+    # C call instead of a Python loop over nine strides.
+    strides = math.gcd(*q.stride()[:-1], *k.stride()[:-1], *v.stride()[:-1])
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | strides * q.element_size()) % 16:
+        return _TMA_NO
+    return _TMA_MUST if mode == "force" else _TMA_MAY
+
+
+def _scratch_alloc(size: int, alignment: int, stream):
+    """Triton's global scratch (the device-side descriptors, 128 bytes each per program) from torch's caching
+    allocator on the current device, on whose current stream Triton launches. Its blocks are 512-byte aligned,
+    more than the 128 Triton asks for. Freed when the launch returns, the block is reused only by work queued
+    after the kernel on that stream; under CUDA-graph capture it comes from the graph's private pool, so each
+    replay writes its descriptors into memory the graph owns."""
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Install ``_scratch_alloc`` unless an allocator is set already (a user's stays). In Triton 3.6 and 3.8 the
+    allocator is a ContextVar: each thread (autograd's worker re-running a checkpointed forward, say) starts
+    without one, so this runs before every launch that may take a TMA config, plan launches included. The
+    check is one ContextVar read (a module global in older Triton)."""
+    allocation = triton.runtime._allocation
+    current = allocation._allocator
+    if hasattr(current, "get"):
+        current = current.get()
+    if isinstance(current, allocation.NullAllocator):
+        triton.set_allocator(_scratch_alloc)
+
+
+def _with_scratch_allocator(relaunch):
+    """A launch plan that makes sure of the allocator before relaunching (None stays None)."""
+    if relaunch is None:
+        return None
+
+    def plan(*tensors):
+        _ensure_scratch_allocator()
+        relaunch(*tensors)
+
+    return plan
+
+
 def _fwd_configs():
-    return _configs([(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)])
+    """The pointer-load candidates, then (where Triton has device-side descriptors) the TMA ones: the two that
+    measured best on the H200, or the interpreter's one small tile. Per launch, ``_prune_fwd`` decides whether
+    TMA configs are candidates at all."""
+    shapes = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)]
+    plain = [triton.Config({**c.kwargs, "TMA": False}, num_warps=c.num_warps, num_stages=c.num_stages)
+             for c in _configs(shapes)]
+    if not TMA_AVAILABLE:
+        return plain
+    tma = [(16, 16, 4, 1)] if triton_interpreter_enabled() else [(128, 64, 4, 2), (128, 128, 8, 3)]
+    return plain + [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": True}, num_warps=w, num_stages=s)
+                    for m, n, w, s in tma]
 
 
 def _prune_big_head(configs, named_args, **kwargs):
-    """Head dims above 128 (padded to 256) need small tiles to fit registers and shared memory."""
+    """Head dims above 128 (padded to 256) need small tiles to fit registers and shared memory (and no TMA,
+    whose staged tiles take more shared memory)."""
     bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
     small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 and c.num_stages <= 2]
     if bd <= 128:
         return [c for c in configs if c not in small] or configs
-    keep = small
+    keep = [c for c in small if not c.kwargs.get("TMA")]
     return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
 
 
+def _prune_fwd(configs, named_args, **kwargs):
+    """``_prune_big_head``, then TMA configs by the launch's ``tma_ok``: dropped where TMA cannot run (or where
+    the autotuner does not pick it by itself), the only ones left where forced (the first alone without
+    autotuning, so nothing is benchmarked)."""
+    configs = _prune_big_head(configs, named_args, **kwargs)
+    tma = [c for c in configs if c.kwargs.get("TMA")]
+    plain = [c for c in configs if not c.kwargs.get("TMA")]
+    flag = kwargs.get("tma_ok", named_args.get("tma_ok", _TMA_NO))
+    if flag == _TMA_MUST and tma:
+        return tma if _TMA_AUTOTUNED else tma[:1]
+    if flag == _TMA_MAY and _TMA_AUTOTUNED:
+        return configs
+    return plain
+
+
 @cached_autotune
-@triton.autotune(configs=_fwd_configs(), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune_big_head})
-@triton.jit
+@triton.autotune(configs=_fwd_configs(), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "tma_ok"],
+                 prune_configs_by={"early_config_prune": _prune_fwd})
+@triton.jit(do_not_specialize=["tma_ok"])  # read by the prune only: one compiled kernel whatever its value
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CuQ, CuK, Alibi,
     scale_log2, softcap, dropout_p, Seed,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
+    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k, tma_ok,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
-    POSITIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POSITIVE_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     RAW_MAX: tl.constexpr = POSITIVE_SCALE and not SOFTCAP and not ALIBI  # scores are qk * scale_log2
@@ -458,7 +600,22 @@ def _attn_fwd_kernel(
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    if TMA:
+        # Descriptors over this (sequence, head)'s rows only, HEAD_DIM wide: TMA zero-fills what lies outside,
+        # the rows past the sequence's end (never the next sequence's) and the columns past HEAD_DIM (head dims
+        # 80, 96 in 128-wide tiles). An empty key sequence gets extent 1, not 0: nothing is loaded from it.
+        # (len_q > 0 here.) Only the loads change; masks, softmax and the store are the same on either path.
+        q_src = tl.make_tensor_descriptor(q_base, shape=[len_q, HEAD_DIM], strides=[stride_qs, 1],
+                                          block_shape=[BLOCK_M, BLOCK_D])
+        k_src = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(len_k, 1), HEAD_DIM], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        q_src = q_base
+        k_src = k_base
+        v_src = v_base
+    q = _load_tile(q_src, m0, offs_m, len_q, stride_qs, offs_d, HEAD_DIM, BLOCK_D, True, TMA)
     slope_log2 = 0.0
     if ALIBI:
         slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
@@ -474,15 +631,15 @@ def _attn_fwd_kernel(
         full_lo = 0
         full_hi = len_k // BLOCK_N * BLOCK_N
         hi = len_k
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32, RAW_MAX)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32, RAW_MAX, TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi,
                                len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX)
+                               HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32, RAW_MAX, TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     if DROPOUT:
@@ -823,7 +980,9 @@ _FWD_SLOTS, _FWD_SLOTS_VARLEN = (0, 1, 2, 3, 4), (0, 1, 2, 3, 4, 5, 6)  # Q, K, 
 def _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
     """Every value the forward's launch arguments derive from, other than the tensors a plan takes; None for a
     call that gets no plan: ALiBi or dropout (more tensors to take), or an input not 16-byte aligned (Triton
-    specializes on alignment, and a plan must not meet a tensor aligned unlike its first one)."""
+    specializes on alignment, and a plan must not meet a tensor aligned unlike its first one). ``tma_ok`` is
+    a function of the key too: of the device, dtype and strides, with the addresses 16-byte aligned; the TMA
+    mode is not in it, but set_tma_loads drops every plan."""
     if alibi is not None or dropout_p > 0:
         return None
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
@@ -859,20 +1018,27 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     hq, hkv = q4.shape[2], k4.shape[2]
     left, right, local = _window_bounds(causal, wl, wr, max_q, max_k)
     seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
+    tma_ok = _tma_flag(q, k, v)
     grid = lambda meta: (cdiv(max_q, meta["BLOCK_M"]), nseq * hq)  # noqa: E731
     args = (
         q4, k4, v4, o4, lse, cu_q if varlen else dummy, cu_k if varlen else dummy, alibi_t,
         scale * LOG2E, softcap, dropout_p, seed,
         *_bsh_strides(q4, varlen), *_bsh_strides(k4, varlen), *_bsh_strides(v4, varlen),
         *_bsh_strides(o4, varlen), slb, slh, stride_ab,
-        max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k),
+        max_q, max_k, hq, hq // hkv, left, right, *_tune_buckets(max_q, max_k), tma_ok,
     )
     kwargs = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
                   ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q), POSITIVE_SCALE=scale > 0)
+    if tma_ok and q.is_cuda:  # (the interpreter needs no scratch)
+        _ensure_scratch_allocator()
     _attn_fwd_kernel[grid](*args, **kwargs)
     bind = getattr(_attn_fwd_kernel, "bind", None)  # absent where launches go through Triton's own path
     if bind is not None:
-        _FWD_PLANS.consider(plan_key, lambda: bind(grid, args, kwargs, _FWD_SLOTS_VARLEN if varlen else _FWD_SLOTS))
+        slots = _FWD_SLOTS_VARLEN if varlen else _FWD_SLOTS
+        if tma_ok:
+            _FWD_PLANS.consider(plan_key, lambda: _with_scratch_allocator(bind(grid, args, kwargs, slots)))
+        else:
+            _FWD_PLANS.consider(plan_key, lambda: bind(grid, args, kwargs, slots))
     return out, lse, rng_state
 
 
