@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ._autotune_cache import cached_autotune
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
-from ._launch_plans import LaunchPlans
+from ._launch_plans import LaunchPlans, bind_launch
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import (
     cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
@@ -1136,9 +1136,7 @@ def _bind_all(launches, slots):
         if launch is None:
             bound.append(None)
             continue
-        kernel, grid, args, kwargs = launch
-        bind = getattr(kernel, "bind", None)
-        relaunch = bind(grid, args, kwargs, launch_slots) if bind is not None else None
+        relaunch = bind_launch(*launch, launch_slots)
         if relaunch is None:
             return None
         bound.append(relaunch)

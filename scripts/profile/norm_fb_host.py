@@ -5,25 +5,11 @@ to 2x between them), then a cProfile of ours.
     PYTHONPATH=.:kernels python scripts/profile/norm_fb_host.py   # on a CUDA GPU
 """
 
-import time
-
 import torch
 
 from flash_kernels import rms_norm
 from flash_models.bench.ops import _fwd_bwd_step
-from host_cost import cprofile_stats  # this folder's sibling script
-
-
-def host_us(step, steps: int = 2000) -> float:
-    for _ in range(50):
-        step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / steps * 1e6
+from host_cost import cprofile_stats, host_us  # this folder's sibling script
 
 
 def rms_norm_unfused(x, w):
@@ -43,7 +29,7 @@ def main():
                                                    [x, r, w]),
     }
     for round_ in range(3):
-        print(f"round {round_}: " + ", ".join(f"{name} {host_us(step):.1f} us" for name, step in steps.items()),
+        print(f"round {round_}: " + ", ".join(f"{name} {host_us(step, n=2000):.1f} us" for name, step in steps.items()),
               flush=True)
     print(cprofile_stats(steps["ours rms_norm"], 2000, rows=30))
 
