@@ -4,7 +4,8 @@ Training grid: bf16, B*S fixed (16k tokens), H*D fixed (2048), head dim 64 and 1
 and not. Forward and forward+backward TFLOP/s (DESIGN.md: fwd = 4*B*S^2*H*D, half when causal; fwd+bwd =
 3.5x fwd). Peers: SDPA FLASH_ATTENTION (FA2), CUDNN_ATTENTION, EFFICIENT_ATTENTION, each pinned with
 ``sdpa_kernel``, and the best of them. The sides of a shape are timed in interleaved rounds (``--rounds``),
-each reporting its best round (``_time_in_rounds``).
+each reporting its best round (``_time_in_rounds``). Calls are timed back to back by default, as they run in a
+model (``--timing isolated``: each call on an idle GPU, its host launch latency included; ``time_cuda``).
 
 Decode grid: one query token, KV length 2k..32k, batch 1..64; GB/s of K+V bytes read, ours vs SDPA, and as a
 fraction of the measured device copy bandwidth.
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
-from .harness import BenchResult, measure_copy_bandwidth, time_cuda
+from .harness import BenchResult, add_timing_argument, measure_copy_bandwidth, time_cuda
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +80,18 @@ def _prepare(make_fn, q, k, v, graphs=False):
         return None
 
 
-def _time_in_rounds(prepared: dict, repeats: int, rounds: int) -> dict[str, tuple[float | None, float | None]]:
+def _time_in_rounds(prepared: dict, repeats: int, rounds: int,
+                    back_to_back: bool = True) -> dict[str, tuple[float | None, float | None]]:
     """Per side, (fwd ms, fwd+bwd ms): the best over ``rounds`` interleaved rounds of a median of ``repeats``
-    sync'd calls (Nones for a side that was rejected). Interleaved so that a stall of the host (the lent
+    calls (``time_cuda``; Nones for a side that was rejected). Interleaved so that a stall of the host (the lent
     machine's eager times swung by up to 200 us at equal code, session 16) lands on every side alike, and the
     best round is one a stall missed."""
     best = {name: [float("inf"), float("inf")] for name, calls in prepared.items() if calls is not None}
     for _ in range(rounds):
         for name in best:
             fwd_call, both_call, _ = prepared[name]
-            best[name][0] = min(best[name][0], time_cuda(fwd_call, repeats=repeats).median_ms)
-            best[name][1] = min(best[name][1], time_cuda(both_call, repeats=repeats).median_ms)
+            best[name][0] = min(best[name][0], time_cuda(fwd_call, repeats=repeats, back_to_back=back_to_back).median_ms)
+            best[name][1] = min(best[name][1], time_cuda(both_call, repeats=repeats, back_to_back=back_to_back).median_ms)
     return {name: tuple(best[name]) if name in best else (None, None) for name in prepared}
 
 
@@ -97,7 +99,8 @@ def _tflops(flops, ms):
     return None if ms is None else flops / (ms * 1e-3) / 1e12
 
 
-def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats, graphs=False, rounds=3):
+def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats, graphs=False, rounds=3,
+                   back_to_back=True):
     for d in hdims:
         h = hidden // d
         for s in seqlens:
@@ -109,7 +112,7 @@ def bench_training(res, *, hdims, seqlens, causals, tokens, hidden, repeats, gra
                 prepared = {"ours": _prepare(lambda *t: _ours_fn(*t, causal), q, k, v, graphs)}
                 for peer in PEERS:
                     prepared[peer] = _prepare(lambda *t, peer=peer: _sdpa_fn(peer, *t, causal), q, k, v, graphs)
-                times = _time_in_rounds(prepared, repeats, rounds)
+                times = _time_in_rounds(prepared, repeats, rounds, back_to_back)
                 best_f, best_b = 0.0, 0.0
                 for name, (fwd, both) in times.items():
                     row[f"{name}_fwd"], row[f"{name}_fwdbwd"] = _tflops(flops, fwd), _tflops(3.5 * flops, both)
@@ -163,18 +166,18 @@ def _decode_inputs(b, kv, heads, kv_heads, d, copies):
     return sets
 
 
-def _time_decode(make_fn, sets, repeats):
-    """(eager ms per call, graph-replayed ms per call)."""
+def _time_decode(make_fn, sets, repeats, back_to_back=True):
+    """(ms of one isolated eager call, Python included; graph-replayed ms per call)."""
     fns = [make_fn(*s) for s in sets]
     for fn in fns:
         fn()
     eager = time_cuda(fns[0], repeats=repeats).median_ms
     replay = _graphed(fns)
-    graphed = time_cuda(replay, repeats=repeats).median_ms / len(fns)
+    graphed = time_cuda(replay, repeats=repeats, back_to_back=back_to_back).median_ms / len(fns)
     return eager, graphed
 
 
-def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw):
+def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw, back_to_back=True):
     from torch.nn.attention import sdpa_kernel
 
     from flash_kernels import flash_attn_with_kvcache, programmatic_launch
@@ -193,7 +196,7 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
             def ours(q, kc, vc):
                 return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton")
 
-            eager, graphed = _time_decode(ours, sets, repeats)
+            eager, graphed = _time_decode(ours, sets, repeats, back_to_back)
             row["ours_us"], row["ours_graph_us"] = eager * 1e3, graphed * 1e3
             row["ours_GBs"] = nbytes / (graphed * 1e-3) / 1e9
             row["ours_eager_GBs"] = nbytes / (eager * 1e-3) / 1e9
@@ -201,7 +204,7 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
             # launching while the call before it finishes; the graphs are captured inside the context), with
             # the early trigger at batch 1 as generation uses it.
             with programmatic_launch(early_trigger=b == 1):
-                _, pdl_graphed = _time_decode(ours, sets, repeats)
+                _, pdl_graphed = _time_decode(ours, sets, repeats, back_to_back)
             row["ours_pdl_GBs"] = nbytes / (pdl_graphed * 1e-3) / 1e9
             best = 0.0
             for peer in PEERS:
@@ -217,7 +220,7 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw)
                     return run
 
                 try:
-                    _, pg = _time_decode(sdpa, sets, repeats)
+                    _, pg = _time_decode(sdpa, sets, repeats, back_to_back)
                     row[f"{peer}_GBs"] = nbytes / (pg * 1e-3) / 1e9
                     best = max(best, row[f"{peer}_GBs"])
                 except RuntimeError as err:
@@ -319,6 +322,7 @@ def main(argv=None):
                    help="training grid: interleaved timing rounds per shape; each side reports its best (default 3)")
     p.add_argument("--graphs", action="store_true",
                    help="training grid: time CUDA-graph replays (GPU work only) instead of eager calls, for every side")
+    add_timing_argument(p)
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--skip-decode", action="store_true")
     p.add_argument("--decode-sweep", action="store_true", help="also time a few split-KV schedules (tuning aid)")
@@ -330,12 +334,14 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
 
     train = BenchResult(area="attention")
-    train.env["timing"] = "CUDA-graph replay" if args.graphs else "eager calls"
+    back_to_back = args.timing == "back-to-back"
+    train.env["timing"] = ("CUDA-graph replay" if args.graphs else "eager calls") + f", {args.timing}"
     if not args.skip_train:
         bench_training(train, hdims=_ints(args.hdims), seqlens=_ints(args.seqlens), causals=causals,
                        tokens=args.tokens, hidden=args.hidden, repeats=args.repeats, graphs=args.graphs,
-                       rounds=args.rounds)
+                       rounds=args.rounds, back_to_back=back_to_back)
     decode = BenchResult(area="attention-decode")
+    decode.env["timing"] = f"CUDA-graph replay, {args.timing}"
     if not args.skip_decode:
         copy_bw = measure_copy_bandwidth()
         decode.env["copy_bandwidth_GBs"] = copy_bw / 1e9
@@ -343,7 +349,8 @@ def main(argv=None):
             decode_sweep(heads=args.decode_heads, kv_heads=args.decode_kv_heads, d=args.decode_hdim,
                          repeats=args.repeats, copy_bw=copy_bw)
         bench_decode(decode, kv_lens=_ints(args.decode_kv), batches=_ints(args.decode_batch), heads=args.decode_heads,
-                     kv_heads=args.decode_kv_heads, d=args.decode_hdim, repeats=args.repeats, copy_bw=copy_bw)
+                     kv_heads=args.decode_kv_heads, d=args.decode_hdim, repeats=args.repeats, copy_bw=copy_bw,
+                     back_to_back=back_to_back)
     train.write_json(out_dir / "attention.json")
     decode.write_json(out_dir / "attention_decode.json")
     _plot(train, decode, out_dir / "attention.png")

@@ -21,22 +21,39 @@ class Timing:
     repeats: int
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, sync_fn: Callable | None = None) -> Timing:
-    """Median wall time of ``fn`` on the current CUDA stream, by CUDA events around each call."""
+def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, back_to_back: bool = False) -> Timing:
+    """Median time of ``fn`` on the current CUDA stream, by CUDA events around each call.
+
+    By default each call starts on an idle GPU (a synchronize before it), so its time includes the host's work
+    up to its first kernel: the latency of one isolated call. ``back_to_back`` queues the calls one after the
+    other and synchronizes once at the end, as calls run inside a model or a training step: a call's time is
+    its GPU time, plus host time only where the host cannot keep ahead of the GPU (as triton's do_bench
+    times). Kernel benchmarks use it; a fixed launch latency (tens of us for an eager call, ~10 us for a graph
+    replay) would otherwise count against whichever side's kernels are shortest."""
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks time CUDA kernels and need a CUDA GPU")
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    events = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if not back_to_back:
+            end.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
     return Timing(median_ms=statistics.median(times), min_ms=min(times), repeats=repeats)
+
+
+def add_timing_argument(parser) -> None:
+    """``--timing``, for the kernel benchmarks: how ``time_cuda`` times each call (``back_to_back`` or not)."""
+    parser.add_argument("--timing", choices=("back-to-back", "isolated"), default="back-to-back",
+                        help="calls queued one after another as in a model (default), or each on an idle GPU, "
+                             "its launch latency included (see harness.time_cuda)")
 
 
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
@@ -53,7 +70,7 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    t = time_cuda(lambda: dst.copy_(src), warmup=3, repeats=20)
+    t = time_cuda(lambda: dst.copy_(src), warmup=3, repeats=20, back_to_back=True)
     return 2 * src.numel() / (t.median_ms * 1e-3)
 
 

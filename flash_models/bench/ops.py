@@ -7,7 +7,8 @@ CE H=4096, V=128256, 16k tokens; the cuBLASLt GELU MLP at GPT-2 sizes (16k token
 Memory-bound rows report GB/s from a minimal byte count (every tensor read or written once) and that as a
 fraction of the measured device copy bandwidth; CE and linear+CE report peak memory. Every side's backward
 runs on the calling thread, as the Trainer runs it. The sides of a case are timed in interleaved rounds
-(``--rounds``), each reporting its best round: see ``_time_sides``.
+(``--rounds``), each reporting its best round: see ``_time_sides``. Calls are timed back to back by default
+(``--timing``: see ``harness.time_cuda``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
-from .harness import BenchResult, measure_copy_bandwidth, peak_memory_bytes, time_cuda
+from .harness import BenchResult, add_timing_argument, measure_copy_bandwidth, peak_memory_bytes, time_cuda
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,9 @@ def _fwd_bwd_step(fn, inputs):
     return step
 
 
-def _time_sides(case: Case, rounds: int) -> dict[str, dict]:
+def _time_sides(case: Case, rounds: int, back_to_back: bool = True) -> dict[str, dict]:
     """Per side: fwd and fwd+bwd ms, each the best over ``rounds`` interleaved rounds of a median of
-    ``case.repeats`` sync'd calls, and peak memory where the case asks; or the error of a side that failed.
+    ``case.repeats`` calls (``time_cuda``), and peak memory where the case asks; or the error of a side that failed.
 
     Why rounds: these ops take 0.1-0.5 ms, about as much as their host work, and the lent GPU machine's host
     stalls for seconds at a time (the same step timed 264, 323 and 551 us in three rounds, H200, session 16).
@@ -87,8 +88,8 @@ def _time_sides(case: Case, rounds: int) -> dict[str, dict]:
                 continue
             try:
                 with torch.no_grad():
-                    fwd = time_cuda(case.impls[name], repeats=case.repeats).median_ms
-                both = time_cuda(step, repeats=case.repeats).median_ms
+                    fwd = time_cuda(case.impls[name], repeats=case.repeats, back_to_back=back_to_back).median_ms
+                both = time_cuda(step, repeats=case.repeats, back_to_back=back_to_back).median_ms
             except Exception as err:
                 results[name] = {"error": err}
                 continue
@@ -342,10 +343,12 @@ def main(argv=None):
     parser.add_argument("--out", default="out/bench_ops.json", help="JSON output path")
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved timing rounds per case; each side reports its best round (default 3)")
+    add_timing_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     result = BenchResult(area="ops")
+    result.env["timing"] = args.timing
     copy_bw = measure_copy_bandwidth()
     result.env["copy_bandwidth_GBs"] = copy_bw / 1e9
     print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
@@ -353,7 +356,7 @@ def main(argv=None):
         cases = GROUPS[group](not args.no_compile)
         for case in cases:
             first = len(result.rows)
-            _add_rows(case, _time_sides(case, args.rounds), result, copy_bw)
+            _add_rows(case, _time_sides(case, args.rounds, args.timing == "back-to-back"), result, copy_bw)
             _add_speedups(result, first)
         del cases
         torch.cuda.empty_cache()

@@ -25,7 +25,8 @@ def test_sides_are_timed_in_interleaved_rounds_and_report_their_best(monkeypatch
     script = {("a", "fwd"): [3.0, 1.0, 2.0], ("a", "step"): [9.0, 4.0, 5.0],
               ("b", "fwd"): [2.0, 2.5, 2.2], ("b", "step"): [6.0, 6.5, 7.0]}
 
-    def fake_time_cuda(fn, repeats):
+    def fake_time_cuda(fn, repeats, back_to_back):
+        assert back_to_back is True  # the default
         before = len(order)
         fn()
         name = order[before]

@@ -1,0 +1,69 @@
+"""harness.time_cuda's two timings, on the CPU with fake CUDA events: isolated calls wait for the GPU before the
+next call starts; back-to-back calls are queued and synchronized once, after the last. Both report the median of
+each call's own start-to-end event time."""
+
+import pytest
+import torch
+
+from flash_models.bench import harness
+
+
+class _FakeEvents:
+    """Stands in for torch.cuda's Event and synchronize, logging what the timer does in order."""
+
+    def __init__(self, durations):
+        self.log, self.durations = [], list(durations)
+
+    def event(self, enable_timing):
+        assert enable_timing
+        fake = self
+
+        class Event:
+            def record(self):
+                fake.log.append("record")
+
+            def synchronize(self):
+                fake.log.append("wait")
+
+            def elapsed_time(self, end):
+                return fake.durations.pop(0)
+
+        return Event()
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    events = _FakeEvents([5.0, 1.0, 3.0, 2.0, 4.0])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", events.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", events.synchronize)
+    return events
+
+
+def _timed_call(events):
+    return lambda: events.log.append("call")
+
+
+@pytest.mark.parametrize("back_to_back", [False, True])
+def test_time_cuda_waits_per_call_only_when_isolated(fake_cuda, back_to_back):
+    timing = harness.time_cuda(_timed_call(fake_cuda), warmup=2, repeats=5, back_to_back=back_to_back)
+    assert timing.median_ms == 3.0 and timing.min_ms == 1.0 and timing.repeats == 5
+    per_call = ["record", "call", "record"] + ([] if back_to_back else ["wait"])
+    assert fake_cuda.log == ["call", "call", "sync"] + per_call * 5 + ["sync"]
+
+
+def test_copy_bandwidth_is_timed_back_to_back(monkeypatch):
+    seen = {}
+
+    def fake_time_cuda(fn, **kwargs):
+        seen.update(kwargs)
+        return harness.Timing(median_ms=1.0, min_ms=1.0, repeats=kwargs["repeats"])
+
+    monkeypatch.setattr(harness, "time_cuda", fake_time_cuda)
+    monkeypatch.setattr(torch, "empty", lambda n, dtype, device: torch.zeros(n, dtype=dtype))
+    bandwidth = harness.measure_copy_bandwidth(nbytes=2048)
+    assert seen["back_to_back"] is True
+    assert bandwidth == 2048 / 1e-3
