@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
-from .harness import BenchResult, add_timing_argument, measure_copy_bandwidth, time_cuda
+from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, measure_copy_bandwidth,
+                      time_cuda)
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +83,20 @@ def _prepare(make_fn, q, k, v, graphs=False):
 
 def _time_in_rounds(prepared: dict, repeats: int, rounds: int,
                     back_to_back: bool = True) -> dict[str, tuple[float | None, float | None]]:
-    """Per side, (fwd ms, fwd+bwd ms): the best over ``rounds`` interleaved rounds of a median of ``repeats``
-    calls (``time_cuda``; Nones for a side that was rejected). Interleaved so that a stall of the host (the lent
-    machine's eager times swung by up to 200 us at equal code, session 16) lands on every side alike, and the
-    best round is one a stall missed."""
-    best = {name: [float("inf"), float("inf")] for name, calls in prepared.items() if calls is not None}
-    for _ in range(rounds):
-        for name in best:
-            fwd_call, both_call, _ = prepared[name]
-            best[name][0] = min(best[name][0], time_cuda(fwd_call, repeats=repeats, back_to_back=back_to_back).median_ms)
-            best[name][1] = min(best[name][1], time_cuda(both_call, repeats=repeats, back_to_back=back_to_back).median_ms)
-    return {name: tuple(best[name]) if name in best else (None, None) for name in prepared}
+    """Per side, (fwd ms, fwd+bwd ms): the best over ``rounds`` interleaved rounds (``harness.best_of_rounds``)
+    of a median of ``repeats`` calls (``time_cuda``); Nones for a side that was rejected."""
+
+    def timing(call):
+        return lambda: time_cuda(call, repeats=repeats, back_to_back=back_to_back).median_ms
+
+    measures = {}
+    for name, calls in prepared.items():
+        if calls is not None:
+            fwd_call, both_call, _ = calls
+            measures[name, "fwd"], measures[name, "both"] = timing(fwd_call), timing(both_call)
+    best = best_of_rounds(measures, rounds)
+    return {name: (best[name, "fwd"], best[name, "both"]) if calls is not None else (None, None)
+            for name, calls in prepared.items()}
 
 
 def _tflops(flops, ms):
@@ -318,8 +322,7 @@ def main(argv=None):
     p.add_argument("--decode-kv-heads", type=int, default=16)
     p.add_argument("--decode-hdim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3,
-                   help="training grid: interleaved timing rounds per shape; each side reports its best (default 3)")
+    add_rounds_argument(p, "training-grid shape")
     p.add_argument("--graphs", action="store_true",
                    help="training grid: time CUDA-graph replays (GPU work only) instead of eager calls, for every side")
     add_timing_argument(p)

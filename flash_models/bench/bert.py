@@ -8,7 +8,8 @@ difference from HF's on the real tokens. Both modes also run as "ours+graphs" (o
 same code path eagerly): inference with the encoder replayed from CUDA graphs per shape bucket
 (``BertModel.use_cuda_graphs``), training with the rows packed on the host into a bucket and forward +
 backward replayed from CUDA graphs, as ``train.cuda_graphs`` runs text classification (no peak memory: a
-graph's memory is its private pool).
+graph's memory is its private pool). The sides of a grid point are timed in interleaved rounds (``--rounds``),
+each reporting its best.
 
 ``--dry-run`` runs the whole script on tiny shapes on the CPU (wall-clock timer, fp32 and HF sdpa): it checks
 the code path, not speed.
@@ -17,6 +18,7 @@ the code path, not speed.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from ..registry import get_preset
 from ..testing import ours_from_hf
 from ..train.classification import collate_packed_classification
 from ..train.graphs import GraphedLoss
-from .harness import BenchResult, peak_memory_bytes
+from .harness import BenchResult, add_rounds_argument, best_of_rounds, peak_memory_bytes
 from .utils import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
@@ -110,10 +112,32 @@ def _packed_max_diff(ours, hf, ids, mask, seq: int) -> float:
     return (packed - hf(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()).abs().max().item()
 
 
-def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int, repeats: int, dtype, device, dry_run: bool):
+def _sides(mode: str, hf, ours, graphed, ids, mask, seq: int) -> dict:
+    """{side: (model, step)} for one mode, each model already in that mode. "ours+graphs" is a second instance
+    of ours (same weights), so that its captured graphs stay while the eager side is timed between them:
+    inference replays the encoder per shape bucket (``BertModel.use_cuda_graphs``), training the trainer's
+    graphed loss over the packed bucket. Off CUDA both run eagerly (the dry run checks the code path)."""
+    training = mode == "training"
+    for model in (hf, ours, graphed):
+        model.train(training)
+    graphed.use_cuda_graphs(not training)
+    sides = {}
+    for name, model in (("HF sdpa", hf), ("ours", ours), ("ours+graphs", graphed)):
+        inference_step, training_step = _step_fns(model, ids, mask, is_hf=model is hf)
+        if model is graphed and training:
+            training_step = _graphed_training(model, ids, mask, seq)
+        sides[name] = (model, training_step if training else inference_step)
+    return sides
+
+
+def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int, repeats: int, dtype, device,
+          dry_run: bool, rounds: int = 3):
+    """Every side of a grid point is timed in ``rounds`` interleaved rounds, each reporting its best
+    (``harness.best_of_rounds``)."""
     cuda = device.type == "cuda"
     for preset in presets:
         hf, ours = build_pair(preset, dtype=dtype, device=device, dry_run=dry_run)
+        graphed = copy.deepcopy(ours)
         vocab = hf.config.vocab_size
         for seq in seqlens:
             batch = max(1, tokens // seq)
@@ -122,36 +146,26 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                 useful = int(mask.sum())
                 diff = _max_diff(ours, hf, ids, mask)
                 for mode in modes:
-                    sides = [("HF sdpa", hf), ("ours", ours)]
-                    # Inference: BertModel.use_cuda_graphs; training: the trainer's graphed loss. Off CUDA both
-                    # run eagerly (the dry run checks the code path).
-                    sides.append(("ours+graphs", ours))
-                    times = {}
-                    for name, model in sides:
-                        graphed = name == "ours+graphs"
-                        if graphed and mode == "inference":
-                            model.use_cuda_graphs(True)
-                        inference, training = _step_fns(model, ids, mask, is_hf=model is hf)
-                        if graphed and mode == "training":
-                            training = _graphed_training(model, ids, mask, seq)
-                        fn = inference if mode == "inference" else training
-                        model.train(mode == "training")
-                        ms = time_fn(fn, device=device, warmup=5 if cuda else 1, repeats=repeats).median_ms
+                    sides = _sides(mode, hf, ours, graphed, ids, mask, seq)
+                    warmup = 5 if cuda else 1
+                    times = best_of_rounds({name: lambda step=step: time_fn(step, device=device, warmup=warmup,
+                                                                             repeats=repeats).median_ms
+                                            for name, (_, step) in sides.items()}, rounds)
+                    for name, (model, step) in sides.items():
+                        ms = times[name]
                         # A graph's memory is its private pool, allocated at capture, which a replay's peak misses.
-                        peak = peak_memory_bytes(fn) / 2**20 if cuda and not graphed else None
+                        peak = peak_memory_bytes(step) / 2**20 if cuda and model is not graphed else None
                         max_diff = None if model is hf else diff
-                        if graphed and mode == "inference":
-                            max_diff = _max_diff(ours, hf, ids, mask)
-                            model.use_cuda_graphs(False)
-                        elif graphed:
-                            max_diff = _packed_max_diff(ours, hf, ids, mask, seq)
-                        times[name] = ms
+                        if model is graphed:
+                            max_diff = (_packed_max_diff(graphed, hf, ids, mask, seq) if mode == "training"
+                                        else _max_diff(graphed, hf, ids, mask))
                         result.add(model=preset, seq=seq, batch=batch, padding=f"{1 - useful / mask.numel():.0%}",
                                    mode=mode, impl=name, ms=ms, useful_tok_s=useful / (ms * 1e-3), peak_MiB=peak,
                                    speedup=None if model is hf else times["HF sdpa"] / ms, max_diff=max_diff)
                     log.info("%s S=%d pad=%.0f%% %s: %s", preset, seq, 100 * padding, mode,
                              ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
-        del hf, ours
+        graphed.use_cuda_graphs(False)
+        del hf, ours, graphed
         if cuda:
             torch.cuda.empty_cache()
 
@@ -165,6 +179,7 @@ def main(argv=None):
     p.add_argument("--modes", default="inference,training")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq_len of every batch")
     p.add_argument("--repeats", type=int, default=20)
+    add_rounds_argument(p, "grid point")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU in fp32: checks the code, not speed")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -178,7 +193,8 @@ def main(argv=None):
     result = BenchResult(area="bert")
     result.env.update(dtype=str(dtype).removeprefix("torch."), dry_run=args.dry_run, tokens_per_batch=tokens)
     bench(result, presets=args.models.split(","), seqlens=seqlens, paddings=[float(x) for x in args.paddings.split(",")],
-          modes=args.modes.split(","), tokens=tokens, repeats=repeats, dtype=dtype, device=device, dry_run=args.dry_run)
+          modes=args.modes.split(","), tokens=tokens, repeats=repeats, dtype=dtype, device=device, dry_run=args.dry_run,
+          rounds=args.rounds)
     out = Path(args.out)
     result.write_json(out / "bert.json")
     print(result.markdown(["model", "seq", "batch", "padding", "mode", "impl", "ms", "useful_tok_s", "speedup", "peak_MiB", "max_diff"]))

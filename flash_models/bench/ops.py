@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
-from .harness import BenchResult, add_timing_argument, measure_copy_bandwidth, peak_memory_bytes, time_cuda
+from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, measure_copy_bandwidth,
+                      peak_memory_bytes, time_cuda)
 
 log = logging.getLogger(__name__)
 
@@ -68,33 +69,34 @@ def _fwd_bwd_step(fn, inputs):
 
 
 def _time_sides(case: Case, rounds: int, back_to_back: bool = True) -> dict[str, dict]:
-    """Per side: fwd and fwd+bwd ms, each the best over ``rounds`` interleaved rounds of a median of
-    ``case.repeats`` calls (``time_cuda``), and peak memory where the case asks; or the error of a side that failed.
-
-    Why rounds: these ops take 0.1-0.5 ms, about as much as their host work, and the lent GPU machine's host
-    stalls for seconds at a time (the same step timed 264, 323 and 551 us in three rounds, H200, session 16).
-    Timing every side once, one after the other, lets a stall land on one side's whole row; interleaved
-    rounds give each side the same chances, and the best round is the one a stall missed."""
-    steps, results = {}, {}
+    """Per side: fwd and fwd+bwd ms, each the best over ``rounds`` interleaved rounds (``harness.best_of_rounds``:
+    these ops take 0.1-0.5 ms, about as much as their host work) of a median of ``case.repeats`` calls
+    (``time_cuda``), and peak memory where the case asks; or the error of a side that failed."""
+    steps, errors = {}, {}
     for name, fn in case.impls.items():
         try:
             steps[name] = _fwd_bwd_step(fn, case.inputs)
-            results[name] = {"fwd_ms": float("inf"), "fwd_bwd_ms": float("inf")}
         except Exception as err:  # a peer that rejects this input must not stop the other measurements
-            results[name] = {"error": err}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            if "error" in results[name]:
-                continue
-            try:
-                with torch.no_grad():
-                    fwd = time_cuda(case.impls[name], repeats=case.repeats, back_to_back=back_to_back).median_ms
-                both = time_cuda(step, repeats=case.repeats, back_to_back=back_to_back).median_ms
-            except Exception as err:
-                results[name] = {"error": err}
-                continue
-            best = results[name]
-            best["fwd_ms"], best["fwd_bwd_ms"] = min(best["fwd_ms"], fwd), min(best["fwd_bwd_ms"], both)
+            errors[name] = err
+
+    def timing(fn, grad: bool):
+        def measure():
+            with torch.set_grad_enabled(grad):
+                return time_cuda(fn, repeats=case.repeats, back_to_back=back_to_back).median_ms
+        return measure
+
+    measures = {}
+    for name, step in steps.items():
+        measures[name, "fwd"], measures[name, "both"] = timing(case.impls[name], grad=False), timing(step, grad=True)
+    best = best_of_rounds(measures, rounds, keep_errors=True)
+    results = {}
+    for name in case.impls:
+        if name in errors:
+            results[name] = {"error": errors[name]}
+            continue
+        fwd, both = best[name, "fwd"], best[name, "both"]
+        failed = next((t for t in (fwd, both) if isinstance(t, Exception)), None)
+        results[name] = {"error": failed} if failed is not None else {"fwd_ms": fwd, "fwd_bwd_ms": both}
     if case.memory:
         for name, step in steps.items():
             if "error" not in results[name]:
@@ -341,8 +343,7 @@ def main(argv=None):
     parser.add_argument("--only", nargs="*", choices=sorted(GROUPS), help="op groups to run (default: all)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer (saves compile time)")
     parser.add_argument("--out", default="out/bench_ops.json", help="JSON output path")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="interleaved timing rounds per case; each side reports its best round (default 3)")
+    add_rounds_argument(parser, "case")
     add_timing_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

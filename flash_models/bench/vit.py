@@ -5,7 +5,8 @@ backward of cross-entropy on random labels; no optimizer step, the same for all)
 replayed from CUDA graphs (``use_cuda_graphs`` for inference, the trainer's graphed loss for training), timm
 eager and timm + torch.compile. Reports images/s, speedup of ours over each peer, peak memory (not for
 ours+graphs: a graph's memory is its private pool, allocated at capture, which a replay's peak does not see),
-and our logits' max difference from timm's.
+and our logits' max difference from timm's. The sides are timed in interleaved rounds (``--rounds``), each
+reporting its best.
 
 ``--dry-run`` runs the whole script on a tiny ViT (32 px) on the CPU in fp32 with a wall-clock timer; add
 ``--compile`` to include the torch.compile peer there too (slow to compile on a CPU).
@@ -14,6 +15,7 @@ and our logits' max difference from timm's.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import from_timm
 from ..train.graphs import GraphedLoss
-from .harness import BenchResult, peak_memory_bytes
+from .harness import BenchResult, add_rounds_argument, best_of_rounds, peak_memory_bytes
 from .utils import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
@@ -32,15 +34,16 @@ TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_c
 
 
 def build_models(name: str, *, dtype, device, dry_run: bool, compile_peer: bool):
-    """{impl: model}: ours (eager), ours+graphs (the same module, replayed from CUDA graphs on CUDA), timm eager
-    and, if asked, timm + torch.compile, all with the same weights."""
+    """{impl: model}: ours (eager), ours+graphs (a second instance of ours, replayed from CUDA graphs on CUDA: its
+    own, so its captured graphs stay while the other sides are timed between its rounds), timm eager and, if
+    asked, timm + torch.compile, all with the same weights."""
     import timm
 
     torch.manual_seed(0)
     source = timm.create_model(MODELS[name], pretrained=False, **(TINY if dry_run else {}))
     ours = from_timm(source, attn_impl="auto").to(device=device, dtype=dtype)
     source = source.to(device=device, dtype=dtype)
-    models = {"ours": ours, "ours+graphs": ours, "timm eager": source}
+    models = {"ours": ours, "ours+graphs": copy.deepcopy(ours), "timm eager": source}
     if compile_peer:
         models["timm compile"] = torch.compile(source)
     return models
@@ -75,7 +78,15 @@ def _step_fns(model, images, labels, *, impl: str):
     return inference, training
 
 
-def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype, device, dry_run: bool, compile_peer: bool):
+@torch.inference_mode()
+def _max_diff(inference_step, reference: torch.Tensor) -> float:
+    return (inference_step().float() - reference).abs().max().item()
+
+
+def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype, device, dry_run: bool, compile_peer: bool,
+          rounds: int = 3):
+    """Every side of a (model, mode) point is timed in ``rounds`` interleaved rounds, each reporting its best
+    (``harness.best_of_rounds``)."""
     cuda = device.type == "cuda"
     for name in names:
         models = build_models(name, dtype=dtype, device=device, dry_run=dry_run, compile_peer=compile_peer)
@@ -84,24 +95,33 @@ def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype,
         images = torch.randn(batch, 3, config.image_size, config.image_size, generator=gen).to(device=device, dtype=dtype)
         labels = torch.randint(0, config.num_classes, (batch,), generator=gen).to(device)
         with torch.inference_mode():
-            diff = (models["ours"](images).logits.float() - models["timm eager"](images).float()).abs().max().item()
+            reference = models["timm eager"](images).float()
+            diff = (models["ours"](images).logits.float() - reference).abs().max().item()
         for mode in modes:
-            rows = {}
+            steps = {}
             for impl, model in models.items():
                 model.train(mode == "training")
                 inference, training = _step_fns(model, images, labels, impl=impl)
-                fn = inference if mode == "inference" else training
-                ms = time_fn(fn, device=device, warmup=5 if cuda else 1, repeats=repeats).median_ms
+                steps[impl] = inference if mode == "inference" else training
+            warmup = 5 if cuda else 1
+            times = best_of_rounds({impl: lambda fn=fn: time_fn(fn, device=device, warmup=warmup, repeats=repeats).median_ms
+                                    for impl, fn in steps.items()}, rounds)
+            rows = {}
+            for impl, fn in steps.items():
+                ms = times[impl]
+                max_diff = None
+                if impl.startswith("ours"):  # in inference, of the path just timed (ours+graphs: a replay)
+                    max_diff = _max_diff(fn, reference) if mode == "inference" else diff
                 rows[impl] = result.add(model=name, batch=batch, mode=mode, impl=impl, ms=ms, img_s=batch / (ms * 1e-3),
                                         peak_MiB=peak_memory_bytes(fn) / 2**20 if cuda and impl != "ours+graphs" else None,
-                                        max_diff=diff if impl.startswith("ours") else None)
+                                        max_diff=max_diff)
             for impl, row in rows.items():
                 if impl.startswith("ours"):
                     for peer in ("timm eager", "timm compile"):
                         if peer in rows:
                             row[f"x_vs_{peer.replace(' ', '_')}"] = rows[peer]["ms"] / row["ms"]
             log.info("%s %s: %s", name, mode, {impl: f"{row['ms']:.2f} ms" for impl, row in rows.items()})
-        models["ours"].use_cuda_graphs(False)
+        models["ours+graphs"].use_cuda_graphs(False)
         del models
         if cuda:
             torch.cuda.empty_cache()
@@ -114,6 +134,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--modes", default="inference,training")
     p.add_argument("--repeats", type=int, default=20)
+    add_rounds_argument(p, "model and mode")
     p.add_argument("--no-compile", action="store_true", help="skip the timm + torch.compile peer")
     p.add_argument("--dry-run", action="store_true", help="a tiny ViT on the CPU in fp32: checks the code, not speed")
     p.add_argument("--compile", action="store_true", help="with --dry-run: include the torch.compile peer")
@@ -130,7 +151,7 @@ def main(argv=None):
     result = BenchResult(area="vit")
     result.env.update(dtype=str(dtype).removeprefix("torch."), dry_run=args.dry_run, image_size=224 if not args.dry_run else 32)
     bench(result, names=args.models.split(","), batch=batch, modes=args.modes.split(","), repeats=repeats, dtype=dtype,
-          device=device, dry_run=args.dry_run, compile_peer=compile_peer)
+          device=device, dry_run=args.dry_run, compile_peer=compile_peer, rounds=args.rounds)
     result.write_json(Path(args.out) / "vit.json")
     columns = ["model", "batch", "mode", "impl", "ms", "img_s", "x_vs_timm_eager", "x_vs_timm_compile", "peak_MiB", "max_diff"]
     print(result.markdown(columns))

@@ -67,3 +67,31 @@ def test_copy_bandwidth_is_timed_back_to_back(monkeypatch):
     bandwidth = harness.measure_copy_bandwidth(nbytes=2048)
     assert seen["back_to_back"] is True
     assert bandwidth == 2048 / 1e-3
+
+
+def test_best_of_rounds_interleaves_and_keeps_each_lowest():
+    order, script = [], {"a": [3.0, 1.0, 2.0], "b": [2.0, 5.0, 4.0]}
+
+    def measure(name):
+        def run():
+            order.append(name)
+            return script[name].pop(0)
+        return run
+
+    best = harness.best_of_rounds({"a": measure("a"), "b": measure("b")}, rounds=3)
+    assert best == {"a": 1.0, "b": 2.0}
+    assert order == ["a", "b"] * 3
+
+
+def test_best_of_rounds_keeps_an_error_and_stops_measuring_it_or_raises():
+    calls = []
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("this side rejects the input")
+
+    best = harness.best_of_rounds({"ok": lambda: 1.5, "broken": broken}, rounds=3, keep_errors=True)
+    assert best["ok"] == 1.5
+    assert isinstance(best["broken"], RuntimeError) and calls == ["broken"]
+    with pytest.raises(RuntimeError, match="rejects"):
+        harness.best_of_rounds({"broken": broken}, rounds=2)
