@@ -30,6 +30,10 @@ H200 (session 16, CUDA-graph replay, head dim 128), TMA (BLOCK_M 128, BLOCK_N 64
 causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x) and at BERT's varlen S = 128
 (77 vs 51). TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
 16-byte alignment of every descriptor base and row stride); ``set_tma_loads`` forces or forbids them.
+
+This module holds the validation, the forward kernel, the launchers (with their launch plans), the custom ops
+and the public functions. The reference is in ``attention_ref``, the backward kernels in ``attention_bwd``, and
+the tile-level pieces the forward, the backward and the decode kernels share in ``attention_tiles``.
 """
 
 from __future__ import annotations
@@ -48,122 +52,15 @@ from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import (
     cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
 )
+from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_preprocess_kernel
+from .attention_ref import flash_attn_func_ref, flash_attn_varlen_func_ref
+from .attention_tiles import (
+    LOG2E, _LN2, _LOG2E, _configs, _head_seed, _keep, _key_range, _load_tile, _mm, _prune_big_head, _scores,
+    _seq_bounds, _store_rows, _tune_buckets, _visible,
+)
 
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-# Globals a @triton.jit function reads must be constexpr.
-_LOG2E = tl.constexpr(LOG2E)
-_LN2 = tl.constexpr(LN2)
-
-# ----------------------------------------------------------------------------------------------------------
-# Reference
-# ----------------------------------------------------------------------------------------------------------
-
-
-def _visible_ref(sq: int, sk: int, causal: bool, window: tuple[int, int], device) -> torch.Tensor:
-    """(Sq, Sk) bool: which keys each query row may attend to (bottom-right aligned)."""
-    i = torch.arange(sq, device=device)[:, None]
-    j = torch.arange(sk, device=device)[None, :]
-    diag = i + sk - sq
-    left, right = window
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        right = 0
-    if left >= 0:
-        visible &= j >= diag - left
-    if right >= 0:
-        visible &= j <= diag + right
-    return visible
-
-
-def _attention_ref(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, dropout_mask):
-    """Batched reference. q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D), alibi (B, Hq) or None, dropout_mask
-    (B, Hq, Sq, Sk) bool or None. Returns out (B, Sq, Hq, D) in q's dtype and lse (B, Hq, Sq) float32."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    bsz, sq, hq, _ = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
-    qf = q.to(compute).transpose(1, 2)  # (B, Hq, Sq, D)
-    kf = k.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, Sk, D)
-    vf = v.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
-    s = (qf @ kf.transpose(-1, -2)) * softmax_scale  # (B, Hq, Sq, Sk)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if alibi_slopes is not None:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        dist = (i + sk - sq - j).abs().to(compute)
-        s = s - alibi_slopes.to(compute)[:, :, None, None] * dist
-    visible = _visible_ref(sq, sk, causal, window_size, q.device)
-    s = s.masked_fill(~visible, float("-inf"))
-    # Softmax by hand so that fully masked rows give p = 0 with finite gradients (logsumexp would give NaN).
-    if sk == 0:  # empty sequence: amax has nothing to reduce; p @ v below is then zeros of the right shape
-        m = s.new_zeros(*s.shape[:-1], 1)
-    else:
-        m = s.amax(dim=-1, keepdim=True).detach()
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    e = torch.exp(s - m)
-    denom = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(denom == 0, torch.ones_like(denom), denom)
-    lse = (m + torch.log(denom)).squeeze(-1).detach().float()
-    if dropout_p > 0.0:
-        if dropout_mask is None:
-            dropout_mask = torch.rand_like(p) >= dropout_p
-        p = p * dropout_mask / (1.0 - dropout_p)
-    out = (p @ vf).transpose(1, 2).to(q.dtype)  # (B, Sq, Hq, D)
-    return out, lse
-
-
-def _alibi_2d(alibi_slopes, bsz, hq):
-    if alibi_slopes is None:
-        return None
-    return alibi_slopes.expand(bsz, hq) if alibi_slopes.dim() == 1 else alibi_slopes
-
-
-def flash_attn_func_ref(
-    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-    dropout_p=0.0, dropout_mask=None, return_lse=False,
-):
-    """Plain PyTorch attention, in float32 (float64 for float64 inputs); differentiable through autograd.
-    ``dropout_mask`` (B, Hq, Sq, Sk) bool replays a given keep mask; without one a fresh mask is drawn."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    out, lse = _attention_ref(
-        q, k, v, causal=causal, softmax_scale=scale, window_size=tuple(window_size), softcap=softcap,
-        alibi_slopes=_alibi_2d(alibi_slopes, q.shape[0], q.shape[2]), dropout_p=dropout_p, dropout_mask=dropout_mask,
-    )
-    return (out, lse) if return_lse else out
-
-
-def flash_attn_varlen_func_ref(
-    q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, causal=False,
-    softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-    dropout_mask=None, return_lse=False,
-):
-    """Reference for packed sequences: q (total_q, Hq, D). ``dropout_mask`` is (B, Hq, max_q, max_k) and
-    sequence b uses its top-left (len_q, len_k) corner, which is how the kernel indexes its RNG."""
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    nseq = cu_seqlens_q.numel() - 1
-    alibi = _alibi_2d(alibi_slopes, nseq, q.shape[1])
-    outs, lses = [], []
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for b in range(nseq):
-        qb = q[cq[b]:cq[b + 1]].unsqueeze(0)
-        kb, vb = k[ck[b]:ck[b + 1]].unsqueeze(0), v[ck[b]:ck[b + 1]].unsqueeze(0)
-        mask = None
-        if dropout_mask is not None:
-            mask = dropout_mask[b:b + 1, :, : qb.shape[1], : kb.shape[1]]
-        o, lse = _attention_ref(
-            qb, kb, vb, causal=causal, softmax_scale=scale, window_size=tuple(window_size), softcap=softcap,
-            alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=dropout_p, dropout_mask=mask,
-        )
-        outs.append(o[0])
-        lses.append(lse[0])  # (Hq, len_q)
-    out = torch.cat(outs, dim=0) if outs else q.new_zeros(q.shape)
-    lse = torch.cat(lses, dim=1) if lses else q.new_zeros(q.shape[1], 0, dtype=torch.float32)
-    return (out, lse) if return_lse else out
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Validation (shared with attention_decode)
@@ -251,118 +148,8 @@ def _check_cu_seqlens(op, name, cu, total, device, max_seqlen):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Triton kernels
+# The forward kernel (the backward's are in attention_bwd)
 # ----------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROW_MASK: tl.constexpr):
-    """Load a (rows, BLOCK_D) tile, masking only what can be out of range: a mask that varies along the head
-    dim stops Triton from vectorising the load (2-byte loads, and no cp.async pipelining)."""
-    if ROW_MASK:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    else:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return x
-
-
-@triton.jit
-def _load_tile(src, start, rows, n_rows, stride_s, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               ROW_MASK: tl.constexpr, TMA: tl.constexpr):
-    """The (len(rows), BLOCK_D) tile at rows ``rows`` = start + arange of one (sequence, head)'s rows: from its
-    TMA descriptor (one bulk copy) or, from its base pointer, by loads masked as ``_load_rows`` masks them.
-    Either way rows >= n_rows and columns >= HEAD_DIM read as zeros."""
-    # if/else with one return: the compiler also visits code after a constexpr-if that returns.
-    if TMA:
-        x = src.load([start, 0])
-    else:
-        x = _load_rows(src + rows[:, None] * stride_s + offs_d[None, :], rows, n_rows, offs_d, HEAD_DIM, BLOCK_D,
-                       ROW_MASK)
-    return x
-
-
-@triton.jit
-def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    if HEAD_DIM == BLOCK_D:
-        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
-    else:
-        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
-
-
-@triton.jit
-def _mm(a, b, acc, DOT_F32: tl.constexpr):
-    """a @ b (+ acc) in fp32. DOT_F32 upcasts the operands first: only for Triton's CPU interpreter, whose
-    bf16 tl.dot is wrong (triton 3.8); the values are bf16-exact either way, so the result is the same."""
-    if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _key_range(m0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, left, right):
-    """Key ranges for query rows [m0, m0 + BLOCK_M): masked [lo, full_lo), unmasked [full_lo, full_hi),
-    masked [full_hi, hi). Starts are multiples of BLOCK_N; only the masked ranges pay for the mask."""
-    off = len_k - len_q  # bottom-right alignment: row i sits at key position i + off
-    lo = tl.maximum(m0 + off - left, 0) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(m0 + BLOCK_M - 1 + off + right + 1, len_k)
-    hi = tl.maximum(hi, lo)
-    # The rows beyond len_q in the last block are never stored, so only real rows decide "unmasked".
-    last_row = tl.minimum(m0 + BLOCK_M, len_q) - 1
-    full_lo = tl.minimum(tl.maximum((tl.maximum(last_row + off - left, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)
-    full_hi = tl.minimum(m0 + off + right + 1, len_k) // BLOCK_N * BLOCK_N
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    return lo, full_lo, full_hi, hi
-
-
-@triton.jit
-def _scores(qk, rows, cols, len_q, len_k, left, right, scale_log2, softcap, slope_log2,
-            SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, MASK: tl.constexpr):
-    """Raw q.k products -> scores in log2 units, -inf where invisible. ``rows``/``cols`` are the query and key
-    indices broadcast to qk's layout (either orientation). Also returns tanh(s / softcap), which the
-    backward's chain rule needs (qk itself when there is no softcap)."""
-    if SOFTCAP:
-        # tanh(x) = 1 - 2 / (exp(2x) + 1): finite for any x, and tl has no tanh that the interpreter runs.
-        t = 1.0 - 2.0 / (tl.exp(2.0 * qk * (scale_log2 * _LN2 / softcap)) + 1.0)
-        s = t * (softcap * _LOG2E)
-    else:
-        t = qk
-        s = qk * scale_log2
-    if ALIBI:
-        dist = tl.abs(rows + (len_k - len_q) - cols).to(tl.float32)
-        s = s - slope_log2 * dist
-    if MASK:
-        s = tl.where(_visible(rows, cols, len_q, len_k, left, right), s, float("-inf"))
-    return s, t
-
-
-@triton.jit
-def _visible(rows, cols, len_q, len_k, left, right):
-    """Which (query row, key col) pairs attend: real keys inside the window around the bottom-right diagonal."""
-    diag = rows + (len_k - len_q)
-    return (cols < len_k) & (cols >= diag - left) & (cols <= diag + right)
-
-
-@triton.jit
-def _keep(seed, rows, cols, max_k, dropout_p):
-    """Philox keep mask for one (batch, head) at query rows x key cols (broadcast 2-D): True = kept."""
-    return tl.rand(seed, rows * max_k + cols) >= dropout_p
-
-
-@triton.jit
-def _head_seed(Seed, b, n_heads, h, DROPOUT: tl.constexpr):
-    """The Philox seed of one (batch, head): the step's seed, read from the device (so a CUDA graph replay
-    draws a fresh mask each time), plus the head's index. Unused without dropout."""
-    if DROPOUT:
-        seed = tl.load(Seed) + b * n_heads + h
-    else:
-        seed = (b * n_heads + h).to(tl.int64)
-    return seed
 
 
 @triton.jit
@@ -404,40 +191,6 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, off
         acc = _mm(p.to(v.dtype), v, acc, DOT_F32)
         m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
-    if VARLEN:
-        q_start = tl.load(CuQ + b)
-        len_q = tl.load(CuQ + b + 1) - q_start
-        k_start = tl.load(CuK + b)
-        len_k = tl.load(CuK + b + 1) - k_start
-    else:
-        q_start = 0
-        len_q = seqlen_q
-        k_start = 0
-        len_k = seqlen_k
-    return q_start, len_q, k_start, len_k
-
-
-def _configs(shapes):
-    """Autotune candidates (BLOCK_M, BLOCK_N, warps, stages). The interpreter gets one small tile, so short
-    test sequences still cross several blocks; FLASH_KERNELS_AUTOTUNE=0 keeps only the first (default)
-    candidate, which saves compile time where speed does not matter (GPU correctness tests)."""
-    if triton_interpreter_enabled():
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    if os.environ.get("FLASH_KERNELS_AUTOTUNE", "1") == "0":
-        shapes = shapes[:1]
-    # Small tiles for head dims > 128, chosen by the prune (Triton skips the prune when there is one config).
-    shapes = shapes + [(64, 32, 4, 2), (32, 32, 4, 2)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
-
-
-def _tune_buckets(max_q: int, max_k: int) -> tuple[int, int]:
-    """What the autotuners key on instead of the exact lengths: the next power of two. Keyed on the exact
-    lengths, every new prompt or padded-batch length would re-run the whole tuning sweep (with host syncs)."""
-    return next_power_of_2(max(max_q, 1)), next_power_of_2(max(max_k, 1))
 
 
 # ---- TMA loads in the forward (see the module docstring for why they are an autotune choice) ----------------
@@ -540,17 +293,6 @@ def _fwd_configs():
     tma = [(16, 16, 4, 1)] if triton_interpreter_enabled() else [(128, 64, 4, 2), (128, 128, 8, 3)]
     return plain + [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": True}, num_warps=w, num_stages=s)
                     for m, n, w, s in tma]
-
-
-def _prune_big_head(configs, named_args, **kwargs):
-    """Head dims above 128 (padded to 256) need small tiles to fit registers and shared memory (and no TMA,
-    whose staged tiles take more shared memory)."""
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 32 and c.num_stages <= 2]
-    if bd <= 128:
-        return [c for c in configs if c not in small] or configs
-    keep = [c for c in small if not c.kwargs.get("TMA")]
-    return keep or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=2)]
 
 
 def _prune_fwd(configs, named_args, **kwargs):
@@ -676,250 +418,6 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, n_heads: int, max_q: 
     block = 16 if triton_interpreter_enabled() else 64
     _dropout_mask_kernel[(cdiv(max_q, block), batch * n_heads)](mask, rng_state.to(device), dropout_p, n_heads, max_q, max_k, BLOCK=block)
     return mask.bool()
-
-
-# ---- backward -------------------------------------------------------------------------------------------
-
-
-@lean_launch
-@triton.jit
-def _bwd_preprocess_kernel(O, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh,
-                           stride_lb, stride_lh, seqlen_q, n_heads,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta[b, h, i] = sum_d dO * O, the row term of the softmax gradient."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    q_start, len_q, _, _ = _seq_bounds(CuQ, CuQ, b, seqlen_q, seqlen_q, VARLEN)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    b64 = b.to(tl.int64)
-    o = _load_rows(O + b64 * stride_ob + (q_start + offs_m[:, None]).to(tl.int64) * stride_os + h * stride_oh + offs_d[None, :],
-                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :],
-                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, delta, mask=offs_m < len_q)
-
-
-@triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d, lo, hi,
-                    len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        do = _load_rows(do_base + offs_m[:, None] * stride_ds + offs_d[None, :], offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        if MASK:
-            lse = tl.load(lse_base + offs_m, mask=offs_m < len_q, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=offs_m < len_q, other=0.0)
-        else:
-            lse = tl.load(lse_base + offs_m)
-            delta = tl.load(delta_base + offs_m)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E  # empty rows: p = 0
-        # Work on the transposed tile (keys x rows) so dK, dV accumulate without a transpose.
-        qkT = _mm(k, tl.trans(q), None, DOT_F32)  # (N, M)
-        sT, tT = _scores(qkT, offs_m[None, :], offs_n[:, None], len_q, len_k, left, right, scale_log2, softcap,
-                         slope_log2, SOFTCAP, ALIBI, MASK)
-        pT = tl.math.exp2(sT - lse[None, :])  # (N, M)
-        dpT = _mm(v, tl.trans(do), None, DOT_F32)  # (N, M)
-        if DROPOUT:
-            keepT = _keep(seed, offs_m[None, :], offs_n[:, None], max_k, dropout_p)
-            inv = 1.0 / (1.0 - dropout_p)
-            dv = _mm(tl.where(keepT, pT * inv, 0.0).to(do.dtype), do, dv, DOT_F32)
-            dpT = tl.where(keepT, dpT * inv, 0.0)
-        else:
-            dv = _mm(pT.to(do.dtype), do, dv, DOT_F32)
-        dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)
-        dk = _mm(dsT.to(q.dtype), q, dk, DOT_F32)
-    return dk, dv
-
-
-@triton.jit
-def _q_range(n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, left, right, KEYS_PARTIAL):
-    """Query-row ranges that see keys [n0, n0 + BLOCK_N): masked [lo, full_lo), unmasked, masked [full_hi, hi)."""
-    off = len_k - len_q
-    lo = tl.maximum(n0 - off - right, 0) // BLOCK_M * BLOCK_M
-    hi = tl.minimum(n0 + BLOCK_N - 1 - off + left + 1, len_q)
-    hi = tl.maximum(hi, lo)
-    full_lo = (tl.maximum(n0 + BLOCK_N - 1 - off - right, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(n0 - off + left + 1, len_q) // BLOCK_M * BLOCK_M
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
-    if KEYS_PARTIAL:  # the key bound needs the mask on every row block
-        full_lo = hi
-        full_hi = hi
-    return lo, full_lo, full_hi, hi
-
-
-def _bwd_configs(kind):
-    if kind == "dkdv":
-        return _configs([(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 4)])
-    return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4)])
-
-
-@cached_autotune
-@triton.autotune(configs=_bwd_configs("dkdv"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
-                 prune_configs_by={"early_config_prune": _prune_big_head})
-@triton.jit
-def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, Delta, CuQ, CuK, Alibi,
-    scale_log2, softcap, dropout_p, Seed,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-    stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One program per (key block, batch, kv head); loops over the q heads of its GQA group, so the group's
-    dK/dV sum stays in registers (no atomics)."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    n_kv_heads = n_heads // group
-    b = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
-    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
-    n0 = pid_n * BLOCK_N
-    if n0 >= len_k:
-        return
-    b64 = b.to(tl.int64)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = _load_rows(K + b64 * stride_kb + (k_start + offs_n[:, None]).to(tl.int64) * stride_ks + hk * stride_kh + offs_d[None, :],
-                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + b64 * stride_vb + (k_start + offs_n[:, None]).to(tl.int64) * stride_vs + hk * stride_vh + offs_d[None, :],
-                   offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    keys_partial = n0 + BLOCK_N > len_k
-    if CAUSAL_OR_LOCAL:
-        lo, full_lo, full_hi, hi = _q_range(n0, BLOCK_M, BLOCK_N, len_q, len_k, left, right, keys_partial)
-    else:
-        lo = 0
-        hi = len_q
-        full_lo = 0
-        full_hi = tl.where(keys_partial, 0, len_q // BLOCK_M * BLOCK_M)
-    for g in range(0, group):
-        h = hk * group + g
-        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-        do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_ds + h * stride_dh
-        lse_base = LSE + b64 * stride_lb + h * stride_lh + q_start
-        delta_base = Delta + b64 * stride_lb + h * stride_lh + q_start
-        slope_log2 = 0.0
-        if ALIBI:
-            slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
-        seed_bh = _head_seed(Seed, b, n_heads, h, DROPOUT)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
-                                 lo, full_lo, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
-                                 seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
-                                 full_lo, full_hi, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
-                                 seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_ds, offs_n, offs_d,
-                                 full_hi, hi, len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed_bh,
-                                 seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
-    # scores were scaled by softmax_scale before the softmax; dK picks that factor up here.
-    dk = dk * (scale_log2 * _LN2)
-    _store_rows(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + hk * stride_dkh + offs_d[None, :],
-                dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D)
-    _store_rows(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + hk * stride_dvh + offs_d[None, :],
-                dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, hi,
-                  len_q, len_k, left, right, scale_log2, softcap, slope_log2, seed, max_k, dropout_p,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, MASK: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        v = _load_rows(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D, MASK)
-        qk = _mm(q, tl.trans(k), None, DOT_F32)
-        s, t = _scores(qk, offs_m[:, None], offs_n[None, :], len_q, len_k, left, right, scale_log2, softcap, slope_log2,
-                       SOFTCAP, ALIBI, MASK)
-        p = tl.math.exp2(s - lse[:, None])
-        dp = _mm(do, tl.trans(v), None, DOT_F32)
-        if DROPOUT:
-            keep = _keep(seed, offs_m[:, None], offs_n[None, :], max_k, dropout_p)
-            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-        ds = p * (dp - delta[:, None])
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq = _mm(ds.to(k.dtype), k, dq, DOT_F32)
-    return dq
-
-
-@cached_autotune
-@triton.autotune(configs=_bwd_configs("dq"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT"],
-                 prune_configs_by={"early_config_prune": _prune_big_head})
-@triton.jit
-def _attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, Delta, CuQ, CuK, Alibi,
-    scale_log2, softcap, dropout_p, Seed,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    if CAUSAL_OR_LOCAL:  # causal: the last row blocks have the most keys; start them first (less tail)
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
-    b = pid_bh // n_heads
-    h = pid_bh % n_heads
-    q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= len_q:
-        return
-    b64 = b.to(tl.int64)
-    hk = h // group
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < len_q
-    q = _load_rows(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh + offs_d[None, :],
-                   offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(DO + b64 * stride_db + (q_start + offs_m[:, None]).to(tl.int64) * stride_ds + h * stride_dh + offs_d[None, :],
-                    offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D, True)
-    lse = tl.load(LSE + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * _LOG2E
-    delta = tl.load(Delta + b64 * stride_lb + h * stride_lh + q_start + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-    slope_log2 = 0.0
-    if ALIBI:
-        slope_log2 = tl.load(Alibi + b * stride_ab + h).to(tl.float32) * _LOG2E
-    seed_bh = _head_seed(Seed, b, n_heads, h, DROPOUT)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if CAUSAL_OR_LOCAL:
-        lo, full_lo, full_hi, hi = _key_range(m0, BLOCK_M, BLOCK_N, len_q, len_k, left, right)
-    else:
-        lo = 0
-        full_lo = 0
-        full_hi = len_k // BLOCK_N * BLOCK_N
-        hi = len_k
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, lo, full_lo, len_q, len_k,
-                       left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_lo, full_hi, len_q, len_k,
-                       left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, False, DOT_F32)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, offs_m, offs_d, full_hi, hi, len_q, len_k,
-                       left, right, scale_log2, softcap, slope_log2, seed_bh, seqlen_k, dropout_p,
-                       HEAD_DIM, BLOCK_D, BLOCK_N, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
-    dq = dq * (scale_log2 * _LN2)
-    _store_rows(DQ + b64 * stride_dqb + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqs + h * stride_dqh + offs_d[None, :],
-                dq.to(DQ.dtype.element_ty), offs_m, len_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,9 +23,9 @@ from ._triton_compat import tl, triton
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import TRIGGER_BEFORE_WAIT, launch_options, wait_for_predecessor
 from ._triton_utils import cdiv, next_power_of_2, sm_count
-from .attention import (
-    LOG2E, _attention_ref, _check_common, _load_rows, _mm, _scores, _store_rows, _triton_unsupported, _window_bounds,
-)
+from .attention import _check_common, _triton_unsupported, _window_bounds
+from .attention_ref import _attention_ref
+from .attention_tiles import LOG2E, _load_rows, _mm, _scores, _store_rows
 from .kv_append import kv_append
 
 # ----------------------------------------------------------------------------------------------------------

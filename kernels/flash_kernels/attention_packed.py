@@ -23,8 +23,9 @@ from ._backend import use_triton
 from ._triton_utils import eager_function, pick
 from .attention import (
     _attn_bwd_impl, _attn_fwd_impl, _check_common, _check_cu_seqlens, _check_qkv, _contiguous_last,
-    _triton_unsupported, flash_attn_func_ref, flash_attn_varlen_func_ref,
+    _triton_unsupported,
 )
+from .attention_ref import flash_attn_func_ref, flash_attn_varlen_func_ref
 
 
 def _split(qkv: torch.Tensor, num_heads_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

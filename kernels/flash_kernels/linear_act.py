@@ -43,7 +43,7 @@ from ._backend import check_backend_name, needs_grad_reason, triton_interpreter_
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import cdiv, hopper_or_newer, next_power_of_2, num_programs, or_dummy, pick
 from .activations import _act_and_grad, gelu
-from .attention import _mm
+from .attention_tiles import _mm
 
 if TRITON_AVAILABLE:
     from triton.tools.tensor_descriptor import TensorDescriptor

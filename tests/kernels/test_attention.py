@@ -1,7 +1,7 @@
 """flash_attn_func / flash_attn_varlen_func: Triton kernels (the CPU interpreter in CI) against the reference.
 
 On the CPU the interpreter's bf16 tl.dot is wrong (triton 3.8), so under the interpreter the kernels upcast
-bf16 dot operands to fp32 (a constexpr switch, see attention._mm); fp16 runs as is. On CUDA both run natively.
+bf16 dot operands to fp32 (a constexpr switch, see attention_tiles._mm); fp16 runs as is. On CUDA both run natively.
 """
 
 import math
