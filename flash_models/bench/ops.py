@@ -153,7 +153,7 @@ def _with_peers(eager, ours, *, compile_peer, liger=None, extra_ours=None):
 
 def norm_cases(compile_peer: bool) -> list[Case]:
     from flash_kernels import layer_norm, rms_norm
-    from flash_kernels.layer_norm import layer_norm_ref
+    from flash_kernels.layer_norm_ref import layer_norm_ref
 
     m, n = 16384, 4096
     x, r = _param(m, n), _param(m, n)

@@ -23,7 +23,9 @@ from ._backend import check_ids_in_range, needs_grad_reason, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import or_dummy
-from .layer_norm import _fwd_plan, _store_affine, layer_norm_ref
+from .layer_norm import _fwd_plan
+from .layer_norm_kernels import _store_affine
+from .layer_norm_ref import layer_norm_ref
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

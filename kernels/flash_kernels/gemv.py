@@ -45,7 +45,7 @@ from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
 from ._triton_utils import cdiv, next_power_of_2, or_dummy, pick, sm_count
 from .activations import _act_and_grad, swiglu_ref
-from .layer_norm import rms_norm_ref
+from .layer_norm_ref import rms_norm_ref
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from flash_kernels import layer_norm, layer_norm_dual, rms_norm, rms_norm_dual
 from flash_kernels._testing import assert_close
+from flash_kernels.layer_norm_ref import layer_norm_dual_ref, layer_norm_ref
 
 ln = importlib.import_module("flash_kernels.layer_norm")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,10 +36,10 @@ def _check(is_rms, dtype, grad_scale, shape=(3, 5, 77), *, dual=False, dropout_p
               zero_centered_weight=zero_centered_weight, out_dtype=out_dtype)
     if dual:
         fn = rms_norm_dual if is_rms else layer_norm_dual
-        ref_fn = ln.layer_norm_dual_ref
+        ref_fn = layer_norm_dual_ref
     else:
         fn = rms_norm if is_rms else layer_norm
-        ref_fn = ln.layer_norm_ref
+        ref_fn = layer_norm_ref
     *out, mask = fn(x, *params, **kw, return_dropout_mask=True, backend="triton")
     ref = ref_fn(x, *params, **kw, dropout_mask=mask, is_rms_norm=is_rms)
     ref = list(ref) if isinstance(ref, tuple) else [ref]
