@@ -1,6 +1,7 @@
-"""harness.time_cuda's two timings, on the CPU with fake CUDA events: isolated calls wait for the GPU before the
-next call starts; back-to-back calls are queued and synchronized once, after the last. Both report the median of
-each call's own start-to-end event time."""
+"""The benchmark harness's timing, on the CPU. time_cuda with fake CUDA events: isolated calls wait for the GPU
+before the next call starts; back-to-back calls are queued and synchronized once, after the last; both report
+the median of each call's own start-to-end event time. best_of_rounds with scripted measures: interleaved
+rounds, each measure's lowest value, errors kept or raised."""
 
 import pytest
 import torch
