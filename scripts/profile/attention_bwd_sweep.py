@@ -8,7 +8,8 @@ Why: f+b at head dim 64, S 4k, non-causal is the thinnest point of issue 3's Mus
 H100 and an H200 (docs/benchmarks.md, Attention, session 17), and the backward's configs were last swept
 before the forward's changes of sessions 15-16.
 
-    PYTHONPATH=.:kernels python scripts/profile/attention_bwd_sweep.py   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/attention_bwd_sweep.py             # on a CUDA GPU, every case
+    PYTHONPATH=.:kernels python scripts/profile/attention_bwd_sweep.py 64:4096:0   # one case, hdim:S:causal
 """
 
 import sys
@@ -60,10 +61,10 @@ def sweep(kernel, extra, make_fn, q, k, v, label) -> list[tuple[float, dict]]:
     return sorted(times, key=lambda t: t[0])
 
 
-def main():
+def main(cases):
     print(torch.cuda.get_device_name())
     dkdv, dq = attention_bwd._attn_bwd_dkdv_kernel, attention_bwd._attn_bwd_dq_kernel
-    for d, s, causal in CASES:
+    for d, s, causal in cases:
         b, h = 16384 // s, 2048 // d
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         for kernel in (dkdv, dq):
@@ -84,5 +85,10 @@ def main():
                   + (f"; slowest {short(times[-1][1])} {times[-1][0]:.1f}" if times else ""), flush=True)
 
 
+def parse_case(text: str) -> tuple[int, int, bool]:
+    d, s, causal = text.split(":")
+    return int(d), int(s), causal == "1"
+
+
 if __name__ == "__main__":
-    main()
+    main([parse_case(a) for a in sys.argv[1:]] or CASES)
