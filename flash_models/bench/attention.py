@@ -354,8 +354,11 @@ def main(argv=None):
         bench_decode(decode, kv_lens=_ints(args.decode_kv), batches=_ints(args.decode_batch), heads=args.decode_heads,
                      kv_heads=args.decode_kv_heads, d=args.decode_hdim, repeats=args.repeats, copy_bw=copy_bw,
                      back_to_back=back_to_back)
-    train.write_json(out_dir / "attention.json")
-    decode.write_json(out_dir / "attention_decode.json")
+    # A skipped part writes nothing: an earlier run's file in the same folder stays as it was.
+    if not args.skip_train:
+        train.write_json(out_dir / "attention.json")
+    if not args.skip_decode:
+        decode.write_json(out_dir / "attention_decode.json")
     _plot(train, decode, out_dir / "attention.png")
     print(f"\n{train.env}\n")
     cols = ["hdim", "S", "causal", "ours_fwd", "flash_fwd", "cudnn_fwd", "efficient_fwd", "x_fa2_fwd", "x_cudnn_fwd",

@@ -1,8 +1,9 @@
-"""bench attention's timing rounds, on the CPU with a scripted clock: every side is timed once per round before
-the next round, each reports its best round, and a side the backend rejected reports nothing."""
+"""bench attention on the CPU: its timing rounds, with a scripted clock (every side is timed once per round before
+the next round, each reports its best round, and a side the backend rejected reports nothing), and which json
+files a run with a part skipped writes."""
 
 from flash_models.bench import attention
-from flash_models.bench.harness import Timing
+from flash_models.bench.harness import BenchResult, Timing
 
 
 def test_training_sides_are_timed_in_interleaved_rounds(monkeypatch):
@@ -23,3 +24,24 @@ def test_training_sides_are_timed_in_interleaved_rounds(monkeypatch):
     times = attention._time_in_rounds(prepared, repeats=20, rounds=2, back_to_back=False)
     assert times == {"ours": (1.0, 5.0), "flash": (3.0, 7.0), "cudnn": (None, None)}
     assert order == ["ours fwd", "ours f+b", "flash fwd", "flash f+b"] * 2
+
+
+def test_a_skipped_part_leaves_an_earlier_runs_file_alone(monkeypatch, tmp_path):
+    """--skip-decode writes the training grid's json only: a decode json from an earlier run in the same folder
+    is not replaced by an empty one (and the other way round)."""
+    monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(attention, "_plot", lambda *args: None)
+    monkeypatch.setattr(attention, "BenchResult", lambda area: BenchResult(area=area, env={}))  # no device to name
+    monkeypatch.setattr(attention, "bench_training", lambda result, **kwargs: result.add(hdim=64, S=1024))
+    monkeypatch.setattr(attention, "measure_copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(attention, "bench_decode", lambda result, **kwargs: result.add(batch=1, kv_len=8192))
+    earlier_decode = tmp_path / "attention_decode.json"
+    earlier_decode.write_text('{"earlier": true}')
+
+    attention.main(["--out", str(tmp_path), "--skip-decode"])
+    assert '"S": 1024' in (tmp_path / "attention.json").read_text()
+    assert earlier_decode.read_text() == '{"earlier": true}'
+
+    attention.main(["--out", str(tmp_path), "--skip-train"])
+    assert '"S": 1024' in (tmp_path / "attention.json").read_text()
+    assert '"kv_len": 8192' in earlier_decode.read_text()
