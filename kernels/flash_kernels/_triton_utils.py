@@ -59,7 +59,11 @@ def num_programs(device: torch.device, per_sm: int = 4) -> int:
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """x viewed as (rows, last dim) with a unit stride on the last dim (copying only when it must)."""
+    """x viewed as (rows, last dim) with a unit stride on the last dim (copying only when it must). A 2-D x with
+    a unit last stride is returned as it is: a reshape would still make a view, which autograd records as a
+    node of its own (one more backward step, host time an eager norm cannot spare)."""
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 

@@ -438,11 +438,13 @@ def _norm(
         zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
         return_dropout_mask and dropout_p > 0.0,
     )
-    out = [y.view(shape)] + ([y1.view(shape)] if dual else [])
+    # A view, even to the same shape, is one more autograd node (a backward step): none for rows passed as rows.
+    as_input = (lambda t: t) if len(shape) == 2 else (lambda t: t.view(shape))  # noqa: E731
+    out = [as_input(y)] + ([as_input(y1)] if dual else [])
     if prenorm:
-        out.append(res_out.view(shape) if store_residual else x.to(residual_dtype))
+        out.append(as_input(res_out) if store_residual else x.to(residual_dtype))
     if return_dropout_mask:
-        out.append(mask.view(shape) if dropout_p > 0.0 else None)
+        out.append(as_input(mask) if dropout_p > 0.0 else None)
     return tuple(out) if len(out) > 1 else out[0]
 
 

@@ -66,12 +66,14 @@ def fwd_bwd_costs() -> None:
     rotary = stub("flash_kernels.rotary", "_rotary_kernel")
     x, r = (torch.randn(8, 4096, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     w, b = (torch.randn(4096, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    x3 = torch.randn(2, 4, 4096, dtype=torch.bfloat16, requires_grad=True)  # a model's (batch, seq, hidden)
     q, k = (torch.randn(1, 8, 4, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     angles = torch.rand(8, 64)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     steps = {
         "bare autograd.Function": _fwd_bwd_step(lambda: _Bare.apply(x, w), [x, w]),
         "rms_norm": _fwd_bwd_step(lambda: norm.rms_norm(x, w), [x, w]),
+        "rms_norm, 3-D input": _fwd_bwd_step(lambda: norm.rms_norm(x3, w), [x3, w]),
         "add+rms_norm prenorm": _fwd_bwd_step(lambda: norm.rms_norm(x, w, residual=r, prenorm=True), [x, r, w]),
         "layer_norm": _fwd_bwd_step(lambda: norm.layer_norm(x, w, b), [x, w, b]),
         "rotary q+k": _fwd_bwd_step(lambda: (rotary.apply_rotary(q, cos, sin), rotary.apply_rotary(k, cos, sin)), [q, k]),
