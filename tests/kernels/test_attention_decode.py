@@ -35,6 +35,8 @@ CASES = [
     (3, 2, 4, 1, 32, 96, 2, 16, True, (-1, -1), 0.0),  # paged
     (2, 1, 2, 2, 128, 64, 1, 32, True, (17, -1), 5.0),  # paged + window + softcap
     (2, 4, 2, 2, 80, 64, 0, None, False, (7, 3), 0.0),
+    (3, 1, 4, 4, 64, 113, 1, None, True, (-1, -1), 0.0),  # one query row a kv head (MHA decode)
+    (2, 1, 3, 3, 80, 96, 0, 16, False, (5, 2), 0.0),  # the same, head dim padded, paged, a two-sided window
 ]
 
 
@@ -172,14 +174,16 @@ def test_kvcache_torch_compile_fullgraph():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("page_size", [None, 256])
 @pytest.mark.parametrize("bsz,capacity", [(1, 32768), (8, 4096)])
-def test_gpu_decode_real_sizes(bsz, capacity, page_size):
+def test_gpu_decode_real_sizes(bsz, capacity, page_size, heads):
     torch.manual_seed(4)
-    q = torch.randn(bsz, 1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
-    kc, vc, table = _cache(bsz, capacity, 8, 128, torch.bfloat16, page_size)
+    hq, hkv = heads
+    q = torch.randn(bsz, 1, hq, 128, dtype=torch.bfloat16, device=DEVICE)
+    kc, vc, table = _cache(bsz, capacity, hkv, 128, torch.bfloat16, page_size)
     seqlens = torch.randint(capacity // 2, capacity, (bsz,), dtype=torch.int32, device=DEVICE)
-    k = torch.randn(bsz, 1, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(bsz, 1, hkv, 128, dtype=torch.bfloat16, device=DEVICE)
     kc_ref, vc_ref = kc.clone(), vc.clone()
     out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, k=k, v=k, block_table=table, backend="triton")
     ref = flash_attn_with_kvcache_ref(q, kc_ref, vc_ref, cache_seqlens=seqlens, k=k, v=k, block_table=table)
@@ -188,8 +192,9 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
 @pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None)])
-def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size):
+def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size, hkv):
     """Under programmatic_launch() (split and merge kernels launched early, each waiting for its predecessor
     in-kernel; with the early trigger, also reading a key tile before that wait) the output is the plain
     launches' bit for bit, called eagerly and replayed from a CUDA graph that chains several decode calls, each
@@ -197,8 +202,8 @@ def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_s
     torch.manual_seed(5)
     steps = 4
     q = torch.randn(steps, bsz, 1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
-    k = torch.randn(steps, bsz, 1, 8, 128, dtype=torch.bfloat16, device=DEVICE)
-    kc0, vc0, table = _cache(bsz, capacity, 8, 128, torch.bfloat16, page_size)
+    k = torch.randn(steps, bsz, 1, hkv, 128, dtype=torch.bfloat16, device=DEVICE)
+    kc0, vc0, table = _cache(bsz, capacity, hkv, 128, torch.bfloat16, page_size)
     lens0 = torch.randint(capacity // 2, capacity - steps, (bsz,), dtype=torch.int32, device=DEVICE)
 
     def decode_steps(kc, vc):
