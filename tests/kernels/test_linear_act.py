@@ -123,3 +123,32 @@ def test_gpu_encoder_shapes(m, k, n):
     assert m >= AUTO_MIN_ROWS and torch.equal(linear_act(x, weight, b, backend="auto"), out)
     few = x[: AUTO_MIN_ROWS - 1]
     assert torch.equal(linear_act(few, weight, b, backend="auto"), gelu(F.linear(few, weight, b)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(9011, 1024, 4096), (1000, 256, 520)])
+def test_gpu_every_config_matches_the_unfused_path(m, k, n):
+    """Each autotune candidate forced in turn, not just the one the autotuner picks on this GPU: the tile loop is
+    flattened into the K loop (``tl.range(..., flatten=True)``), a transformation that miscompiled a nested
+    attention loop under Triton 3.6 on an H100 while the interpreter ran it right (docs/benchmarks.md, BERT,
+    session 19), so every compiled variant is checked against the unfused path. (1000, 256, 520): a grid of a few
+    tiles only, and N not a multiple of any BLOCK_N."""
+    import importlib
+
+    module = importlib.import_module("flash_kernels.linear_act")
+    kernel = module._linear_act_kernel
+    x, weight, b = _operands(m, k, n, torch.bfloat16)
+    oracle = _unfused(x, weight, b, "gelu")
+    linear_act(x, weight, b, backend="triton")  # the autotuner's own pick, which fills the key
+    keys = list(kernel.chosen)
+    try:
+        for config in kernel.autotuner.configs:
+            for key in keys:
+                kernel.chosen[key] = (config.all_kwargs(), config.pre_hook)
+            out = linear_act(x, weight, b, backend="triton")
+            label = f"linear_act {config.all_kwargs()}"
+            assert_close(out, oracle, torch.bfloat16, name=label)
+            assert_rounded_alike(out, oracle, torch.bfloat16, name=label)
+    finally:
+        for key in keys:
+            del kernel.chosen[key]
