@@ -62,52 +62,51 @@ _BLOCK = 2048
 # 156.5); tanh alike.
 _FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-# The GELU kernels' reciprocal and exp2 are ``_ptx_math``'s single instructions on the GPU. H200, erf GELU,
+# The GELU kernels' exp2 (and, until session 20, a reciprocal) are ``_ptx_math``'s single instructions on the GPU. H200, erf GELU,
 # 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15): forward 56.0 / 72.9 /
 # 97.0 us against 60.0 / 78.8 / 103.9 with the portable forms, backward 73.9 / 97.3 / 129.1 against 82.3 /
 # 108.4 / 145.3.
 
 
 @triton.jit
+def _normal_tail(x, PTX: tl.constexpr):
+    """Phi(-|x|), the standard normal's lower tail, in float32: 2^P(|x|), P a degree-8 polynomial.
+
+    The exact GELU is x * Phi(x) = max(x, 0) - |x| * Phi(-|x|), so this one exp2 is all its arithmetic
+    needs beyond the polynomial: no reciprocal, and no cancellation in the negative tail (where torch's
+    0.5 * (1 + erf(x / sqrt2)) is off by 0.7% at x = -4 and returns 0 below about -5.5). The erfc form it
+    replaced (Numerical Recipes' erfcc: a reciprocal, 10 FMAs and an exp2) was within 1.1e-6 of the CDF for
+    |x| < 4, but its two MUFU instructions and ~20 instructions an element were what a fused GEMM + GELU
+    epilogue spent beyond a bias-only one (docs/benchmarks.md, BERT, sessions 18-20). Relative error of
+    Phi(-|x|), float32 Horner (scripts/fit_gelu_tail.py; tests/kernels/test_activations.py checks the kernel):
+    7e-6 for |x| < 4, 1.4e-5 to 9, then the fit extrapolated: 1.2% to 11 and 26% to 13, where the GELU is
+    below 1e-18 and 1e-26. NaN stays NaN; +-inf give 0."""
+    # P falls monotonically to 16 (P(16) = -183, below float32's smallest subnormal): clamping there makes
+    # Phi(-inf) exactly 0, with no inf - inf inside the polynomial.
+    a = tl.minimum(tl.abs(x), 16.0, propagate_nan=tl.PropagateNan.ALL)
+    # P's coefficients, highest degree first: scripts/fit_gelu_tail.py's output.
+    p = tl.fma(7.463183493428005e-08, a, -3.655749424069654e-06)
+    p = tl.fma(p, a, 7.943720265757293e-05)
+    p = tl.fma(p, a, -0.0010200459510087967)
+    p = tl.fma(p, a, 0.008750857785344124)
+    p = tl.fma(p, a, -0.054304637014865875)
+    p = tl.fma(p, a, -0.4582415521144867)
+    p = tl.fma(p, a, -1.1512949466705322)
+    p = tl.fma(p, a, -0.9999966025352478)
+    return _ptx_math.exp2(p, PTX)
+
+
+@triton.jit
 def _gelu_cdf(x, PTX: tl.constexpr):
-    """Phi(x), the standard normal CDF that the exact GELU x * Phi(x) takes, in float32, as erfc(|x|/sqrt2)/2
-    mirrored: 1 - e/2 for x >= 0, e/2 below.
-
-    Why not 0.5 * (1 + erf(x / sqrt2)), as torch and libdevice's erff compute it: (1) for negative x the sum
-    cancels (torch's float32 GELU is off by 0.7% at x = -4, and returns 0 below about -5.5; its bf16 outputs
-    round differently from the exact GELU's for 25% of the inputs in [-9, 9], ours for 0.01%); (2) libdevice's
-    erff picks one of two polynomials with a branch, which keeps a thread's elements from interleaving, and
-    evaluating both branchlessly takes ~30 instructions an element (counted from the source): an erf GELU
-    ran at about 70% of the H200's copy bandwidth, by that count bound by its arithmetic (not profiled). This form is one polynomial of 9 FMAs, an approximate reciprocal and an
-    exp2: 16384 x 3072 bf16 in 61.6 us against torch's 65.8 and the branchless erf's 66.8 (H200, session 14);
-    with the constants folded into the polynomial (below) the shipped kernel went 62.0 -> 59.9 us (torch's
-    66.3). Relative error against float64 on the GPU: 1.1e-6 for |x| < 4, 3.4e-6 down to -9 (float32
-    rounding of the exponent).
-
-    erfc(z) = t * exp(-z^2 + P(t)), t = 1 / (1 + z / 2), z >= 0, is Numerical Recipes' "erfcc" (Press et al.),
-    fractional error below 1.2e-7 everywhere in exact arithmetic."""
-    # With z = |x| / sqrt2: t = 1 / (1 + z / 2), and erfc(z) / 2 = t * 2^(log2(e) * (P(t) - z^2) - 1). The
-    # coefficients below are P's times log2(e), the constant term less 1 (the halving), so that no multiply
-    # is left outside the polynomial: 3-5% faster than scaling after it (H200, session 14), and more accurate.
-    a = tl.abs(x)
-    t = _ptx_math.rcp(tl.fma(a, 0.35355339059327373, 1.0), PTX)
-    p = tl.fma(0.24651729790196045, t, -1.1861149450768025)
-    p = tl.fma(p, t, 2.147474463933521)
-    p = tl.fma(p, t, -1.637753152343414)
-    p = tl.fma(p, t, 0.40232158165127635)
-    p = tl.fma(p, t, -0.2687568603388257)
-    p = tl.fma(p, t, 0.1396300565225048)
-    p = tl.fma(p, t, 0.5397006155284324)
-    p = tl.fma(p, t, 1.4427292039075317)
-    p = tl.fma(p, t, -2.825748218405333)
-    half_erfc = t * _ptx_math.exp2(tl.fma(-a * 0.7213475204444817, a, p), PTX)  # log2(e) / 2 * x^2 = log2(e) z^2
-    return tl.where(x >= 0, 1.0 - half_erfc, half_erfc)
+    """Phi(x) in float32, from the tail: 1 - Phi(-x) for x >= 0 (no cancellation there: Phi(-x) <= 1/2)."""
+    tail = _normal_tail(x, PTX)
+    return tl.where(x >= 0, 1.0 - tail, tail)
 
 
 @triton.jit
 def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
     """(act(g), act'(g)) in float32. KIND 0: SiLU, 1: exact GELU (erf), 2: tanh-approximated GELU. PTX: the
-    exact GELU's reciprocal and exp2 as single instructions (``_ptx_math``). SiLU and the tanh GELU keep the
+    exact GELU's exp2 as a single instruction (``_ptx_math``). SiLU and the tanh GELU keep the
     portable forms: with the PTX ones the tanh GELU ran no faster (H200, session 16: it is at 0.96-0.99 of
     copy bandwidth either way)."""
     if KIND == 0:
@@ -115,8 +114,9 @@ def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
         a = g * sig
         da = sig * (1.0 + g * (1.0 - sig))
     elif KIND == 1:
-        cdf = _gelu_cdf(g, PTX)
-        a = g * cdf
+        tail = _normal_tail(g, PTX)
+        a = tl.fma(-tl.abs(g), tail, tl.maximum(g, 0.0))  # g * Phi(g); see _normal_tail
+        cdf = tl.where(g >= 0, 1.0 - tail, tail)
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
     else:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)

@@ -92,7 +92,7 @@ def _set_block_shapes(nargs: dict) -> None:
 @triton.jit
 def _activate(y, ACT: tl.constexpr, PTX: tl.constexpr):
     """ACT 1: exact GELU (erf), 2: tanh-approximated GELU (both as the activations module computes them), 3: ReLU.
-    PTX: the GELU's reciprocal and exp2 as single instructions (``_ptx_math``)."""
+    PTX: the GELU's exp2 as a single instruction (``_ptx_math``)."""
     if ACT == 3:
         return tl.maximum(y, 0.0)
     a, _ = _act_and_grad(y, ACT, PTX)

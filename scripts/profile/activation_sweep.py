@@ -2,7 +2,7 @@
 over a few block sizes, forward and backward (kernel time, from CUDA-graph replays), as a fraction of the
 device copy bandwidth. Picks ``activations._FLAT`` (block and warps per direction) and tells whether "auto"
 should take ours or torch's GELU; "ours, portable math" is the shipped launch with ``_ptx_math.ENABLED``
-off (the interpreter's reciprocal and exp2), an A/B of the PTX forms.
+off (the interpreter's exp2), an A/B of the PTX form.
 
     PYTHONPATH=.:kernels python scripts/profile/activation_sweep.py   # on a CUDA GPU
 """

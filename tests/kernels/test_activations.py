@@ -108,24 +108,24 @@ def _cdf_inputs() -> torch.Tensor:
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=pytest.mark.gpu)], ids=["portable", "ptx"])
 def test_gelu_cdf_relative_accuracy(ptx):
-    """The kernels' normal CDF (erfc form, see activations._gelu_cdf) against float64, relative to the value,
-    so the negative tail counts as much as the middle: within 2.5e-6 for |x| < 4, 1e-5 down to x = -9 and
-    4e-5 down to -14 (a CDF of 1e-44; there the float32 rounding of z^2 ~ 98 sets the floor); exact 0 and 1 at
-    -inf and inf, NaN for NaN. A wrong coefficient shows as 1e-3 or more. The exact GELU's bf16 outputs then
-    round as the float64 GELU's do for all but a few inputs in 10^4. Both forms: the portable one (the
-    interpreter's) and the one with PTX reciprocal and exp2 (the GPU's, see _ptx_math.ENABLED)."""
+    """The kernels' normal CDF (2^P(|x|) for the lower tail, see activations._normal_tail) against float64,
+    relative to the value, so the negative tail counts as much as the middle: within 1e-5 for |x| < 4 and
+    2e-5 down to x = -9 (the fit measured 7e-6 and 1.4e-5 in float32), and within a factor 1.5 down to where
+    the CDF leaves float32's normal range (about -13; the GELU is below 1e-18 past -9); exact 0 and 1 at -inf
+    and inf, NaN for NaN. A wrong coefficient shows as 1e-3 or more. The exact GELU's bf16 outputs down to
+    -9 then round as the float64 GELU's do for all but about one input in 1000 (0.09% measured; torch's
+    float32 GELU: 13%, from its cancellation below -4; the erfc form before session 20: 0.002%). Both forms: the portable one (the interpreter's) and the one with the
+    PTX exp2 (the GPU's, see _ptx_math.ENABLED)."""
     x = _cdf_inputs()
     exact = 0.5 * torch.special.erfc(-x.double() / 2**0.5)
     ours = _cdf_of(x, ptx)
     rel = (ours.double() - exact).abs() / exact.clamp_min(torch.finfo(torch.float32).tiny)
     normal = exact > torch.finfo(torch.float32).tiny  # a subnormal CDF has no relative precision to keep
-    assert rel[normal & (x.abs() < 4)].max() < 2.5e-6
-    assert rel[normal & (x >= -9)].max() < 1e-5
-    assert rel[normal].max() < 4e-5
-    # (Not where the GELU is within float32's subnormals, which the GPU's exp2 flushes to zero.)
+    assert rel[normal & (x.abs() < 4)].max() < 1e-5
+    assert rel[normal & (x >= -9)].max() < 2e-5
+    assert rel[normal].max() < 0.5
     gelu_exact = x.double() * exact
-    sizable = gelu_exact.abs() > 1e-30
-    assert ((x * ours).bfloat16() != gelu_exact.bfloat16())[sizable].float().mean() < 2e-4
+    assert ((x * ours).bfloat16() != gelu_exact.bfloat16())[x >= -9].float().mean() < 2e-3
     special = _cdf_of(torch.tensor([-float("inf"), float("inf"), float("nan")], device=DEVICE), ptx)
     assert special[:2].tolist() == [0.0, 1.0] and special[2].isnan()
 
