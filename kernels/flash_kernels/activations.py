@@ -62,10 +62,10 @@ _BLOCK = 2048
 # 156.5); tanh alike.
 _FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-# The GELU kernels' exp2 (and, until session 20, a reciprocal) are ``_ptx_math``'s single instructions on the GPU. H200, erf GELU,
-# 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15): forward 56.0 / 72.9 /
-# 97.0 us against 60.0 / 78.8 / 103.9 with the portable forms, backward 73.9 / 97.3 / 129.1 against 82.3 /
-# 108.4 / 145.3.
+# The GELU kernels' exp2 (and, until session 20, a reciprocal) are ``_ptx_math``'s single instructions on the
+# GPU. H200, erf GELU, 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15, the
+# erfc form): forward 56.0 / 72.9 / 97.0 us against 60.0 / 78.8 / 103.9 with the portable forms, backward
+# 73.9 / 97.3 / 129.1 against 82.3 / 108.4 / 145.3.
 
 
 @triton.jit
