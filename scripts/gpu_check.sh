@@ -13,7 +13,7 @@
 #   bash scripts/gpu_check.sh gemv-chain     # every gemv config in a PDL chain with the block's fusions (gemv_chain_sweep.py)
 #   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
 #   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
-#   bash scripts/gpu_check.sh activations    # the branchless erf against libdevice, GELU kernels vs torch's, linear-act
+#   bash scripts/gpu_check.sh activations    # GPU tests (the GELU's accuracy, linear_act), GELU kernels vs torch's, linear-act
 #   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, decode attention A/B, bench generate ours vs ours-pdl
 #   bash scripts/gpu_check.sh triton-launch  # kernel GPU tests on Triton's launch path (FLASH_KERNELS_LEAN_LAUNCH=0), launch costs both ways
 set -uo pipefail
