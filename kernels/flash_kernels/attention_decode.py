@@ -100,6 +100,18 @@ DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 64
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
+# A split walking a long chunk of a contiguous cache at head dim 128 loads its next key tile into registers
+# before the current tile's dots (``PREFETCH_NEXT``), with no cp.async stages: the compiled pipeline above
+# issues tile i+2's copies only after tile i's dots, so one tile is in flight while a tile is computed. Decode
+# alone against the pipelined loop, H100 (2026-11-26, session 20, docs/benchmarks.md Attention), fraction of
+# copy bandwidth, plain / PDL (early trigger at batch 1): batch x keys, 16 heads: 32 x 4096 (one split) 0.93 ->
+# 1.03; 16 x 8192 1.02 / 0.97 -> 1.03 / 1.03; 8 x 8192 (4096-key chunks) 0.983 / 0.99 -> 0.996 / 0.997; 1 x
+# 65536 0.987 / 0.983 -> 0.992 / 1.008; GQA (32 q, 8 kv heads): 32 x 4096 1.00 / 0.97 -> 1.02 / 1.02, 64 x 4096
+# 0.97 -> 1.03, 16 x 16384 1.01 -> 1.02. It loses at head dim 64 (32 q / 4 kv heads, 32 x 8192: 0.93 -> 0.85),
+# on shorter chunks (1 x 8192, 512 keys: 0.80 -> 0.78 with PDL; 4 x 8192, 2048 keys: 0.955 -> 0.932 with PDL)
+# and on paged caches (8 x 8192: 0.94 -> 0.89), whose rows come through the block table.
+PREFETCH_NEXT_MIN_CHUNK = 4096
+DECODE_TILE_PREFETCH_NEXT = (64, 4, 1)
 
 
 @triton.jit
@@ -110,6 +122,17 @@ def _kv_rows(BlockTable, b64, offs_n, n_ok, stride_btb, stride_kb, stride_ks, st
         page = tl.load(BlockTable + b64 * stride_btb + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
         return page * stride_kb + (offs_n % page_size) * stride_ks, page * stride_vb + (offs_n % page_size) * stride_vs
     return b64 * stride_kb + offs_n.to(tl.int64) * stride_ks, b64 * stride_vb + offs_n.to(tl.int64) * stride_vs
+
+
+@triton.jit
+def _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh, stride_vb,
+             stride_vs, stride_vh, page_size, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr):
+    """(K, V) rows ``offs_n`` of kv head hk of batch row b, (N, D) each; rows from ``hi`` on read as zeros."""
+    k_rows, v_rows = _kv_rows(BlockTable, b64, offs_n, offs_n < hi, stride_btb, stride_kb, stride_ks, stride_vb,
+                              stride_vs, page_size, PAGED)
+    k = _load_rows(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)
+    return k, v
 
 
 @triton.jit
@@ -138,12 +161,13 @@ def _decode_split_kernel(
     seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_KV: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
 ):
     """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
     With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed.
     PREFETCH_KV: the chunk's first key tile is read before the wait for the kernel before (see
-    ``_prefetch_kv``), all but the newest keys, which that kernel may still be writing."""
+    ``_prefetch_kv``), all but the newest keys, which that kernel may still be writing. PREFETCH_NEXT: the key
+    loop loads tile n+1 into registers before tile n's dots (see PREFETCH_NEXT_MIN_CHUNK)."""
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -187,14 +211,25 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_tile(q, k_first, v_first, m_i, l_i, acc, i, first, seqlen_q, len_k, left, right,
                                          scale_log2, softcap, SOFTCAP, DOT_F32)
         start = lo + BLOCK_N
-    for start_n in range(start, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_rows, v_rows = _kv_rows(BlockTable, b64, offs_n, offs_n < hi, stride_btb, stride_kb, stride_ks, stride_vb,
-                                  stride_vs, page_size, PAGED)
-        k = _load_rows(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)  # (N, D)
-        v = _load_rows(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)
-        m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right, scale_log2,
-                                     softcap, SOFTCAP, DOT_F32)
+    if PREFETCH_NEXT:
+        k_next, v_next = _kv_tile(K, V, BlockTable, b64, hk, start + tl.arange(0, BLOCK_N), hi, offs_d, stride_btb,
+                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size,
+                                  HEAD_DIM, BLOCK_D, PAGED)
+        for start_n in range(start, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k, v = k_next, v_next
+            k_next, v_next = _kv_tile(K, V, BlockTable, b64, hk, offs_n + BLOCK_N, hi, offs_d, stride_btb, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM,
+                                      BLOCK_D, PAGED)  # past the chunk's end: masked, nothing read
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+    else:
+        for start_n in range(start, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)  # (N, D) each
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, SOFTCAP, DOT_F32)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if SINGLE_SPLIT:  # a row that saw no key gets zeros (acc is 0 there)
         out = O + b64 * stride_ob + i[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
@@ -246,6 +281,13 @@ def _prefetch_kv(device: torch.device) -> bool:
     return programmatic_launch_enabled(device) == TRIGGER_BEFORE_WAIT
 
 
+def _prefetch_next(chunk: int, paged: bool, head_dim: int) -> bool:
+    """Whether the split kernel takes the register-prefetch key loop (``PREFETCH_NEXT``): for chunks of at
+    least PREFETCH_NEXT_MIN_CHUNK keys of a contiguous cache at head dim 128, where it was measured to win (see
+    there). A function so that the interpreter tests can take that loop at their small sizes."""
+    return not paged and head_dim == 128 and chunk >= PREFETCH_NEXT_MIN_CHUNK
+
+
 def _split_count(capacity, n_prog_other, sms):
     """How many chunks to split a cache of ``capacity`` keys into, for ``n_prog_other`` (batch x kv heads)
     programs per split on ``sms`` SMs: as many as fit one wave, each at least DECODE_MIN_CHUNK keys long."""
@@ -292,7 +334,9 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     bd = next_power_of_2(d)
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
-    block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else DECODE_TILE
+    prefetch_next = _prefetch_next(chunk, paged, d)
+    tile = DECODE_TILE_PREFETCH_NEXT if prefetch_next else DECODE_TILE
+    block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else tile
     pdl = programmatic_launch_enabled(q.device)
     launch = launch_options(pdl)
     _decode_split_kernel[(num_splits, bsz * hkv, cdiv(rows, block_m))](
@@ -303,7 +347,8 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         out.stride(0), out.stride(1), out.stride(2),
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
-        SINGLE_SPLIT=single, PDL=pdl, PREFETCH_KV=_prefetch_kv(q.device), num_warps=num_warps, num_stages=num_stages,
+        SINGLE_SPLIT=single, PDL=pdl, PREFETCH_KV=_prefetch_kv(q.device), PREFETCH_NEXT=prefetch_next,
+        num_warps=num_warps, num_stages=num_stages,
         **launch,
     )
     if single:

@@ -40,16 +40,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("splits", ["planned", "single", "planned+prefetch", "single+prefetch"])
+@pytest.mark.parametrize("splits", ["planned", "single", "planned+prefetch", "single+prefetch", "planned+next",
+                                    "single+prefetch+next"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
     """The planned split-KV schedule (several splits and the merge, under the interpreter) and one split that
     writes the output itself (what short caches at a large batch get on the GPU); each also with the first key
-    tile read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys after."""
+    tile read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys after;
+    and with the key loop that loads the next tile before the current one's dots ("next": what long chunks
+    of a contiguous cache get on the GPU; here paged caches too, which the kernel takes as well)."""
     if splits.startswith("single"):
         monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other: (capacity, 1))
-    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: splits.endswith("prefetch"))
+    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: "prefetch" in splits)
+    monkeypatch.setattr(dec, "_prefetch_next", lambda chunk, paged, head_dim: splits.endswith("next"))
     torch.manual_seed(0)
     bsz, sq, hq, hkv, d, capacity, s_new, page, causal, window, softcap = case
     q = torch.randn(bsz, sq, hq, d, dtype=dtype, device=DEVICE)
@@ -91,6 +95,17 @@ def test_split_count_stays_within_one_wave(capacity, n_prog_other, expected):
     assert splits == 1 or splits * n_prog_other <= dec.DECODE_PROGRAMS_PER_SM * sms
     assert splits <= -(-capacity // dec.DECODE_MIN_CHUNK)  # no more chunks than DECODE_MIN_CHUNK-key pieces
 
+
+
+def test_prefetch_next_rule():
+    """The register-prefetch key loop is taken where it was measured to win (attention_decode,
+    PREFETCH_NEXT_MIN_CHUNK): long chunks of a contiguous cache at head dim 128; not paged, at head dim 64, or
+    on shorter chunks."""
+    long = dec.PREFETCH_NEXT_MIN_CHUNK
+    assert dec._prefetch_next(long, False, 128) and dec._prefetch_next(4 * long, False, 128)
+    assert not dec._prefetch_next(long // 2, False, 128)
+    assert not dec._prefetch_next(long, True, 128)
+    assert not dec._prefetch_next(long, False, 64)
 
 def test_decode_steps_equal_full_attention():
     """Prefill a cache, then decode token by token: each step equals the full causal attention's last row."""
@@ -176,7 +191,7 @@ def test_kvcache_torch_compile_fullgraph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [(32, 8), (16, 16)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("page_size", [None, 256])
-@pytest.mark.parametrize("bsz,capacity", [(1, 32768), (8, 4096)])
+@pytest.mark.parametrize("bsz,capacity", [(1, 32768), (8, 4096), (32, 4096)])  # the last: one 4096-key chunk
 def test_gpu_decode_real_sizes(bsz, capacity, page_size, heads):
     torch.manual_seed(4)
     hq, hkv = heads
@@ -193,7 +208,8 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size, heads):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
-@pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None)])
+@pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None),
+                                                     (32, 4096, None)])
 def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size, hkv):
     """Under programmatic_launch() (split and merge kernels launched early, each waiting for its predecessor
     in-kernel; with the early trigger, also reading a key tile before that wait) the output is the plain
