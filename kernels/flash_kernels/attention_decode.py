@@ -100,16 +100,18 @@ DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 64
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
-# A split walking a long chunk of a contiguous cache at head dim 128 loads its next key tile into registers
+# A split walking a long chunk of a contiguous cache at head dims 65-128 loads its next key tile into registers
 # before the current tile's dots (``PREFETCH_NEXT``), with no cp.async stages: the compiled pipeline above
 # issues tile i+2's copies only after tile i's dots, so one tile is in flight while a tile is computed. Decode
 # alone against the pipelined loop, H100 (2026-11-26, session 20, docs/benchmarks.md Attention), fraction of
 # copy bandwidth, plain / PDL (early trigger at batch 1): batch x keys, 16 heads: 32 x 4096 (one split) 0.93 ->
 # 1.03; 16 x 8192 1.02 / 0.97 -> 1.03 / 1.03; 8 x 8192 (4096-key chunks) 0.983 / 0.99 -> 0.996 / 0.997; 1 x
 # 65536 0.987 / 0.983 -> 0.992 / 1.008; GQA (32 q, 8 kv heads): 32 x 4096 1.00 / 0.97 -> 1.02 / 1.02, 64 x 4096
-# 0.97 -> 1.03, 16 x 16384 1.01 -> 1.02. It loses at head dim 64 (32 q / 4 kv heads, 32 x 8192: 0.93 -> 0.85),
-# on shorter chunks (1 x 8192, 512 keys: 0.80 -> 0.78 with PDL; 4 x 8192, 2048 keys: 0.955 -> 0.932 with PDL)
-# and on paged caches (8 x 8192: 0.94 -> 0.89), whose rows come through the block table.
+# 0.97 -> 1.03, 16 x 16384 1.01 -> 1.02; head dims 96 and 80 (32 x 4096, 16 heads, padded to 128): 0.83 ->
+# 0.92 and 0.74 -> 0.84. It loses at head dim 256 (16 x 8192, 8 heads: 1.02 -> 0.53: registers), is mixed at 64
+# (MHA 32 x 4096 0.98 / 0.91 -> 1.01 / 0.98, but 32 q / 4 kv heads, 32 x 8192: 0.93 -> 0.85), and loses on
+# shorter chunks (1 x 8192, 512 keys: 0.80 -> 0.78 with PDL; 4 x 8192, 2048 keys: 0.955 -> 0.932 with PDL) and
+# on paged caches (8 x 8192: 0.94 -> 0.89), whose rows come through the block table.
 PREFETCH_NEXT_MIN_CHUNK = 4096
 DECODE_TILE_PREFETCH_NEXT = (64, 4, 1)
 
@@ -283,9 +285,10 @@ def _prefetch_kv(device: torch.device) -> bool:
 
 def _prefetch_next(chunk: int, paged: bool, head_dim: int) -> bool:
     """Whether the split kernel takes the register-prefetch key loop (``PREFETCH_NEXT``): for chunks of at
-    least PREFETCH_NEXT_MIN_CHUNK keys of a contiguous cache at head dim 128, where it was measured to win (see
-    there). A function so that the interpreter tests can take that loop at their small sizes."""
-    return not paged and head_dim == 128 and chunk >= PREFETCH_NEXT_MIN_CHUNK
+    least PREFETCH_NEXT_MIN_CHUNK keys of a contiguous cache at head dims 65-128 (a 128-wide tile), where it was
+    measured to win (see there). A function so that the interpreter tests can take that loop at their small
+    sizes."""
+    return not paged and next_power_of_2(head_dim) == 128 and chunk >= PREFETCH_NEXT_MIN_CHUNK
 
 
 def _split_count(capacity, n_prog_other, sms):

@@ -99,13 +99,14 @@ def test_split_count_stays_within_one_wave(capacity, n_prog_other, expected):
 
 def test_prefetch_next_rule():
     """The register-prefetch key loop is taken where it was measured to win (attention_decode,
-    PREFETCH_NEXT_MIN_CHUNK): long chunks of a contiguous cache at head dim 128; not paged, at head dim 64, or
-    on shorter chunks."""
+    PREFETCH_NEXT_MIN_CHUNK): long chunks of a contiguous cache at head dims 80-128; not paged, at head dims 64
+    or 256, or on shorter chunks."""
     long = dec.PREFETCH_NEXT_MIN_CHUNK
-    assert dec._prefetch_next(long, False, 128) and dec._prefetch_next(4 * long, False, 128)
+    assert all(dec._prefetch_next(long, False, d) for d in (80, 96, 128))
+    assert dec._prefetch_next(4 * long, False, 128)
     assert not dec._prefetch_next(long // 2, False, 128)
     assert not dec._prefetch_next(long, True, 128)
-    assert not dec._prefetch_next(long, False, 64)
+    assert not dec._prefetch_next(long, False, 64) and not dec._prefetch_next(long, False, 256)
 
 def test_decode_steps_equal_full_attention():
     """Prefill a cache, then decode token by token: each step equals the full causal attention's last row."""
@@ -205,6 +206,20 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size, heads):
     assert_close(out, ref, torch.bfloat16, name="out")
     assert torch.equal(kc, kc_ref)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [80, 96])
+def test_gpu_decode_long_chunks_padded_head_dims(d):
+    """Head dims padded to a 128-wide tile take the register-prefetch loop on one 4096-key chunk a sequence."""
+    torch.manual_seed(6)
+    bsz, capacity = 32, 4096
+    assert dec._prefetch_next(capacity, False, d)
+    q = torch.randn(bsz, 1, 16, d, dtype=torch.bfloat16, device=DEVICE)
+    kc, vc, _ = _cache(bsz, capacity, 16, d, torch.bfloat16)
+    seqlens = torch.randint(capacity // 2, capacity, (bsz,), dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton")
+    assert_close(out, flash_attn_with_kvcache_ref(q, kc, vc, cache_seqlens=seqlens), torch.bfloat16, name="out")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
