@@ -289,7 +289,7 @@ def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = No
 
     "auto" takes our kernel on CUDA: faster than torch's in both directions (H200, session 14: erf forward
     62.0 vs 66.6 us at 16k x 3072 bf16, backward 84.3 vs 88.8; tanh 51.3 vs 57.1 forward), and the erf form
-    is more accurate than torch's in the negative tail (see ``_gelu_cdf``), so results differ from torch's
+    is more accurate than torch's in the negative tail (see ``_normal_tail``), so results differ from torch's
     there, towards the exact GELU."""
     _check_approximate(approximate)
     if not use_triton(backend, x, op="gelu", unsupported=_unsupported(x)):

@@ -108,6 +108,7 @@ def test_prefetch_next_rule():
     assert not dec._prefetch_next(long, True, 128)
     assert not dec._prefetch_next(long, False, 64) and not dec._prefetch_next(long, False, 256)
 
+
 def test_decode_steps_equal_full_attention():
     """Prefill a cache, then decode token by token: each step equals the full causal attention's last row."""
     torch.manual_seed(1)
@@ -207,19 +208,20 @@ def test_gpu_decode_real_sizes(bsz, capacity, page_size, heads):
     assert torch.equal(kc, kc_ref)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [80, 96])
 def test_gpu_decode_long_chunks_padded_head_dims(d):
     """Head dims padded to a 128-wide tile take the register-prefetch loop on one 4096-key chunk a sequence."""
     torch.manual_seed(6)
     bsz, capacity = 32, 4096
-    assert dec._prefetch_next(capacity, False, d)
     q = torch.randn(bsz, 1, 16, d, dtype=torch.bfloat16, device=DEVICE)
+    chunk, _ = dec._split_plan(q, capacity, bsz * 16)
+    assert dec._prefetch_next(chunk, False, d)  # the launch below takes that loop
     kc, vc, _ = _cache(bsz, capacity, 16, d, torch.bfloat16)
     seqlens = torch.randint(capacity // 2, capacity, (bsz,), dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton")
     assert_close(out, flash_attn_with_kvcache_ref(q, kc, vc, cache_seqlens=seqlens), torch.bfloat16, name="out")
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
