@@ -1,7 +1,8 @@
 """Dense layers on cuBLASLt epilogues (CUDA C++ in ``csrc/``): GEMM+bias, and the GELU MLP
 ``fc2(gelu(fc1(x)))`` whose forward writes the GELU and its pre-activation from the fc1 GEMM's epilogue and
-whose backward gets gelu'(pre) * (dy @ W2) from the DGELU epilogue and each weight GEMM's bias gradient from
-BGRADB: no separate bias or activation kernels (cuBLASLt runs BGRADB's reduction as a kernel of its own).
+whose backward gets gelu'(pre) * (dy @ W2) from the DGELU epilogue. Each bias gradient comes with its weight
+gradient from one GEMM: from BGRADB (cuBLASLt runs its reduction as a kernel of its own), or, where it moves
+fewer bytes, from a ones column appended to the layer's input (``_weight_and_bias_grads``).
 
 The extension is built on first use by ``torch.utils.cpp_extension.load`` (JIT with nvcc and ninja, cached
 under ``FLASH_KERNELS_BUILD_DIR`` or ~/.cache/flash_kernels), unless an ahead-of-time build is installed
@@ -139,6 +140,25 @@ def load_extension(*, verbose: bool = False):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def bias_grad_by_ones_column(rows: int, in_features: int, out_features: int) -> bool:
+    """Whether ``_weight_and_bias_grads`` takes the ones column: where its copies (x into the wider operand, read
+    and written: 2 * rows * in; dW out of the wider result: 2 * out * in) move fewer elements than one read of
+    dy (rows * out), which any separate bias reduction needs. It pays when the layer widens its input over many
+    rows: GPT-2's fc1 over 16k tokens (768 -> 3072) moves 30M elements against 50M (H100, session 21: the dense
+    layer's forward + backward in 348-350 us of kernels against 364-375 with BGRADB), not its fc2 (3072 -> 768:
+    211M against 13M)."""
+    return 2 * rows * in_features + 2 * out_features * in_features < rows * out_features
+
+
+def _weight_and_bias_grads(ext, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dW, db) of y = x @ W.T + b from one GEMM: dy.T @ [x | 1] (``linear_wgrad_ones``, db in its last column)
+    where ``bias_grad_by_ones_column`` takes it, else BGRADB (a dW GEMM slower than the plain one, and a
+    reduction kernel of its own)."""
+    dw, db = (ext.linear_wgrad_ones(x, dy) if bias_grad_by_ones_column(*x.shape, dy.shape[1])
+              else ext.linear_wgrad(x, dy, True))
+    return dw, db
+
+
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return load_extension().linear_fwd(x, weight, bias, False)[0]
 
@@ -153,7 +173,7 @@ def _(x, weight, bias):
 
 def _dense_bwd(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = load_extension()
-    dw, db = ext.linear_wgrad(x, dy, True)
+    dw, db = _weight_and_bias_grads(ext, x, dy)
     return ext.linear_dgrad(dy, weight, None, False)[0], dw, db
 
 
@@ -204,13 +224,13 @@ def _mlp_bwd(
     dy: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ext = load_extension()
-    dw2, db2 = ext.linear_wgrad(act, dy, True)
-    # fc1's bias gradient comes from BGRADB in its weight-gradient GEMM, not from DGELU_BGRAD here: cuBLASLt
+    dw2, db2 = _weight_and_bias_grads(ext, act, dy)
+    # fc1's bias gradient comes with its weight gradient, not from DGELU_BGRAD here: cuBLASLt
     # runs DGELU_BGRAD as a separate generic kernel (357 us at GPT-2's 16k x 768 -> 3072 on an H100, where
     # the DGELU GEMM alone takes 168 and BGRADB's reduction ~45): forward + backward went from 0.85x to 1.05x
     # torch's autograd (scripts/profile/mlp_backward_ab.py, 2026-11-25).
     dpre = ext.linear_dgrad(dy, weight2, pre, False)[0]  # (dy @ W2) * gelu'(pre)
-    dw1, db1 = ext.linear_wgrad(x, dpre, True)
+    dw1, db1 = _weight_and_bias_grads(ext, x, dpre)
     dx = ext.linear_dgrad(dpre, weight1, None, False)[0]
     return dx, dw1, db1, dw2, db2
 

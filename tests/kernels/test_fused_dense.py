@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from flash_kernels import fused_dense, fused_dense_gelu_dense
 from flash_kernels._testing import assert_close
-from flash_kernels.fused_dense import fused_dense_gelu_dense_ref, load_extension
+from flash_kernels.fused_dense import bias_grad_by_ones_column, fused_dense_gelu_dense_ref, load_extension
 
 
 def _mlp_params(d, hidden, dtype, device):
@@ -34,11 +34,23 @@ def test_explicit_cuda_backend_that_cannot_run_raises():
         fused_dense_gelu_dense(x, w1, b1, w1, b2)
 
 
+def test_bias_grad_by_ones_column_rule():
+    """The ones column is taken where the layer widens its input over many rows (its copies then move fewer bytes
+    than a pass over dy): GPT-2's fc1 over 16k tokens, not its fc2, and not over 2k tokens (dW's copy dominates)."""
+    assert bias_grad_by_ones_column(16384, 768, 3072)
+    assert not bias_grad_by_ones_column(16384, 3072, 768)
+    assert not bias_grad_by_ones_column(2048, 768, 3072)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_extension_matches_torch(dtype):
-    """GPT-2 MLP sizes: built here (JIT), forward and every gradient against torch in float32."""
-    x = torch.randn(4, 512, 768, dtype=dtype, device="cuda", requires_grad=True)
+@pytest.mark.parametrize("batch", [4, 32])
+def test_gpu_extension_matches_torch(dtype, batch):
+    """GPT-2 MLP sizes: built here (JIT), forward and every gradient against torch in float32. At 4 x 512 tokens
+    every bias gradient comes from BGRADB; at 32 x 512, fc1's comes from the ones column."""
+    tokens = batch * 512
+    assert bias_grad_by_ones_column(tokens, 768, 3072) == (batch == 32)
+    x = torch.randn(batch, 512, 768, dtype=dtype, device="cuda", requires_grad=True)
     params = _mlp_params(768, 3072, dtype, "cuda")
     out = fused_dense_gelu_dense(x, *params, backend="cuda")
     ref = fused_dense_gelu_dense_ref(x.float(), *(p.float() for p in params), approximate="tanh")
@@ -49,15 +61,16 @@ def test_gpu_extension_matches_torch(dtype):
     for name, a, b in zip(["x", "w1", "b1", "w2", "b2"], got, want):
         assert_close(a, b.to(dtype), dtype, scale=2, name=f"grad {name}")
 
-    w, b = params[2], params[3]
-    h = torch.randn(4, 512, 3072, dtype=dtype, device="cuda", requires_grad=True)
-    out = fused_dense(h, w, b, backend="cuda")
-    ref = F.linear(h.float(), w.float(), b.float())
-    assert_close(out, ref, dtype, name="dense out")
-    g = torch.randn_like(out)
-    for name, a, bb in zip(["x", "w", "b"], torch.autograd.grad(out, [h, w, b], g),
-                           torch.autograd.grad(ref, [h, w, b], g.float())):
-        assert_close(a, bb.to(dtype), dtype, scale=2, name=f"dense grad {name}")
+    # Both dense layers of the MLP alone: fc2's shape (BGRADB), fc1's (the ones column at 32 x 512 tokens).
+    for (w, b), width in (((params[2], params[3]), 3072), ((params[0], params[1]), 768)):
+        h = torch.randn(batch, 512, width, dtype=dtype, device="cuda", requires_grad=True)
+        out = fused_dense(h, w, b, backend="cuda")
+        ref = F.linear(h.float(), w.float(), b.float())
+        assert_close(out, ref, dtype, name=f"dense {width} out")
+        g = torch.randn_like(out)
+        for name, a, bb in zip(["x", "w", "b"], torch.autograd.grad(out, [h, w, b], g),
+                               torch.autograd.grad(ref, [h, w, b], g.float())):
+            assert_close(a, bb.to(dtype), dtype, scale=2, name=f"dense {width} grad {name}")
 
 
 @pytest.mark.gpu

@@ -51,15 +51,15 @@ std::vector<at::Tensor> linear_fwd(const at::Tensor& x, const at::Tensor& w, con
   return {y, pre};
 }
 
-// dW = dy.T @ x (N x K) and, if with_bias, db = dy.sum(0) from the BGRADB epilogue.
+// The GEMM dw = dy.T @ x for x (M x K), dy (M x N), dw (N x K), all row-major.
 // Column-major: dW^T (K x N, ld K) = x^T (K x M, ld K) @ op_T(dy^T stored N x M, ld N); bias along n = N.
-std::vector<at::Tensor> linear_wgrad(const at::Tensor& x, const at::Tensor& dy, bool with_bias) {
+LtGemm wgrad_gemm(const at::Tensor& x, const at::Tensor& dy, at::Tensor& dw) {
   check_matrix(x, "x");
   check_matrix(dy, "grad_output");
   check_same_dtype(x, dy);
   const int64_t M = x.size(0), K = x.size(1), N = dy.size(1);
   TORCH_CHECK(dy.size(0) == M, "fused_dense: grad_output ", dy.sizes(), " does not match x ", x.sizes());
-  auto dw = at::empty({N, K}, x.options());
+  dw = at::empty({N, K}, x.options());
   LtGemm g;
   g.trans_b = true;
   g.m = K; g.n = N; g.k = M;
@@ -67,15 +67,38 @@ std::vector<at::Tensor> linear_wgrad(const at::Tensor& x, const at::Tensor& dy, 
   g.b = dy.data_ptr(); g.ldb = N;
   g.d = dw.data_ptr(); g.ldd = K;
   g.dtype = x.scalar_type();
+  return g;
+}
+
+// dW = dy.T @ x (N x K) and, if with_bias, db = dy.sum(0) from the BGRADB epilogue.
+std::vector<at::Tensor> linear_wgrad(const at::Tensor& x, const at::Tensor& dy, bool with_bias) {
+  at::Tensor dw;
+  LtGemm g = wgrad_gemm(x, dy, dw);
   if (!with_bias) {
     lt_gemm(g);
     return {dw};
   }
-  auto db = at::empty({N}, x.options());
+  auto db = at::empty({dy.size(1)}, x.options());
   g.epilogue = Epilogue::kBgradB;
   g.bias = db.data_ptr();
   lt_gemm(g);
   return {dw, db};
+}
+
+// cuBLASLt needs 16-byte row strides: the ones column comes with 7 more (fp16 / bf16).
+constexpr int64_t kOnesColumns = 8;
+
+// dW and db from one plain GEMM: dy.T @ [x | 1] holds dW in its first K columns and db = dy.sum(0) in column K
+// (each dy entry times 1, summed in the GEMM's float32). Costs a copy of x into the wider operand and one of dW
+// out of the wider result, against BGRADB's slower GEMM and separate reduction over dy; the caller weighs them.
+// Here rather than in Python because its four extra ops are host work on every backward.
+std::vector<at::Tensor> linear_wgrad_ones(const at::Tensor& x, const at::Tensor& dy) {
+  check_matrix(x, "x");
+  const int64_t K = x.size(1);
+  auto x_ones = at::cat({x, at::ones({x.size(0), kOnesColumns}, x.options())}, 1);
+  at::Tensor dw_ones;
+  lt_gemm(wgrad_gemm(x_ones, dy, dw_ones));
+  return {dw_ones.narrow(1, 0, K).contiguous(), dw_ones.select(1, K).contiguous()};
 }
 
 // dx = dy @ w (M x K). Column-major: dx^T (K x M, ld K) = w^T stored (K x N, ld K) @ dy^T stored (N x M, ld N).
@@ -123,5 +146,6 @@ std::vector<at::Tensor> linear_dgrad(const at::Tensor& dy, const at::Tensor& w, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fwd", &flash_kernels::linear_fwd, "x @ w.T + bias (gelu: also returns the pre-activation)");
   m.def("linear_wgrad", &flash_kernels::linear_wgrad, "dy.T @ x and optionally dy.sum(0)");
+  m.def("linear_wgrad_ones", &flash_kernels::linear_wgrad_ones, "dy.T @ x and dy.sum(0) from dy.T @ [x | 1]");
   m.def("linear_dgrad", &flash_kernels::linear_dgrad, "dy @ w, optionally times gelu'(pre) (and its bias grad)");
 }
