@@ -309,7 +309,8 @@ def _use_cuda(backend: str | None, x, params, *, approximate: str = "tanh", op: 
 def fused_dense(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str | None = None
 ) -> torch.Tensor:
-    """x @ weight.T + bias with the bias added in the GEMM's epilogue (and its gradient from BGRADB)."""
+    """x @ weight.T + bias with the bias added in the GEMM's epilogue (and its gradient with the weight's, from
+    one GEMM: see ``_weight_and_bias_grads``)."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fused_dense: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if not _use_cuda(backend, x, [weight, bias], op="fused_dense"):
