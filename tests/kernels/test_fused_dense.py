@@ -74,6 +74,23 @@ def test_gpu_extension_matches_torch(dtype, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_ones_column_odd_shape(dtype):
+    """The ones-column bias gradient at a row count and widths that match no tile (12345 rows, 136 -> 520)."""
+    rows, width, out_features = 12345, 136, 520
+    assert bias_grad_by_ones_column(rows, width, out_features)
+    x = torch.randn(rows, width, dtype=dtype, device="cuda", requires_grad=True)
+    w = (torch.randn(out_features, width, dtype=dtype, device="cuda") / width**0.5).requires_grad_()
+    b = torch.randn(out_features, dtype=dtype, device="cuda", requires_grad=True)
+    out = fused_dense(x, w, b, backend="cuda")
+    ref = F.linear(x.float(), w.float(), b.float())
+    g = torch.randn_like(out)
+    for name, got, want in zip(["x", "w", "b"], torch.autograd.grad(out, [x, w, b], g),
+                               torch.autograd.grad(ref, [x, w, b], g.float())):
+        assert_close(got, want.to(dtype), dtype, scale=2, name=f"grad {name}")
+
+
+@pytest.mark.gpu
 def test_gpu_compile_fullgraph():
     x = torch.randn(256, 768, dtype=torch.bfloat16, device="cuda")
     params = _mlp_params(768, 3072, torch.bfloat16, "cuda")
