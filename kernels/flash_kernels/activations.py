@@ -97,9 +97,8 @@ def _normal_tail(x, PTX: tl.constexpr):
 
 
 @triton.jit
-def _gelu_cdf(x, PTX: tl.constexpr):
-    """Phi(x) in float32, from the tail: 1 - Phi(-x) for x >= 0 (no cancellation there: Phi(-x) <= 1/2)."""
-    tail = _normal_tail(x, PTX)
+def _cdf_from_tail(x, tail):
+    """Phi(x) from tail = Phi(-|x|): 1 - tail for x >= 0 (no cancellation there: tail <= 1/2), tail below."""
     return tl.where(x >= 0, 1.0 - tail, tail)
 
 
@@ -116,7 +115,7 @@ def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
     elif KIND == 1:
         tail = _normal_tail(g, PTX)
         a = tl.fma(-tl.abs(g), tail, tl.maximum(g, 0.0))  # g * Phi(g); see _normal_tail
-        cdf = tl.where(g >= 0, 1.0 - tail, tail)
+        cdf = _cdf_from_tail(g, tail)
         da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
     else:
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)

@@ -87,7 +87,8 @@ def test_bad_inputs():
 def _cdf_kernel(X, Y, N, BLOCK: tl.constexpr, PTX: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < N
-    tl.store(Y + offsets, act._gelu_cdf(tl.load(X + offsets, mask=mask), PTX), mask=mask)
+    x = tl.load(X + offsets, mask=mask)
+    tl.store(Y + offsets, act._cdf_from_tail(x, act._normal_tail(x, PTX)), mask=mask)
 
 
 def _cdf_of(x: torch.Tensor, ptx: bool) -> torch.Tensor:

@@ -96,7 +96,6 @@ def test_split_count_stays_within_one_wave(capacity, n_prog_other, expected):
     assert splits <= -(-capacity // dec.DECODE_MIN_CHUNK)  # no more chunks than DECODE_MIN_CHUNK-key pieces
 
 
-
 def test_prefetch_next_rule():
     """The register-prefetch key loop is taken where it was measured to win (attention_decode,
     PREFETCH_NEXT_MIN_CHUNK): long chunks of a contiguous cache at head dims 80-128; not paged, at head dims 64
