@@ -9,8 +9,11 @@ Why the gradients are computed in the forward (as Liger does) rather than recomp
 recompute would repeat the logits GEMM, 4 GEMMs instead of 3 (~33% more matmul work for the largest GEMMs of
 a small model), while storing costs only buffers the size of hidden and weight, which the backward must
 produce anyway. With reduction "mean"/"sum" the upstream gradient is one scalar, so the stored gradients are
-scaled by it in the backward. With reduction "none" every row has its own upstream gradient, unknown in the
-forward, so the backward recomputes chunk by chunk instead.
+scaled by it in the backward. Scaling the weight gradient would be a pass of its own over the largest tensor
+of the op, so the last chunk's weight-gradient GEMM waits for the backward and takes the scalar, read on the
+device, into its epilogue (``fused_dense``'s cuBLASLt extension, where it runs); the price is that chunk's
+logits gradient, kept from the forward to the backward. With reduction "none" every row has its own upstream
+gradient, unknown in the forward, so the backward recomputes chunk by chunk instead.
 
 The chunk loop runs the Triton cross-entropy kernels on CUDA (or the interpreter) and a plain PyTorch
 cross-entropy otherwise, so the memory-lean path also works on the CPU.
@@ -18,15 +21,15 @@ cross-entropy otherwise, so the memory-lean path also works on the CPU.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ._backend import check_backend_name, records_grad, use_triton
-from ._triton_utils import eager_function, next_power_of_2, pick, placeholder
+from ._triton_utils import eager_function, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
+from .fused_dense import extension_buildable, load_extension
 
 
 def linear_cross_entropy_ref(
@@ -80,19 +83,29 @@ def _chunk_ce(logits, labels, row_grad, ignore_index, label_smoothing, logit_sca
 
 
 def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index, label_smoothing, logit_scale,
-             triton_ce):
-    """Per-row losses and, when ``row_grad`` (N,) is given, the gradients scaled per row by it."""
+             triton_ce, defer_last=False):
+    """(losses, dhidden, dweight, dbias, last_dlogits): per-row losses and, when ``row_grad`` (N,) is given, the
+    gradients scaled per row by it. With ``defer_last`` the last chunk's weight-gradient GEMM is the caller's:
+    dweight holds the other chunks' sum (empty when there is exactly one chunk) and last_dlogits is the last
+    chunk's logits gradient ((0, V) when there is no chunk); without it last_dlogits is None."""
     n, v = hidden.shape[0], weight.shape[0]
     need_grads = row_grad is not None
+    defer_last = defer_last and need_grads
     losses = torch.empty((n,), device=hidden.device, dtype=torch.float32)
     dhidden = torch.empty_like(hidden) if need_grads else None
     # Accumulated in the weight's dtype by addmm (float32 inside each GEMM), as an unfused backward would: a
     # float32 accumulator would cost a (V, H) float32 buffer, the largest tensor of the whole op. The first
     # chunk writes it (no zero fill, no read of zeros): each pass over the (V, H) gradient is HBM traffic
     # that the GEMMs do not hide.
-    alloc = torch.empty if n > 0 else torch.zeros  # no chunk at all: the gradients are zero
-    dweight = alloc(weight.shape, device=weight.device, dtype=weight.dtype) if need_grads else None
-    dbias = alloc((v,), device=hidden.device, dtype=torch.float32) if need_grads and bias is not None else None
+    dweight = dbias = None
+    if need_grads:
+        if defer_last and 0 < n <= chunk_size:
+            dweight = weight.new_empty((0,))  # the one chunk's GEMM is the caller's
+        else:
+            dweight = (torch.empty if n > 0 else torch.zeros)(weight.shape, device=weight.device, dtype=weight.dtype)
+        if bias is not None:
+            dbias = (torch.empty if n > 0 else torch.zeros)((v,), device=hidden.device, dtype=torch.float32)
+    last_dlogits = hidden.new_empty((0, v)) if defer_last else None
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         h = hidden[start:end]
@@ -102,7 +115,9 @@ def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index
                                                logit_scale, triton_ce)
         if need_grads:
             torch.mm(dlogits, weight, out=dhidden[start:end])
-            if start == 0:
+            if defer_last and end == n:
+                last_dlogits = dlogits
+            elif start == 0:
                 torch.mm(dlogits.t(), h, out=dweight)
             else:
                 dweight.addmm_(dlogits.t(), h)
@@ -111,7 +126,34 @@ def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index
                     torch.sum(dlogits, 0, dtype=torch.float32, out=dbias)
                 else:
                     dbias += dlogits.sum(0, dtype=torch.float32)
-    return losses, dhidden, dweight, dbias
+    return losses, dhidden, dweight, dbias, last_dlogits
+
+
+def _scaled_weight_grad(partial: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale * (partial + dlogits.T @ h), partial empty for none: one GEMM whose epilogue reads the scalar on the
+    device (``fused_dense``'s extension) where that runs, else the GEMM and then a multiply."""
+    if dlogits.shape[0] == 0:  # no token at all: partial holds the zeros
+        return partial * scale
+    if _epilogue_scaling(dlogits, h):
+        return load_extension().linear_wgrad_scaled(h, dlogits, partial, scale.float().reshape(1).contiguous())
+    dw = torch.mm(dlogits.t(), h) if partial.numel() == 0 else torch.addmm(partial, dlogits.t(), h)
+    return dw.mul_(scale)
+
+
+def _epilogue_scaling(dlogits: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether ``_scaled_weight_grad`` takes the cuBLASLt GEMM: fp16/bf16 on CUDA, row strides that keep its
+    16-byte alignment, and the extension prebuilt or buildable here (else torch, with a pass for the scale)."""
+    return (h.device.type == "cuda" and h.dtype in (torch.float16, torch.bfloat16) and dlogits.shape[1] % 8 == 0
+            and h.shape[1] % 8 == 0 and extension_buildable() is None)
+
+
+_scaled_weight_grad_op = torch.library.custom_op("flash_kernels::linear_ce_scaled_weight_grad",
+                                                 mutates_args=())(_scaled_weight_grad)
+
+
+@_scaled_weight_grad_op.register_fake
+def _(partial, dlogits, h, scale):
+    return h.new_empty((dlogits.shape[1], h.shape[1]))
 
 
 def _row_grad(labels, ignore_index, reduction):
@@ -131,12 +173,14 @@ def _row_grad(labels, ignore_index, reduction):
 def _lce_fwd(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, ignore_index: int,
     label_smoothing: float, logit_scale: float, reduction: str, chunk_size: int, triton_ce: bool, compute_grads: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, dhidden, dweight without the last chunk's GEMM, dbias, the last chunk's logits gradient), the
+    gradients for a unit upstream gradient; placeholders for those not computed."""
     grads_now = compute_grads and reduction != "none"
     row_grad = _row_grad(labels, ignore_index, reduction) if grads_now else None
-    losses, dh, dw, db = _chunked(hidden, weight, bias, labels, row_grad, chunk_size=chunk_size,
-                                  ignore_index=ignore_index, label_smoothing=label_smoothing,
-                                  logit_scale=logit_scale, triton_ce=triton_ce)
+    losses, dh, dw, db, last = _chunked(hidden, weight, bias, labels, row_grad, chunk_size=chunk_size,
+                                        ignore_index=ignore_index, label_smoothing=label_smoothing,
+                                        logit_scale=logit_scale, triton_ce=triton_ce, defer_last=True)
     dev = hidden.device
     if reduction == "mean":
         loss = losses.sum() / (labels != ignore_index).sum().clamp(min=1)
@@ -146,7 +190,8 @@ def _lce_fwd(
         loss = losses
     return (loss, dh if dh is not None else placeholder(dev, hidden.dtype),
             dw if dw is not None else placeholder(dev, weight.dtype),
-            db.to(bias.dtype) if db is not None else placeholder(dev))
+            db.to(bias.dtype) if db is not None else placeholder(dev),
+            last if last is not None else placeholder(dev, hidden.dtype))
 
 
 _lce_fwd_op = torch.library.custom_op("flash_kernels::linear_cross_entropy_fwd", mutates_args=())(_lce_fwd)
@@ -158,9 +203,13 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, logit_scale, 
     grads_now = compute_grads and reduction != "none"
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=torch.float32)
     dh = torch.empty_like(hidden) if grads_now else hidden.new_empty((0,))
-    dw = torch.empty_like(weight) if grads_now else weight.new_empty((0,))
+    n, v = hidden.shape[0], weight.shape[0]
+    one_chunk = grads_now and 0 < n <= chunk_size  # then the only dW GEMM is the backward's
+    dw = torch.empty_like(weight) if grads_now and not one_chunk else weight.new_empty((0,))
     db = torch.empty_like(bias) if grads_now and bias is not None else hidden.new_empty((0,), dtype=torch.float32)
-    return loss, dh, dw, db
+    last_rows = n - (n - 1) // chunk_size * chunk_size if n > 0 else 0
+    last = hidden.new_empty((last_rows, v)) if grads_now else hidden.new_empty((0,))
+    return loss, dh, dw, db, last
 
 
 def _lce_bwd(
@@ -168,9 +217,9 @@ def _lce_bwd(
     dlosses: torch.Tensor, ignore_index: int, label_smoothing: float, logit_scale: float, chunk_size: int,
     triton_ce: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, dh, dw, db = _chunked(hidden, weight, bias, labels, dlosses.float().contiguous(), chunk_size=chunk_size,
-                             ignore_index=ignore_index, label_smoothing=label_smoothing, logit_scale=logit_scale,
-                             triton_ce=triton_ce)
+    _, dh, dw, db, _ = _chunked(hidden, weight, bias, labels, dlosses.float().contiguous(), chunk_size=chunk_size,
+                                ignore_index=ignore_index, label_smoothing=label_smoothing, logit_scale=logit_scale,
+                                triton_ce=triton_ce)
     return dh, dw, db.to(bias.dtype) if db is not None else placeholder(hidden.device)
 
 
@@ -191,23 +240,26 @@ def _lce_setup_context(ctx, inputs, output):
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.args = (ignore_index, label_smoothing, logit_scale, chunk_size, triton_ce)
     else:
-        ctx.save_for_backward(*output[1:])
+        ctx.save_for_backward(hidden, *output[1:])
 
 
-def _lce_backward_with(bwd):
-    def backward(ctx, dloss, _ddh, _ddw, _ddb):
+def _lce_backward_with(bwd, scaled_weight_grad):
+    def backward(ctx, dloss, _ddh, _ddw, _ddb, _dlast):
         if ctx.reduction == "none":
             hidden, weight, bias, labels = ctx.saved_tensors
             dh, dw, db = bwd(hidden, weight, bias, labels, dloss, *ctx.args)
         else:
-            dh, dw, db = (g * dloss.to(g.dtype) for g in ctx.saved_tensors)
+            hidden, dh, dw_partial, db, last = ctx.saved_tensors
+            dw = scaled_weight_grad(dw_partial, last, hidden[hidden.shape[0] - last.shape[0]:], dloss)
+            dh, db = (g * dloss.to(g.dtype) for g in (dh, db))
         return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None, None, None
 
     return backward
 
 
-_lce_fwd_op.register_autograd(_lce_backward_with(_lce_bwd_op), setup_context=_lce_setup_context)
-_lce_eager = eager_function("LinearCrossEntropy", _lce_fwd, _lce_setup_context, _lce_backward_with(_lce_bwd))
+_lce_fwd_op.register_autograd(_lce_backward_with(_lce_bwd_op, _scaled_weight_grad_op), setup_context=_lce_setup_context)
+_lce_eager = eager_function("LinearCrossEntropy", _lce_fwd, _lce_setup_context,
+                            _lce_backward_with(_lce_bwd, _scaled_weight_grad))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -216,16 +268,23 @@ _lce_eager = eager_function("LinearCrossEntropy", _lce_fwd, _lce_setup_context, 
 
 
 MIN_CHUNK_ROWS = 2048
+MAX_CHUNK_ROWS = 8192
 
 
-def default_chunk_size(n_tokens: int, hidden_size: int, vocab_size: int) -> int:
-    """Tokens per chunk: a chunk of logits two to four times the size of the hidden states, a power of two, and
-    at least MIN_CHUNK_ROWS rows. Bigger chunks make the weight-gradient GEMM (whose reduction dim is the chunk)
-    more efficient, and every chunk costs five launches: GPT-2's head over 16k tokens in 512-row chunks was 160
-    launches a step, more host time than GPU time on an H200. A 2048-row chunk of a 128k vocabulary is 0.5 GB
-    of bf16 logits, still small next to the unfused op's (N, V) logits and their float32 copies."""
-    target = next_power_of_2(math.ceil(2 * n_tokens * hidden_size / max(vocab_size, 1)))
-    return max(1, min(n_tokens, max(MIN_CHUNK_ROWS, target)))
+def default_chunk_size(n_tokens: int, hidden_size: int) -> int:
+    """Tokens per chunk: the largest power of two up to twice the hidden size, within [MIN_CHUNK_ROWS,
+    MAX_CHUNK_ROWS] and at most the token count.
+
+    Twice the hidden size keeps a chunk of logits (rows x V) within twice the elements of the weight gradient,
+    which the op holds anyway. Bigger chunks are faster: each chunk's weight-gradient GEMM reads and writes the
+    whole (V, H) gradient in its epilogue, a cost per GEMM FLOP that falls as 1 / chunk and that the GEMM does
+    not hide, and its reduction dim is the chunk. H100, 16k tokens, H 4096, V 128k, bf16 (docs/benchmarks.md,
+    Fused ops, session 22): the three GEMMs took 72.2 ms of kernels in 2048-row chunks, 69.2 in 8192-row ones,
+    68.5 unchunked (torch.compile). Beyond 8192 rows the epilogue's share is ~2% and halves at each doubling:
+    not worth the memory. The floor keeps launches few: every chunk costs five, and GPT-2's head over 16k
+    tokens in 512-row chunks was 160 launches a step, more host time than GPU time on an H200."""
+    target = 1 << max(0, (2 * hidden_size).bit_length() - 1)
+    return max(1, min(n_tokens, max(MIN_CHUNK_ROWS, min(MAX_CHUNK_ROWS, target))))
 
 
 def _check(hidden, weight, labels, bias, reduction, label_smoothing, chunk_size):
@@ -275,9 +334,9 @@ def linear_cross_entropy(
     triton_ce = use_triton(backend, hidden, op="linear_cross_entropy", unsupported=unsupported)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     n = h2.shape[0]
-    chunk = chunk_size or default_chunk_size(n, weight.shape[1], weight.shape[0])
+    chunk = chunk_size or default_chunk_size(n, weight.shape[1])
     needs_grad = records_grad(hidden, weight, bias)
-    loss, _, _, _ = pick(_lce_fwd_op, _lce_eager)(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1), int(ignore_index),
+    loss, _, _, _, _ = pick(_lce_fwd_op, _lce_eager)(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1), int(ignore_index),
                                 float(label_smoothing), float(logit_scale), reduction, int(chunk), triton_ce,
                                 needs_grad)
     return loss.view(labels.shape) if reduction == "none" else loss

@@ -44,15 +44,36 @@ def test_fwd_bwd(case, dtype, scale, backend, bias):
         assert_close(got, want.to(got.dtype), dtype, scale=scale, name=f"grad {name}")
 
 
+@pytest.mark.parametrize("chunk_size", [45, 64, 15, 7])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_last_chunk_weight_grad_in_backward(chunk_size, reduction):
+    """The last chunk's weight-gradient GEMM runs in the backward with the upstream gradient: one chunk (45 and
+    64 rows for 45 tokens), chunks that divide the tokens (15) and a short last chunk (7). Two backward passes of
+    one graph give the same gradients: the stored ones are not scaled in place."""
+    hidden, weight, b, labels = _inputs(torch.float32, True)
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=chunk_size, reduction=reduction,
+                               backend="auto")
+    ref = linear_cross_entropy_ref(hidden, weight, labels, bias=b, reduction=reduction)
+    params = (hidden, weight, b)
+    want = torch.autograd.grad(ref, params, torch.tensor(-2.5))
+    first = torch.autograd.grad(out, params, torch.tensor(-2.5), retain_graph=True)
+    second = torch.autograd.grad(out, params, torch.tensor(-2.5))
+    for name, got, again, w in zip(["hidden", "weight", "bias"], first, second, want):
+        assert_close(got, w, torch.float32, name=f"grad {name}")
+        assert torch.equal(got, again), name
+
+
 def test_no_grad_path_and_default_chunk():
     hidden, weight, _, labels = _inputs(torch.float32, False)
     with torch.no_grad():
         out = linear_cross_entropy(hidden, weight, labels, backend="auto")
     assert_close(out, linear_cross_entropy_ref(hidden, weight, labels), torch.float32)
-    assert default_chunk_size(16384, 4096, 128256) == 2048
-    assert default_chunk_size(16384, 768, 50304) == 2048  # GPT-2: the row floor, not 512 rows
-    assert default_chunk_size(65536, 4096, 128256) == 8192  # above the floor the chunk follows the hidden states
-    assert default_chunk_size(10, 64, 1000) == 10
+    assert default_chunk_size(16384, 4096) == 8192  # LLaMA-3-8B's head: twice the hidden size
+    assert default_chunk_size(16384, 2048) == 4096
+    assert default_chunk_size(16384, 3000) == 4096  # a power of two, not above twice the hidden size
+    assert default_chunk_size(16384, 768) == 2048  # GPT-2: the row floor, not 1536 rows
+    assert default_chunk_size(65536, 8192) == 8192  # the ceiling
+    assert default_chunk_size(10, 64) == 10
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -91,6 +112,28 @@ def test_bad_inputs():
         linear_cross_entropy(hidden, weight, labels[:, :3])
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(hidden, weight, labels, reduction="mean_tokens")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_weight_grad_scaled_in_epilogue(dtype):
+    """The last chunk's weight gradient from the extension's GEMM (upstream scalar read on the device, as alpha
+    and beta) at an odd token count: three chunks, the last of 904 rows; and one chunk (no partial sum)."""
+    from flash_kernels.linear_cross_entropy import _epilogue_scaling
+
+    n, h, vocab = 5000, 1024, 32000
+    hidden = torch.randn(n, h, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (torch.randn(vocab, h, device="cuda", dtype=dtype) / 32).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    assert _epilogue_scaling(torch.empty(1, vocab, device="cuda", dtype=dtype), hidden)
+    ref = linear_cross_entropy_ref(hidden.float(), weight.float(), labels, reduction="sum")
+    want = torch.autograd.grad(ref, (hidden, weight), torch.tensor(0.37, device="cuda"))
+    for chunk_size in (2048, 8192):
+        loss = linear_cross_entropy(hidden, weight, labels, reduction="sum", chunk_size=chunk_size)
+        assert_close(loss, ref, dtype)
+        got = torch.autograd.grad(loss, (hidden, weight), torch.tensor(0.37, device="cuda"))
+        for name, g, w in zip(["hidden", "weight"], got, want):
+            assert_close(g, w.to(dtype), dtype, scale=2, name=f"grad {name}, chunk {chunk_size}")
 
 
 @pytest.mark.gpu

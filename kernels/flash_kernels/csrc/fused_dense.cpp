@@ -102,6 +102,31 @@ std::vector<at::Tensor> linear_wgrad_ones(const at::Tensor& x, const at::Tensor&
   return {dw_ones.narrow(1, 0, K).contiguous(), dw_ones.select(1, K).contiguous()};
 }
 
+// dW = scale * (dy.T @ x + acc), scale a float32 scalar read on the device (alpha = beta = scale in the GEMM's
+// epilogue) and acc (N x K) a partial sum, or empty for none. For a gradient computed before its upstream
+// scalar is known (linear_cross_entropy's, in the forward): the scalar joins the last GEMM instead of a pass of
+// its own over dW, a read and a write of the largest tensor of the op.
+at::Tensor linear_wgrad_scaled(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& acc,
+                               const at::Tensor& scale) {
+  TORCH_CHECK(scale.is_cuda() && scale.scalar_type() == at::kFloat && scale.numel() == 1 && scale.is_contiguous(),
+              "fused_dense: scale must be one contiguous float32 CUDA element");
+  at::Tensor dw, zero;
+  LtGemm g = wgrad_gemm(x, dy, dw);
+  g.alpha_device = scale.data_ptr<float>();
+  if (acc.numel() == 0) {
+    zero = at::zeros({1}, scale.options());
+    g.beta_device = zero.data_ptr<float>();
+  } else {
+    check_matrix(acc, "acc");
+    check_same_dtype(acc, dw);
+    TORCH_CHECK(acc.sizes() == dw.sizes(), "fused_dense: acc ", acc.sizes(), " != dW ", dw.sizes());
+    g.beta_device = g.alpha_device;
+    g.c = acc.data_ptr();
+  }
+  lt_gemm(g);
+  return dw;
+}
+
 // dx = dy @ w (M x K). Column-major: dx^T (K x M, ld K) = w^T stored (K x N, ld K) @ dy^T stored (N x M, ld N).
 // With pre (M x K) it is the GELU backward of the layer below: dpre = (dy @ w) * gelu'(pre) from the DGELU
 // epilogue, and with bias_grad also its bias gradient dpre.sum(0) (DGELU_BGRAD).
@@ -148,5 +173,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fwd", &flash_kernels::linear_fwd, "x @ w.T + bias (gelu: also returns the pre-activation)");
   m.def("linear_wgrad", &flash_kernels::linear_wgrad, "dy.T @ x and optionally dy.sum(0)");
   m.def("linear_wgrad_ones", &flash_kernels::linear_wgrad_ones, "dy.T @ x and dy.sum(0) from dy.T @ [x | 1]");
+  m.def("linear_wgrad_scaled", &flash_kernels::linear_wgrad_scaled,
+        "scale * (dy.T @ x + acc), scale read on the device (acc may be empty)");
   m.def("linear_dgrad", &flash_kernels::linear_dgrad, "dy @ w, optionally times gelu'(pre) (and its bias grad)");
 }

@@ -22,7 +22,13 @@ struct LtGemm {
   const void* bias = nullptr;  // bias (BIAS epilogues) or bias-gradient output (BGRAD epilogues)
   void* aux = nullptr;         // pre-activation: written by GELU_AUX, read by DGELU(_BGRAD)
   int64_t ld_aux = 0;
-  bool accumulate = false;
+  bool accumulate = false;     // D += ..., C being D
+  // Scalars read from device memory (both or neither): D = alpha * op(A) op(B) + beta * C, with C read from
+  // `c` (D's layout), or D itself when null. How a scalar known only on the device (a loss's upstream
+  // gradient) reaches the epilogue without a host sync.
+  const float* alpha_device = nullptr;
+  const float* beta_device = nullptr;
+  const void* c = nullptr;
 };
 
 void lt_gemm(const LtGemm& g);

@@ -70,7 +70,7 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
 // first answer is often not the fastest (on the H100, GEMM+bias at 16k x 768 -> 3072 ran 0.227 ms against
 // torch's 0.161 ms on the same cuBLASLt), so the first call times up to kAlgoCandidates of its answers
 // (which took that GEMM to 0.160 ms, torch 0.132 ms in that run: docs/benchmarks.md).
-using AlgoKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
+using AlgoKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool>;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> algo_cache;
 std::mutex algo_cache_mutex;
 constexpr int kAlgoCandidates = 8;
@@ -136,6 +136,9 @@ void lt_gemm(const LtGemm& g) {
   set_attr(desc.op, CUBLASLT_MATMUL_DESC_TRANSB, op_b);
   set_attr(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(g.epilogue));
   if (g.bias != nullptr) set_attr(desc.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+  const bool device_scalars = g.alpha_device != nullptr;
+  TORCH_CHECK(device_scalars == (g.beta_device != nullptr), "fused_dense: alpha and beta come from the device together");
+  if (device_scalars) set_attr(desc.op, CUBLASLT_MATMUL_DESC_POINTER_MODE, CUBLASLT_POINTER_MODE_DEVICE);
   if (g.aux != nullptr) {
     set_attr(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
     set_attr(desc.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.ld_aux);
@@ -154,10 +157,13 @@ void lt_gemm(const LtGemm& g) {
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const AlgoKey key{static_cast<int>(g.dtype), g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldd, g.ld_aux,
-                    static_cast<int>(g.epilogue), at::cuda::current_device()};
+                    static_cast<int>(g.epilogue), at::cuda::current_device(), device_scalars};
   const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
+  const void* alpha_ptr = device_scalars ? static_cast<const void*>(g.alpha_device) : &alpha;
+  const void* beta_ptr = device_scalars ? static_cast<const void*>(g.beta_device) : &beta;
   auto run = [&](const cublasLtMatmulAlgo_t& algo, void* d) {
-    return cublasLtMatmul(handle, desc.op, &alpha, g.a, desc.a, g.b, desc.b, &beta, d, desc.d, d, desc.d, &algo,
+    const void* c = g.c != nullptr ? g.c : d;
+    return cublasLtMatmul(handle, desc.op, alpha_ptr, g.a, desc.a, g.b, desc.b, beta_ptr, c, desc.d, d, desc.d, &algo,
                           workspace.data_ptr(), ws, stream);
   };
   cublasLtMatmulAlgo_t algo;
