@@ -137,6 +137,25 @@ def test_gpu_weight_grad_scaled_in_epilogue(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_forward_holds_one_chunk_of_logits():
+    """The forward's memory: the gradients it returns (hidden's and weight's) plus one chunk of logits at a time,
+    not two (a chunk's buffer is dropped before the next chunk's logits are allocated)."""
+    n, h, vocab, chunk = 4096, 1024, 128256, 1024
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, h, device="cuda", dtype=torch.bfloat16) / 32).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)  # warm-up: kernels and CE workspace
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+    peak = torch.cuda.max_memory_allocated() - base
+    chunk_bytes = chunk * vocab * 2
+    assert peak < 2 * (weight.numel() + hidden.numel()) + 1.5 * chunk_bytes, peak / 2**20
+    del loss
+
+
+@pytest.mark.gpu
 def test_gpu_llama_head():
     n, h, vocab = 4096, 4096, 128256
     hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
