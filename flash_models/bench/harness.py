@@ -51,17 +51,19 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, b
 
 def best_of_rounds(measures: dict[Hashable, Callable[[], float]], rounds: int, *,
                    keep_errors: bool = False) -> dict[Hashable, float | Exception]:
-    """Run every measure (a callable returning one timing) once per round, in the same order each round, and
-    return each one's lowest timing. With ``keep_errors`` a measure that raises gets its exception as its
+    """Run every measure (a callable returning one timing) once per round, the order reversed every other round,
+    and return each one's lowest timing. With ``keep_errors`` a measure that raises gets its exception as its
     result and is not run again; otherwise the exception propagates.
 
     Why rounds: the lent machines' hosts stall for seconds at a time (one eager rms_norm step timed 264, 323
     and 551 us in three rounds on one H200; eager attention calls swung by up to 200 us at equal code, session
     16). Timing each side once, one after the other, lets a stall land on one side's whole row; interleaved
-    rounds give every side the same chances, and the best round is one a stall missed."""
+    rounds give every side the same chances, and the best round is one a stall missed. Why the reversal: the
+    GPU's clock drifts with its load (GEMM-heavy steps of ~80 ms ran 3-5% apart from one round to the next on
+    an H100, session 22), and in a fixed order the same side always runs right after the same heavy one."""
     best: dict[Hashable, float | Exception] = {key: float("inf") for key in measures}
-    for _ in range(rounds):
-        for key, measure in measures.items():
+    for r in range(rounds):
+        for key, measure in (list(measures.items()) if r % 2 == 0 else list(measures.items())[::-1]):
             if isinstance(best[key], Exception):
                 continue
             try:

@@ -70,7 +70,7 @@ def test_copy_bandwidth_is_timed_back_to_back(monkeypatch):
     assert bandwidth == 2048 / 1e-3
 
 
-def test_best_of_rounds_interleaves_and_keeps_each_lowest():
+def test_best_of_rounds_alternates_the_order_and_keeps_each_lowest():
     order, script = [], {"a": [3.0, 1.0, 2.0], "b": [2.0, 5.0, 4.0]}
 
     def measure(name):
@@ -81,7 +81,7 @@ def test_best_of_rounds_interleaves_and_keeps_each_lowest():
 
     best = harness.best_of_rounds({"a": measure("a"), "b": measure("b")}, rounds=3)
     assert best == {"a": 1.0, "b": 2.0}
-    assert order == ["a", "b"] * 3
+    assert order == ["a", "b", "b", "a", "a", "b"]
 
 
 def test_best_of_rounds_keeps_an_error_and_stops_measuring_it_or_raises():
