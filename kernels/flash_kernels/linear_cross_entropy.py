@@ -21,6 +21,8 @@ cross-entropy otherwise, so the memory-lean path also works on the CPU.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
-from .fused_dense import extension_buildable, load_extension
+from .fused_dense import ExtensionBuildError, extension_buildable, load_extension
 
 
 def linear_cross_entropy_ref(
@@ -135,8 +137,9 @@ def _scaled_weight_grad(partial: torch.Tensor, dlogits: torch.Tensor, h: torch.T
     device (``fused_dense``'s extension) where that runs, else the GEMM and then a multiply."""
     if dlogits.shape[0] == 0:  # no token at all: partial holds the zeros
         return partial * scale
-    if _epilogue_scaling(dlogits, h):
-        return load_extension().linear_wgrad_scaled(h, dlogits, partial, scale.float().reshape(1).contiguous())
+    ext = _scaling_extension() if _epilogue_scaling(dlogits, h) else None
+    if ext is not None:
+        return ext.linear_wgrad_scaled(h, dlogits, partial, scale.float().reshape(1).contiguous())
     dw = torch.mm(dlogits.t(), h) if partial.numel() == 0 else torch.addmm(partial, dlogits.t(), h)
     return dw.mul_(scale)
 
@@ -146,6 +149,20 @@ def _epilogue_scaling(dlogits: torch.Tensor, h: torch.Tensor) -> bool:
     16-byte alignment, and the extension prebuilt or buildable here (else torch, with a pass for the scale)."""
     return (h.device.type == "cuda" and h.dtype in (torch.float16, torch.bfloat16) and dlogits.shape[1] % 8 == 0
             and h.shape[1] % 8 == 0 and extension_buildable() is None)
+
+
+@functools.cache
+def _scaling_extension():
+    """The fused_dense extension, or None, with one warning, when its build fails. For this op it only saves a
+    pass over the weight gradient, so a broken toolchain should cost that pass and not stop a training run.
+    (``fused_dense`` itself raises instead: there the extension is the op.) The answer is cached, so a failing
+    build is not retried at every backward."""
+    try:
+        return load_extension()
+    except ExtensionBuildError as err:
+        warnings.warn(f"linear_cross_entropy: the fused_dense extension did not build, so the weight gradient is "
+                      f"scaled in a separate pass (slower, same result). {err}", RuntimeWarning, stacklevel=2)
+        return None
 
 
 _scaled_weight_grad_op = torch.library.custom_op("flash_kernels::linear_ce_scaled_weight_grad",

@@ -1,6 +1,8 @@
 """linear_cross_entropy: the token-chunked LM head + CE (Triton CE through the interpreter, and the plain
 PyTorch chunk path) against the unfused reference: loss and the gradients of hidden, weight and bias."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -61,6 +63,25 @@ def test_last_chunk_weight_grad_in_backward(chunk_size, reduction):
     for name, got, again, w in zip(["hidden", "weight", "bias"], first, second, want):
         assert_close(got, w, torch.float32, name=f"grad {name}")
         assert torch.equal(got, again), name
+
+
+def test_failed_extension_build_falls_back_with_one_warning(monkeypatch):
+    """A toolchain that cannot build fused_dense costs the weight gradient a scaling pass, not the run."""
+    from flash_kernels.fused_dense import ExtensionBuildError
+
+    lce_module = importlib.import_module("flash_kernels.linear_cross_entropy")  # the package exports the function
+
+    def broken_build():
+        raise ExtensionBuildError("fused_dense: building the CUDA extension failed: nvcc exploded")
+
+    monkeypatch.setattr(lce_module, "load_extension", broken_build)
+    lce_module._scaling_extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="nvcc exploded"):
+            assert lce_module._scaling_extension() is None
+        assert lce_module._scaling_extension() is None  # cached: no second build, no second warning
+    finally:
+        lce_module._scaling_extension.cache_clear()
 
 
 def test_no_grad_path_and_default_chunk():
