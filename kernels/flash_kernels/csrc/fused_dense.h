@@ -22,13 +22,13 @@ struct LtGemm {
   const void* bias = nullptr;  // bias (BIAS epilogues) or bias-gradient output (BGRAD epilogues)
   void* aux = nullptr;         // pre-activation: written by GELU_AUX, read by DGELU(_BGRAD)
   int64_t ld_aux = 0;
-  bool accumulate = false;     // D += ..., C being D
-  // Scalars read from device memory (both or neither): D = alpha * op(A) op(B) + beta * C, with C read from
-  // `c` (D's layout), or D itself when null. How a scalar known only on the device (a loss's upstream
-  // gradient) reaches the epilogue without a host sync.
+  bool accumulate = false;     // beta = 1 (with host scalars)
+  // D = alpha * op(A) op(B) + beta * C. alpha and beta are 1 and 0 (1 with accumulate) unless both are given
+  // here, as pointers to device memory: how a scalar known only on the device (a loss's upstream gradient)
+  // reaches the epilogue without a host sync.
   const float* alpha_device = nullptr;
   const float* beta_device = nullptr;
-  const void* c = nullptr;
+  const void* c = nullptr;     // C, in D's layout; null: C is D
 };
 
 void lt_gemm(const LtGemm& g);
