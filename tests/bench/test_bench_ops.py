@@ -41,5 +41,5 @@ def test_sides_are_timed_in_interleaved_rounds_and_report_their_best(monkeypatch
     assert results["b"] == {"fwd_ms": 2.0, "fwd_bwd_ms": 6.0}
     assert "this peer rejects" in str(results["broken"]["error"])
     # After each side's one call that draws its output gradients, a round times every side (forward, then
-    # forward + backward) before the next round starts.
-    assert order[2:] == ["a", "a", "b", "b"] * 3
+    # forward + backward) before the next round starts, every other round in reverse order.
+    assert order[2:] == ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
