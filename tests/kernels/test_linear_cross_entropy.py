@@ -158,6 +158,29 @@ def test_gpu_weight_grad_scaled_in_epilogue(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_compile_fullgraph_takes_the_scaled_gemm():
+    """Under torch.compile (inductor) the backward's last weight-gradient GEMM is the custom op around the
+    extension's epilogue-scaled GEMM: same gradients as the eager path."""
+    n, h, vocab = 300, 64, 512
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, h, device="cuda", dtype=torch.bfloat16) / 8).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+
+    def head_loss(x, w):
+        return linear_cross_entropy(x, w, labels, chunk_size=128) * 3.0  # an upstream gradient of 3
+
+    lce_module = importlib.import_module("flash_kernels.linear_cross_entropy")
+    compiled = torch.compile(head_loss, fullgraph=True)
+    lce_module._scaling_extension.cache_clear()  # counts its calls from here (the build itself stays cached)
+    got = torch.autograd.grad(compiled(hidden, weight), (hidden, weight))
+    calls = lce_module._scaling_extension.cache_info()
+    assert calls.hits + calls.misses == 1 and lce_module._scaling_extension() is not None
+    want = torch.autograd.grad(head_loss(hidden, weight), (hidden, weight))
+    for name, g, w in zip(["hidden", "weight"], got, want):
+        assert_close(g, w, torch.bfloat16, name=f"grad {name}")
+
+
+@pytest.mark.gpu
 def test_gpu_forward_holds_one_chunk_of_logits():
     """The forward's memory: the gradients it returns (hidden's and weight's) plus one chunk of logits at a time,
     not two (a chunk's buffer is dropped before the next chunk's logits are allocated)."""
