@@ -115,6 +115,19 @@ DECODE_TILE = (64, 4, 3)
 PREFETCH_NEXT_MIN_CHUNK = 4096
 DECODE_TILE_PREFETCH_NEXT = (64, 4, 1)
 
+# The merge kernel is one program per query row and head, a latency chain (load, reduce over the splits, store)
+# at batch 1. In one warp its reductions over the splits stay in registers and shuffles; with more, they cross
+# warps through shared memory. H100 (2026-11-26, session 22, docs/benchmarks.md Attention), decode alone with PDL,
+# fraction of copy bandwidth, 1 / 4 warps (three rounds each): batch 1, 16 heads, 16 splits: 8k keys 0.810-0.813 /
+# 0.795-0.796, 2k 0.568-0.569 / 0.540-0.547; GQA 32 q / 8 kv heads, 32 splits: 8k 0.712-0.714 / 0.645-0.646, 2k
+# 0.357-0.360 / 0.294-0.297, 32k 0.858 / 0.829-0.832; batch 16 level (1.023-1.024 / 1.024-1.025). Two warps were
+# slower than four. One warp holds (splits x head dim) float32 partials: up to COMBINE_ONE_WARP_ELEMENTS (128 a
+# thread) at head dims up to 128; bigger merges (many splits: MQA at batch 1) keep four warps, and so does head
+# dim 256, where one warp lost at batch 1 / 2k keys (0.418 against 0.429) and tied elsewhere. Measured gains
+# elsewhere in the same call: MQA (32 q / 1 kv head) batch 8 / 8k 0.583 against 0.528, head dim 64 batch 1 /
+# 8k 0.714 against 0.700.
+COMBINE_ONE_WARP_ELEMENTS = 4096
+
 
 @triton.jit
 def _kv_rows(BlockTable, b64, offs_n, n_ok, stride_btb, stride_kb, stride_ks, stride_vb, stride_vs, page_size,
@@ -356,11 +369,13 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     )
     if single:
         return out
+    block_s = max(2, next_power_of_2(num_splits))
+    combine_warps = 1 if block_s * bd <= COMBINE_ONE_WARP_ELEMENTS and bd <= 128 else 4
     _decode_combine_kernel[(bsz * hq * seqlen_q,)](
         opart, lpart, out, num_splits, hq, seqlen_q,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=max(2, next_power_of_2(num_splits)), PDL=pdl, **launch,
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=block_s, PDL=pdl, num_warps=combine_warps, **launch,
     )
     return out
 
