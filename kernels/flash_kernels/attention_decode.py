@@ -123,9 +123,9 @@ DECODE_TILE_PREFETCH_NEXT = (64, 4, 1)
 # 0.357-0.360 / 0.294-0.297, 32k 0.858 / 0.829-0.832; batch 16 level (1.023-1.024 / 1.024-1.025). Two warps were
 # slower than four. One warp holds (splits x head dim) float32 partials: up to COMBINE_ONE_WARP_ELEMENTS (128 a
 # thread) at head dims up to 128; bigger merges (many splits: MQA at batch 1) keep four warps, and so does head
-# dim 256, where one warp lost at batch 1 / 2k keys (0.418 against 0.429) and tied elsewhere. Measured gains
-# elsewhere in the same call: MQA (32 q / 1 kv head) batch 8 / 8k 0.583 against 0.528, head dim 64 batch 1 /
-# 8k 0.714 against 0.700.
+# dim 256, where one warp lost at batch 1 / 2k keys (0.418 against 0.429) and tied elsewhere. Other gains of
+# that call: MQA (32 q / 1 kv head) batch 8 / 8k 0.583 against 0.528; head dim 64, batch 1 / 8k 0.714 against
+# 0.700. A second H100 call: batch 1 / 8k 0.822-0.825 against 0.804-0.811.
 COMBINE_ONE_WARP_ELEMENTS = 4096
 
 
