@@ -161,7 +161,8 @@ def _scaling_extension():
         return load_extension()
     except ExtensionBuildError as err:
         warnings.warn(f"linear_cross_entropy: the fused_dense extension did not build, so the weight gradient is "
-                      f"scaled in a separate pass (slower, same result). {err}", RuntimeWarning, stacklevel=2)
+                      f"scaled in a separate pass (slower, and rounded twice rather than once). {err}",
+                      RuntimeWarning, stacklevel=2)
         return None
 
 
