@@ -130,9 +130,9 @@ def _blocks(F_OUT, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
     """(row, cols, mask) of this program in a 1-D grid over rows x column blocks (no grid-dim-1 limit). REVERSE:
     the last block first. The backward walks its rows that way: what the kernel before it touched last may still
     sit in L2, and those are the rows it then reads first. In the bench that is the forward's last rows; in a
-    model, perhaps the last tiles of the GEMM that wrote the incoming gradient (not measured). H100, GeGLU / SwiGLU at 8192 x 11008 bf16, forward + backward graph-replayed: 472.8 /
-    475.6 us against 477.5 / 480.9 in row order, the backward alone unchanged (299 / 301 us; docs/benchmarks.md,
-    Fused ops, session 22)."""
+    model, perhaps the last tiles of the GEMM that wrote the incoming gradient (not measured). H100, GeGLU /
+    SwiGLU at 8192 x 11008 bf16, forward + backward graph-replayed: 472.8 / 475.6 us against 477.5 / 480.9 in
+    row order, the backward alone unchanged (299 / 301 us; docs/benchmarks.md, Fused ops, session 22)."""
     n_col_blocks = tl.cdiv(F_OUT, BLOCK)
     pid = tl.program_id(0).to(tl.int64)
     if REVERSE:

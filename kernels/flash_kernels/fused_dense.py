@@ -276,22 +276,30 @@ def _check_backend(backend: str | None) -> str:
     return backend
 
 
-def _unsupported(x: torch.Tensor, params: list[torch.Tensor | None], approximate: str) -> str | None:
+def gemm_unsupported(x: torch.Tensor, feature_dims) -> str | None:
+    """Why the extension's GEMMs cannot take input x with these feature dims, or None: CUDA, float16/bfloat16,
+    feature dims that are multiples of 8 (16-byte rows for cuBLASLt), a non-empty x, and the extension prebuilt
+    or buildable here. The layers below add their own conditions; linear_cross_entropy asks this alone for its
+    epilogue-scaled weight gradient."""
     if x.device.type != "cuda":
         return f"device {x.device.type!r} (needs CUDA)"
     if x.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {x.dtype} (supported: float16, bfloat16)"
+    if any(d % 8 for d in feature_dims):
+        return "feature dims that are not multiples of 8 (cuBLASLt epilogue alignment)"
+    if x.numel() == 0:
+        return "an empty input"
+    return extension_buildable()
+
+
+def _unsupported(x: torch.Tensor, params: list[torch.Tensor | None], approximate: str) -> str | None:
     if any(p is None for p in params):
         return "a missing bias (the epilogues fuse one)"
     if any(p.dtype != x.dtype for p in params):
         return "parameters whose dtype differs from the input's"
-    if any(s % 8 for p in params if p.dim() == 2 for s in p.shape):
-        return "feature dims that are not multiples of 8 (cuBLASLt epilogue alignment)"
     if approximate != "tanh":
         return f"approximate={approximate!r} (cuBLASLt's GELU is the tanh approximation)"
-    if x.numel() == 0:
-        return "an empty input"
-    return extension_buildable()
+    return gemm_unsupported(x, [d for p in params if p.dim() == 2 for d in p.shape])
 
 
 def _use_cuda(backend: str | None, x, params, *, approximate: str = "tanh", op: str) -> bool:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
-from .fused_dense import ExtensionBuildError, extension_buildable, load_extension
+from .fused_dense import ExtensionBuildError, gemm_unsupported, load_extension
 
 
 def linear_cross_entropy_ref(
@@ -145,10 +145,8 @@ def _scaled_weight_grad(partial: torch.Tensor, dlogits: torch.Tensor, h: torch.T
 
 
 def _epilogue_scaling(dlogits: torch.Tensor, h: torch.Tensor) -> bool:
-    """Whether ``_scaled_weight_grad`` takes the cuBLASLt GEMM: fp16/bf16 on CUDA, row strides that keep its
-    16-byte alignment, and the extension prebuilt or buildable here (else torch, with a pass for the scale)."""
-    return (h.device.type == "cuda" and h.dtype in (torch.float16, torch.bfloat16) and dlogits.shape[1] % 8 == 0
-            and h.shape[1] % 8 == 0 and extension_buildable() is None)
+    """Whether ``_scaled_weight_grad`` takes the cuBLASLt GEMM (else torch, with a pass for the scale)."""
+    return gemm_unsupported(h, (dlogits.shape[1], h.shape[1])) is None
 
 
 @functools.cache
@@ -299,8 +297,9 @@ def default_chunk_size(n_tokens: int, hidden_size: int) -> int:
     whole (V, H) gradient in its epilogue, a cost per GEMM FLOP that falls as 1 / chunk and that the GEMM does
     not hide, and its reduction dim is the chunk. H100, 16k tokens, H 4096, V 128k, bf16 (docs/benchmarks.md,
     Fused ops, session 22): the three GEMMs took 72.2 ms of kernels in 2048-row chunks, 69.2 in 8192-row ones,
-    68.5 unchunked (torch.compile). Beyond 8192 rows the epilogue's share is ~2% and halves at each doubling:
-    not worth the memory. The floor keeps launches few: every chunk costs five, and GPT-2's head over 16k
+    68.5 unchunked (torch.compile). At 8192 rows the accumulating GEMM took 12.8 ms against the first one's
+    12.4. By the 1 / chunk rule that difference halves with each doubling (not measured past 8192): not worth
+    the memory. The floor keeps launches few: every chunk costs five, and GPT-2's head over 16k
     tokens in 512-row chunks was 160 launches a step, more host time than GPU time on an H200."""
     target = 1 << max(0, (2 * hidden_size).bit_length() - 1)
     return max(1, min(n_tokens, max(MIN_CHUNK_ROWS, min(MAX_CHUNK_ROWS, target))))

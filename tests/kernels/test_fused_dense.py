@@ -64,13 +64,19 @@ def test_gpu_extension_matches_torch(dtype, batch):
     # Both dense layers of the MLP alone: fc2's shape (BGRADB), fc1's (the ones column at 32 x 512 tokens).
     for (w, b), width in (((params[2], params[3]), 3072), ((params[0], params[1]), 768)):
         h = torch.randn(batch, 512, width, dtype=dtype, device="cuda", requires_grad=True)
-        out = fused_dense(h, w, b, backend="cuda")
-        ref = F.linear(h.float(), w.float(), b.float())
-        assert_close(out, ref, dtype, name=f"dense {width} out")
-        g = torch.randn_like(out)
-        for name, a, bb in zip(["x", "w", "b"], torch.autograd.grad(out, [h, w, b], g),
-                               torch.autograd.grad(ref, [h, w, b], g.float())):
-            assert_close(a, bb.to(dtype), dtype, scale=2, name=f"dense {width} grad {name}")
+        _check_dense(h, w, b, f"dense {width}")
+
+
+def _check_dense(x, w, b, label):
+    """fused_dense on the extension against float32 torch: output and the gradients of x, w and b."""
+    dtype = x.dtype
+    out = fused_dense(x, w, b, backend="cuda")
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert_close(out, ref, dtype, name=f"{label} out")
+    g = torch.randn_like(out)
+    for name, got, want in zip(["x", "w", "b"], torch.autograd.grad(out, [x, w, b], g),
+                               torch.autograd.grad(ref, [x, w, b], g.float())):
+        assert_close(got, want.to(dtype), dtype, scale=2, name=f"{label} grad {name}")
 
 
 @pytest.mark.gpu
@@ -82,12 +88,7 @@ def test_gpu_ones_column_odd_shape(dtype):
     x = torch.randn(rows, width, dtype=dtype, device="cuda", requires_grad=True)
     w = (torch.randn(out_features, width, dtype=dtype, device="cuda") / width**0.5).requires_grad_()
     b = torch.randn(out_features, dtype=dtype, device="cuda", requires_grad=True)
-    out = fused_dense(x, w, b, backend="cuda")
-    ref = F.linear(x.float(), w.float(), b.float())
-    g = torch.randn_like(out)
-    for name, got, want in zip(["x", "w", "b"], torch.autograd.grad(out, [x, w, b], g),
-                               torch.autograd.grad(ref, [x, w, b], g.float())):
-        assert_close(got, want.to(dtype), dtype, scale=2, name=f"grad {name}")
+    _check_dense(x, w, b, "12345 x 136 -> 520")
 
 
 @pytest.mark.gpu
