@@ -1,6 +1,11 @@
 """Feed-forward blocks: plain (fc1 -> activation -> fc2) and gated (packed [gate; up] -> SwiGLU/GeGLU -> down).
 
-``recompute_activation`` chooses between keeping the activation for the backward and recomputing it there."""
+``recompute_activation`` chooses between keeping the activation for the backward and recomputing it there.
+
+The plain MLP picks its kernels by what it can fuse: in inference fc1 and its activation are one Triton GEMM
+(``flash_kernels.linear_act``); in training on CUDA, a tanh-GELU MLP (GPT-2, GPT-J) runs on ``fused_dense``'s
+cuBLASLt epilogues (``fused_dense_gelu_dense``). cuBLASLt has no exact GELU, so BERT's, ViT's and Pythia's MLPs
+train on cuBLAS GEMMs and our (or torch's) GELU kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_kernels
+from flash_kernels.fused_dense import gemm_unsupported, optional_extension
 from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
@@ -19,6 +25,9 @@ from .recompute import activation_then_linear
 _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 # HF activation name -> flash_kernels.linear_act's activation (fc1 and its activation in one kernel).
 _LINEAR_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# The activations whose MLP trains on fused_dense's cuBLASLt epilogues: cuBLASLt's GELU is the tanh form, so
+# GPT-2 and GPT-J, not the exact GELU of BERT, ViT and Pythia.
+_CUBLASLT_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
 def activation(x: torch.Tensor, name: str, *, backend: str) -> torch.Tensor:
@@ -55,9 +64,31 @@ class MLP(nn.Module):
             act = flash_kernels.linear_act(x, self.fc1.weight, self.fc1.bias, activation=_LINEAR_ACT[self.cfg.activation],
                                            backend=self.kernel_backend)
             return self.fc2(act)
+        if self._cublaslt_trainable(x):
+            # fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the
+            # fc2 dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense).
+            dtype = _compute_dtype(x)  # with the casts autocast would make for the two linears
+            params = (p.to(dtype) for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))
+            return flash_kernels.fused_dense_gelu_dense(x.to(dtype), *params, approximate="tanh", backend="cuda")
         pre = linear(x, self.fc1, recompute_weight_cast=self.recompute_weight_casts)
         return activation_then_linear(pre, self._act, self.fc2, recompute=self.recompute_activation,
                                       recompute_weight_cast=self.recompute_weight_casts)
+
+    def _cublaslt_trainable(self, x: torch.Tensor) -> bool:
+        """Whether the training forward runs on fused_dense_gelu_dense: autograd records, the activation is the
+        tanh GELU, it and the weight casts are kept for the backward (not recomputed), both layers are plain with
+        biases, kernel_backend is not "reference", no torch.compile trace (the compiler fuses by itself), and the
+        extension can take the GEMMs in the compute dtype (CUDA, half precision, widths that are multiples of 8,
+        built; a failed build warns once and trains unfused). Measured: docs/benchmarks.md, Fused ops, session 23."""
+        layers = (self.fc1, self.fc2)
+        dtype = _compute_dtype(x)
+        if not (torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU and self.kernel_backend != "reference"
+                and not (self.recompute_activation or self.recompute_weight_casts) and not torch.compiler.is_compiling()
+                and all(plain_linear(layer) and layer.bias is not None for layer in layers)
+                and (torch.is_autocast_enabled(x.device.type) or all(layer.weight.dtype == x.dtype for layer in layers))):
+            return False
+        return (gemm_unsupported(x, self.fc1.weight.shape, dtype) is None
+                and optional_extension("a GELU MLP's training step", "it trains unfused") is not None)
 
     def _inference_fusable(self, x: torch.Tensor) -> bool:
         """Nothing records gradients, fc1 is a plain half-precision Linear in x's dtype (no autocast cast in
@@ -109,6 +140,12 @@ class GatedMLP(nn.Module):
         if self.cfg.activation == "silu":
             return flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
         return flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the linears compute x in: autocast's where it is on, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def build_mlp(cfg: MLPConfig, *, kernel_backend: str = "auto") -> nn.Module:

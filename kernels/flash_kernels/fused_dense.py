@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -133,6 +134,19 @@ def load_extension(*, verbose: bool = False):
     except (RuntimeError, OSError) as err:  # the build's own failure, re-raised with its output kept
         raise ExtensionBuildError(f"fused_dense: building the CUDA extension failed:\n{err}") from err
     return _EXT
+
+
+@functools.cache
+def optional_extension(user: str, cost: str):
+    """The extension, or None with one warning (per ``user``) when its build fails: for callers to which it is an
+    optimization, not the op, so that a broken toolchain costs ``cost`` rather than stopping a run. The answer is
+    cached, so a failing build is not retried at every call. (``fused_dense`` itself raises instead.)"""
+    try:
+        return load_extension()
+    except ExtensionBuildError as err:
+        warnings.warn(f"{user}: the fused_dense extension did not build, so {cost}. {err}", RuntimeWarning,
+                      stacklevel=2)
+        return None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,15 +290,16 @@ def _check_backend(backend: str | None) -> str:
     return backend
 
 
-def gemm_unsupported(x: torch.Tensor, feature_dims) -> str | None:
-    """Why the extension's GEMMs cannot take input x with these feature dims, or None: CUDA, float16/bfloat16,
-    feature dims that are multiples of 8 (16-byte rows for cuBLASLt), a non-empty x, and the extension prebuilt
-    or buildable here. The layers below add their own conditions; linear_cross_entropy asks this alone for its
-    epilogue-scaled weight gradient."""
+def gemm_unsupported(x: torch.Tensor, feature_dims, dtype: torch.dtype | None = None) -> str | None:
+    """Why the extension's GEMMs cannot take input x (cast to ``dtype`` first, if given) with these feature dims,
+    or None: CUDA, float16/bfloat16, feature dims that are multiples of 8 (16-byte rows for cuBLASLt), a
+    non-empty x, and the extension prebuilt or buildable here. The layers below add their own conditions;
+    linear_cross_entropy asks this alone for its epilogue-scaled weight gradient."""
+    dtype = x.dtype if dtype is None else dtype
     if x.device.type != "cuda":
         return f"device {x.device.type!r} (needs CUDA)"
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {x.dtype} (supported: float16, bfloat16)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (supported: float16, bfloat16)"
     if any(d % 8 for d in feature_dims):
         return "feature dims that are not multiples of 8 (cuBLASLt epilogue alignment)"
     if x.numel() == 0:

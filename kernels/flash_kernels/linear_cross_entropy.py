@@ -21,8 +21,6 @@ cross-entropy otherwise, so the memory-lean path also works on the CPU.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Optional
 
 import torch
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
-from .fused_dense import ExtensionBuildError, gemm_unsupported, load_extension
+from .fused_dense import gemm_unsupported, optional_extension
 
 
 def linear_cross_entropy_ref(
@@ -149,19 +147,11 @@ def _epilogue_scaling(dlogits: torch.Tensor, h: torch.Tensor) -> bool:
     return gemm_unsupported(h, (dlogits.shape[1], h.shape[1])) is None
 
 
-@functools.cache
 def _scaling_extension():
-    """The fused_dense extension, or None, with one warning, when its build fails. For this op it only saves a
-    pass over the weight gradient, so a broken toolchain should cost that pass and not stop a training run.
-    (``fused_dense`` itself raises instead: there the extension is the op.) The answer is cached, so a failing
-    build is not retried at every backward."""
-    try:
-        return load_extension()
-    except ExtensionBuildError as err:
-        warnings.warn(f"linear_cross_entropy: the fused_dense extension did not build, so the weight gradient is "
-                      f"scaled in a separate pass (slower, and rounded twice rather than once). {err}",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    """The fused_dense extension, or None (one warning) when its build fails: for this op it only saves a pass
+    over the weight gradient, so a broken toolchain should cost that pass and not stop a training run."""
+    return optional_extension("linear_cross_entropy", "the weight gradient is scaled in a separate pass (slower, "
+                              "and rounded twice rather than once)")
 
 
 _scaled_weight_grad_op = torch.library.custom_op("flash_kernels::linear_ce_scaled_weight_grad",
