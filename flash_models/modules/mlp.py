@@ -5,7 +5,7 @@
 The plain MLP picks its kernels by what it can fuse: in inference fc1 and its activation are one Triton GEMM
 (``flash_kernels.linear_act``); in training on CUDA, a tanh-GELU MLP (GPT-2, GPT-J) runs on ``fused_dense``'s
 cuBLASLt epilogues (``fused_dense_gelu_dense``). cuBLASLt has no exact GELU, so BERT's, ViT's and Pythia's MLPs
-train on cuBLAS GEMMs and our (or torch's) GELU kernel."""
+train on cuBLAS GEMMs and a GELU kernel of its own, as OPT's ReLU MLP does (measured faster that way)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 # HF activation name -> flash_kernels.linear_act's activation (fc1 and its activation in one kernel).
 _LINEAR_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # The activations whose MLP trains on fused_dense's cuBLASLt epilogues: cuBLASLt's GELU is the tanh form, so
-# GPT-2 and GPT-J, not the exact GELU of BERT, ViT and Pythia.
+# GPT-2 and GPT-J, not the exact GELU of BERT, ViT and Pythia. OPT's ReLU has epilogues too (RELU_AUX_BIAS,
+# DRELU), but its MLP ran 0.90x the unfused one on them (H100, docs/benchmarks.md, Fused ops, session 23).
 _CUBLASLT_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
