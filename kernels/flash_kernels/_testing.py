@@ -1,4 +1,5 @@
-"""Test helpers shared by the kernel and model tests: dtype-aware tolerances and relative errors."""
+"""Test helpers shared by the kernel and model tests: dtype-aware tolerances and relative errors, and a spy on
+the functions a module looks up on flash_kernels at each call."""
 
 from __future__ import annotations
 
@@ -41,3 +42,17 @@ def assert_rounded_alike(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtyp
         return
     differ = (out != ref).float().mean().item()
     assert differ <= 0.05, f"{name}: {differ:.0%} of the elements differ from the unfused path's rounding ({dtype})"
+
+
+def record_calls(monkeypatch, module, name: str, keyword: str) -> list:
+    """Replace ``module.name`` (for the duration of a test) by a wrapper that appends each call's ``keyword``
+    argument to the returned list and then calls through: which fused path a module took, and with what."""
+    calls, real = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs[keyword])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_kernels
-from flash_kernels._testing import assert_close
+from flash_kernels._testing import assert_close, record_calls
 from flash_models.config import MLPConfig
 from flash_models.modules.mlp import MLP
 
@@ -21,16 +21,8 @@ def _mlp(activation, kernel_backend, dtype=torch.float16):
 
 @pytest.fixture
 def fused_calls(monkeypatch):
-    """Counts linear_act calls made by the MLP (it looks the function up on flash_kernels at each call)."""
-    calls = []
-    real = flash_kernels.linear_act
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["activation"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(flash_kernels, "linear_act", spy)
-    return calls
+    """The activation of each linear_act call made by the MLP (it looks the function up on flash_kernels)."""
+    return record_calls(monkeypatch, flash_kernels, "linear_act", "activation")
 
 
 @pytest.mark.parametrize("activation, fused", [("gelu", "gelu"), ("gelu_new", "gelu_tanh"), ("relu", "relu")])

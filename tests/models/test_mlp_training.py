@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import flash_kernels
-from flash_kernels._testing import assert_close
+from flash_kernels._testing import assert_close, record_calls
 from flash_models.config import MLPConfig
 from flash_models.modules.mlp import MLP
 
@@ -23,16 +23,8 @@ def _mlp(activation="gelu_new", hidden=768, intermediate=3072, dtype=torch.bfloa
 
 @pytest.fixture
 def cublaslt_calls(monkeypatch):
-    """Counts fused_dense_gelu_dense calls made by the MLP (it looks the function up on flash_kernels)."""
-    calls = []
-    real = flash_kernels.fused_dense_gelu_dense
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs["approximate"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(flash_kernels, "fused_dense_gelu_dense", spy)
-    return calls
+    """The GELU approximation of each fused_dense_gelu_dense call made by the MLP."""
+    return record_calls(monkeypatch, flash_kernels, "fused_dense_gelu_dense", "approximate")
 
 
 def _float32_reference(mlp, x, approximate="tanh"):
