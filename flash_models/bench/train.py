@@ -91,7 +91,10 @@ def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: 
         torch.cuda.reset_peak_memory_stats()
     # As fit() runs them: each step queued before the previous one's loss is read (Trainer.iter_steps).
     records = list(trainer.iter_steps(trainer.step + warmup + steps))[warmup:]
-    step_ms = statistics.median(r["seconds"] for r in records) * 1e3
+    # The mean, not the median: past the first record each interval runs from one step's end to the next's, so
+    # the mean is the window's throughput. Pipelined steps alternate long and short intervals where the host
+    # falls behind, and there the median read 4-9% under the window (GPT-2, H100, docs/benchmarks.md, session 23).
+    step_ms = statistics.fmean(r["seconds"] for r in records) * 1e3
     peak_mem = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     # A graph's activations live in its private pool, allocated once at capture: replays allocate nothing, so
     # the allocated peak misses them. The reserved peak counts the pool.
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=None, help="comma-separated: " + ", ".join(CASES))
     parser.add_argument("--sides", default=",".join(SIDES))
-    parser.add_argument("--steps", type=int, default=20, help="timed steps (median)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (their mean interval is reported)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="bench-train.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, eager sides only unless --sides says otherwise")
