@@ -17,7 +17,7 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask
-from ..modules.linear import dense, gemv_in_chain
+from ..modules.linear import autocast_like, dense, gemv_in_chain
 from ..modules.padding import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 
@@ -265,9 +265,7 @@ class DecoderLM(nn.Module):
         weight = self.output_embeddings()
         bias = self.lm_head.bias if self.lm_head is not None else None
         if torch.is_autocast_enabled(hidden.device.type):  # a custom op: cast as autocast would for a linear
-            dtype = torch.get_autocast_dtype(hidden.device.type)
-            hidden, weight = hidden.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
+            hidden, weight, bias = autocast_like(hidden, weight, bias)
         else:
             hidden = hidden.to(weight.dtype)
         return flash_kernels.linear_cross_entropy(

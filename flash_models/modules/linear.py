@@ -63,13 +63,27 @@ def linear_grads(ctx, dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, b
     return dh, dweight, dbias
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` computes x in: autocast's where it is on for x's device, else x's own."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def autocast_like(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors (an input, then weights and biases; None stays None) cast as autocast would cast them for
+    ``F.linear``, where it is on for the first one's device; unchanged otherwise. For calls that autocast does
+    not see: custom ops, and an autograd.Function's forward."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t is not None else None for t in tensors)
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recompute_weight_cast):
-        h, w, b = x, weight, bias
-        if torch.is_autocast_enabled(x.device.type):  # the casts autocast would make for F.linear
-            dtype = torch.get_autocast_dtype(x.device.type)
-            h, w, b = x.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+        h, w, b = autocast_like(x, weight, bias)
         keep_cast = w is not weight and not recompute_weight_cast
         ctx.save_for_backward(h, weight, bias, w if keep_cast else None)
         return F.linear(h, w, b)

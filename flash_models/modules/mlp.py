@@ -18,7 +18,7 @@ from flash_kernels.fused_dense import gemm_unsupported, optional_extension
 from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
-from .linear import chained_linear, gemv_in_chain, linear, plain_linear
+from .linear import autocast_like, chained_linear, compute_dtype, gemv_in_chain, linear, plain_linear
 from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
@@ -68,9 +68,8 @@ class MLP(nn.Module):
         if self._cublaslt_trainable(x):
             # fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the
             # fc2 dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense).
-            dtype = _compute_dtype(x)  # with the casts autocast would make for the two linears
-            params = (p.to(dtype) for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias))
-            return flash_kernels.fused_dense_gelu_dense(x.to(dtype), *params, approximate="tanh", backend="cuda")
+            h, *params = autocast_like(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+            return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend="cuda")
         pre = linear(x, self.fc1, recompute_weight_cast=self.recompute_weight_casts)
         return activation_then_linear(pre, self._act, self.fc2, recompute=self.recompute_activation,
                                       recompute_weight_cast=self.recompute_weight_casts)
@@ -82,13 +81,12 @@ class MLP(nn.Module):
         extension can take the GEMMs in the compute dtype (CUDA, half precision, widths that are multiples of 8,
         built; a failed build warns once and trains unfused). Measured: docs/benchmarks.md, Fused ops, session 23."""
         layers = (self.fc1, self.fc2)
-        dtype = _compute_dtype(x)
         if not (torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU and self.kernel_backend != "reference"
                 and not (self.recompute_activation or self.recompute_weight_casts) and not torch.compiler.is_compiling()
                 and all(plain_linear(layer) and layer.bias is not None for layer in layers)
                 and (torch.is_autocast_enabled(x.device.type) or all(layer.weight.dtype == x.dtype for layer in layers))):
             return False
-        return (gemm_unsupported(x, self.fc1.weight.shape, dtype) is None
+        return (gemm_unsupported(x, self.fc1.weight.shape, compute_dtype(x)) is None
                 and optional_extension("a GELU MLP's training step", "it trains unfused") is not None)
 
     def _inference_fusable(self, x: torch.Tensor) -> bool:
@@ -141,12 +139,6 @@ class GatedMLP(nn.Module):
         if self.cfg.activation == "silu":
             return flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
         return flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the linears compute x in: autocast's where it is on, else x's own."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 def build_mlp(cfg: MLPConfig, *, kernel_backend: str = "auto") -> nn.Module:

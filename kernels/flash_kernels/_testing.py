@@ -55,4 +55,3 @@ def record_calls(monkeypatch, module, name: str, keyword: str) -> list:
 
     monkeypatch.setattr(module, name, spy)
     return calls
-
