@@ -170,14 +170,32 @@ def _decode_inputs(b, kv, heads, kv_heads, d, copies):
     return sets
 
 
+# A decode graph cycles through the cache copies until it holds this many calls (or GRAPH_MAX_MS of work). Each
+# replay is one launch, and the GPU's gap between two replays (the next graph's first kernel cannot start early,
+# as a kernel inside a graph can under PDL) would otherwise be charged to a handful of calls: with the 3-4 copies
+# that fill L2 four times over at batch 1 / 8k keys, 1.3 us a call on an H100 (26.1 us a call in graphs of 64
+# calls against 27.4 in graphs of 4, PDL, 2026-11-27, session 24), 5% of the call. In generation the attention is
+# one call among hundreds of kernels in one step's graph, so that gap is the step's, not the attention's.
+GRAPH_MIN_CALLS = 32
+GRAPH_MAX_MS = 20.0
+
+
+def _graph_cycles(n_sets: int, call_ms: float) -> int:
+    """How many times a decode graph runs through its ``n_sets`` calls: up to GRAPH_MIN_CALLS calls, fewer where
+    that would pass GRAPH_MAX_MS. ``call_ms`` is an eager call's time, which bounds its GPU time from above."""
+    return max(1, min(-(-GRAPH_MIN_CALLS // n_sets), int(GRAPH_MAX_MS / (call_ms * n_sets))))
+
+
 def _time_decode(make_fn, sets, repeats, back_to_back=True):
-    """(ms of one isolated eager call, Python included; graph-replayed ms per call)."""
+    """(ms of one isolated eager call, Python included; graph-replayed ms per call, the graph cycling through
+    ``sets`` up to GRAPH_MIN_CALLS calls)."""
     fns = [make_fn(*s) for s in sets]
     for fn in fns:
         fn()
     eager = time_cuda(fns[0], repeats=repeats).median_ms
-    replay = _graphed(fns)
-    graphed = time_cuda(replay, repeats=repeats, back_to_back=back_to_back).median_ms / len(fns)
+    cycles = _graph_cycles(len(fns), eager)
+    replay = _graphed(fns * cycles)
+    graphed = time_cuda(replay, repeats=repeats, back_to_back=back_to_back).median_ms / (len(fns) * cycles)
     return eager, graphed
 
 

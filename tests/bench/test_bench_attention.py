@@ -46,3 +46,37 @@ def test_a_skipped_part_leaves_an_earlier_runs_file_alone(monkeypatch, tmp_path)
     attention.main(["--out", str(tmp_path), "--skip-train"])
     assert '"S": 1024' in (tmp_path / "attention.json").read_text()
     assert '"kv_len": 8192' in earlier_decode.read_text()
+
+
+def test_decode_graph_cycles_the_copies_and_reports_per_call(monkeypatch):
+    """The decode graph runs the cache copies in turn until it holds GRAPH_MIN_CALLS calls (fewer where an eager
+    call is long), and the replay's time is divided by the calls it holds."""
+    captured = []
+
+    def fake_graphed(fns):
+        captured.append(len(fns))
+        return lambda: [fn() for fn in fns]
+
+    calls = []
+
+    def fake_time_cuda(fn, repeats, back_to_back=False):
+        before = len(calls)
+        fn()
+        ran = len(calls) - before
+        return Timing(median_ms=eager_ms if ran == 1 else 0.5 * ran, min_ms=0.0, repeats=repeats)
+
+    monkeypatch.setattr(attention, "_graphed", fake_graphed)
+    monkeypatch.setattr(attention, "time_cuda", fake_time_cuda)
+    make = lambda tag: (lambda: calls.append(tag))  # noqa: E731
+
+    eager_ms = 0.08  # a batch-1 call: 4 copies, cycled to 32 calls
+    calls.clear()
+    eager, per_call = attention._time_decode(make, [("a",), ("b",), ("c",), ("d",)], repeats=3)
+    assert (eager, per_call) == (0.08, 0.5)
+    assert captured[-1] == attention.GRAPH_MIN_CALLS == 32
+    assert calls[-8:] == ["a", "b", "c", "d"] * 2  # the copies in turn, so no call reads the last one's cache from L2
+
+    eager_ms = 8.0  # a long call: one copy, capped by GRAPH_MAX_MS
+    attention._time_decode(make, [("a",)], repeats=3)
+    assert captured[-1] == int(attention.GRAPH_MAX_MS // 8.0) == 2
+    assert attention._graph_cycles(1, 50.0) == 1  # never fewer than one pass over the copies
