@@ -176,19 +176,19 @@ def _decode_inputs(b, kv, heads, kv_heads, d, copies):
 # that fill L2 four times over at batch 1 / 8k keys, 1.3 us a call on an H100 (26.1 us a call in graphs of 64
 # calls against 27.4 in graphs of 4, PDL, 2026-11-27, session 24), 5% of the call. In generation the attention is
 # one call among hundreds of kernels in one step's graph, so that gap is the step's, not the attention's.
-GRAPH_MIN_CALLS = 32
+GRAPH_CALLS = 32
 GRAPH_MAX_MS = 20.0
 
 
 def _graph_cycles(n_sets: int, call_ms: float) -> int:
-    """How many times a decode graph runs through its ``n_sets`` calls: up to GRAPH_MIN_CALLS calls, fewer where
+    """How many times a decode graph runs through its ``n_sets`` calls: up to GRAPH_CALLS calls, fewer where
     that would pass GRAPH_MAX_MS. ``call_ms`` is an eager call's time, which bounds its GPU time from above."""
-    return max(1, min(-(-GRAPH_MIN_CALLS // n_sets), int(GRAPH_MAX_MS / (call_ms * n_sets))))
+    return max(1, min(-(-GRAPH_CALLS // n_sets), int(GRAPH_MAX_MS / (call_ms * n_sets))))
 
 
 def _time_decode(make_fn, sets, repeats, back_to_back=True):
     """(ms of one isolated eager call, Python included; graph-replayed ms per call, the graph cycling through
-    ``sets`` up to GRAPH_MIN_CALLS calls)."""
+    ``sets`` up to GRAPH_CALLS calls)."""
     fns = [make_fn(*s) for s in sets]
     for fn in fns:
         fn()

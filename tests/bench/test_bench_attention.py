@@ -49,7 +49,7 @@ def test_a_skipped_part_leaves_an_earlier_runs_file_alone(monkeypatch, tmp_path)
 
 
 def test_decode_graph_cycles_the_copies_and_reports_per_call(monkeypatch):
-    """The decode graph runs the cache copies in turn until it holds GRAPH_MIN_CALLS calls (fewer where an eager
+    """The decode graph runs the cache copies in turn until it holds GRAPH_CALLS calls (fewer where an eager
     call is long), and the replay's time is divided by the calls it holds."""
     captured = []
 
@@ -73,7 +73,7 @@ def test_decode_graph_cycles_the_copies_and_reports_per_call(monkeypatch):
     calls.clear()
     eager, per_call = attention._time_decode(make, [("a",), ("b",), ("c",), ("d",)], repeats=3)
     assert (eager, per_call) == (0.08, 0.5)
-    assert captured[-1] == attention.GRAPH_MIN_CALLS == 32
+    assert captured[-1] == attention.GRAPH_CALLS == 32
     assert calls[-8:] == ["a", "b", "c", "d"] * 2  # the copies in turn, so no call reads the last one's cache from L2
 
     eager_ms = 8.0  # a long call: one copy, capped by GRAPH_MAX_MS
