@@ -52,6 +52,7 @@ from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import (
     cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
 )
+from . import attention_hopper
 from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_preprocess_kernel
 from .attention_ref import flash_attn_func_ref, flash_attn_varlen_func_ref
 from .attention_tiles import (
@@ -502,6 +503,12 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     out = torch.empty_like(q)
     o4 = _as4d(out)
     lse, slb, slh = _lse_layout(q4, varlen, max_q)
+    # The Hopper kernel first: a launch plan is only ever made for the Triton kernel.
+    if q4.numel() and max_q > 0 and attention_hopper.enabled() and attention_hopper.forward_unsupported(
+            q4, k4, v4, o4, varlen=varlen, causal=causal, local=causal or wl >= 0 or wr >= 0, softcap=softcap,
+            alibi=alibi, dropout_p=dropout_p, scale=scale) is None:
+        attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale)
+        return out, lse, placeholder(q.device, torch.int64)
     plan_key = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)
     plan = _FWD_PLANS.get(plan_key)
     if plan is not None:  # (a plan exists only for a launch that was made: q is not empty)

@@ -1,0 +1,286 @@
+"""The attention forward on Hopper as FlashAttention-3 schedules it, written in Gluon (Triton's explicit-layout
+dialect): persistent programs, each a warp-specialized team of one TMA producer warp and two consumer
+warpgroups of 64 query rows each.
+
+Why Gluon: a Triton ``tl.dot`` waits for its wgmma right after issuing it, so the Triton forward
+(``attention._attn_fwd_kernel``) runs each key tile's Q.K^T, softmax and P.V one after the other. Gluon issues
+wgmma asynchronously and waits for a given count of outstanding groups, which is what FA3's intra-warpgroup
+overlap needs: each consumer issues the next tile's Q.K^T, then this tile's P.V, waits for the Q.K^T alone
+and computes the next softmax while P.V is still in flight. The producer warp keeps STAGES key and value
+tiles in flight through TMA, and the two consumers share them, so a key tile is read once per 128 query rows.
+
+What it runs: ``forward_unsupported`` names the conditions (non-causal, no window, softcap, ALiBi or dropout;
+fp16/bf16; head dim 64 or 128; dense (B, S, H, D) tensors whose (B * S, H * D) view is a strided matrix, as
+contiguous tensors and the slices of a packed qkv are); ``attention`` takes it for those on Hopper and keeps
+its Triton kernel (also the interpreter's and the CPU's path, and the test oracle here) for the rest. Rows past
+a sequence's end are masked in the last key tile; query rows past it are computed and not stored. Outputs
+and the log-sum-exp follow ``attention``'s forward, so its backward runs unchanged.
+
+Measured on an H100 (session 24, graph-replayed, docs/benchmarks.md Attention), head dim 128, non-causal,
+B * S = 16k, 16 heads: the forward 1.15-1.30x the Triton kernel's speed at S 1k-4k and 0.90-0.96x cuDNN's (the
+Triton kernel: 0.69-0.83x); forward + backward (the backward unchanged) 4-5% faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton_compat import TRITON_AVAILABLE
+from ._triton_utils import cdiv, sm_count
+
+try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_AVAILABLE = TRITON_AVAILABLE
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    GLUON_AVAILABLE = False
+
+# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (session 24, docs/benchmarks.md
+# Attention; B * S = 16k, H * D = 2048, non-causal, graph-replayed forward; the Triton kernel's time over this
+# one's): head dim 128, S 512 to 8k: 1.14-1.30x; head dim 64: 0.96-1.02x at S 512 to 4k, 1.03-1.10x at 8k. Below
+# 512 keys nothing was measured, and the Triton kernel's launch plans cost less host time for short calls.
+MIN_KEYS = {128: 512, 64: 4096}
+BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
+# (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (160 KB of shared memory at head dim 128).
+# From the session-24 sweep (H100): at head dim 128 (B 8, S 2k) 484.6 us against 546.7-553.6 for 64-key tiles
+# in 2 or 3 stages; at head dim 64 (B 16, S 1k, H 32) 363.9 against 396.7-407.7.
+TILES = {64: (128, 2), 128: (128, 2)}
+# Registers: three warpgroups (the producer's warp is padded to one) share the SM's 64K at 168 each; the
+# producer gives all but 24 back, which go to the consumers (240 each).
+MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
+
+
+_enabled = True
+
+
+def enabled() -> bool:
+    """Whether ``attention`` may take this kernel (``use_hopper_forward``)."""
+    return _enabled
+
+
+def use_hopper_forward(enable: bool) -> bool:
+    """Let ``attention``'s forward take this kernel where it can run (the default), or keep the Triton kernel
+    everywhere (for tests and A/B benchmarks); returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enable)
+    return previous
+
+
+def forward_unsupported(q, k, v, out, *, varlen, causal, local, softcap, alibi, dropout_p, scale) -> str | None:
+    """Why this kernel cannot run the forward for q, k, v (B, S, H, D) into ``out`` (q's shape), or None."""
+    if not GLUON_AVAILABLE:
+        return "this Triton has no Gluon Hopper ops"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not a Hopper (compute capability 9.0) GPU"
+    if varlen or causal or local or softcap > 0 or alibi is not None or dropout_p > 0 or scale <= 0:
+        return "varlen, causal, a window, softcap, ALiBi, dropout or a non-positive scale"
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in MIN_KEYS:
+        return "a dtype other than fp16/bf16 or a head dim other than 64/128"
+    if k.shape[1] < MIN_KEYS[q.shape[-1]]:
+        return f"fewer than {MIN_KEYS[q.shape[-1]]} keys at head dim {q.shape[-1]}, where the Triton kernel is as fast"
+    for t in (q, k, v, out):
+        b, s, h, d = t.shape
+        sb, ss, sh, sd = t.stride()
+        # One (B * S, H * D) matrix with row stride ss: TMA needs 16-byte aligned rows and base.
+        if sd != 1 or sh != d or (b > 1 and sb != s * ss) or (ss * t.element_size()) % 16 or t.data_ptr() % 16:
+            return "a layout that is not a strided (B * S, H * D) matrix with 16-byte aligned rows"
+    return None
+
+
+if GLUON_AVAILABLE:
+
+    @gluon.jit
+    def _tile_coords(tile, n_mblocks, n_heads, group, seqlen_q, seqlen_k, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr):
+        """(first q row, first k row, q column, kv column, first query row in the sequence, batch x head)."""
+        mb = tile % n_mblocks
+        bh = tile // n_mblocks
+        b = bh // n_heads
+        h = bh % n_heads
+        return b * seqlen_q, b * seqlen_k, h * HEAD_DIM, (h // group) * HEAD_DIM, mb * BLOCK_M, bh
+
+    @gluon.jit
+    def _producer(args):
+        """One warp: for each of the program's tiles, the two query halves, then every key and value tile into
+        the STAGES-deep rings, each slot refilled once both consumers have released it."""
+        (q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles,
+         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty) = args
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        n_mblocks = gl.cdiv(seqlen_q, 2 * HALF)
+        n_kv = gl.cdiv(seqlen_k, BLOCK_N)
+        it = 0
+        t = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            q_row, k_row, q_col, kv_col, m0, bh = _tile_coords(tile, n_mblocks, n_heads, group, seqlen_q, seqlen_k,
+                                                               HEAD_DIM, 2 * HALF)
+            for wg in gl.static_range(2):
+                # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier passes.
+                mbarrier.wait(q_empty.index(wg), (t & 1) ^ 1)
+                mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col], q_ready.index(wg),
+                                                q_smem.index(wg))
+            for j in range(n_kv):
+                slot = it % STAGES
+                phase = (it // STAGES) & 1
+                mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(slot),
+                                                k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(slot),
+                                                v_smem.index(slot))
+                it += 1
+            t += 1
+
+    @gluon.jit
+    def _mask_tail(s, tile_start, seqlen_k, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+        """Scores of keys past the sequence's end (the next sequence's rows, or TMA's zeros) set to -inf."""
+        if tile_start + BLOCK_N > seqlen_k:
+            cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(gl.expand_dims(cols < seqlen_k, 0), s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def _consume(args, WG: gl.constexpr):
+        """One consumer warpgroup: query rows [WG * 64, WG * 64 + 64) of each tile. The online softmax keeps the
+        row maximum of the raw scores (the scale is positive) and folds the scale into the exponent."""
+        (q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles,
+         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty) = args
+        HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        STAGES: gl.constexpr = k_smem.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        n_mblocks = gl.cdiv(seqlen_q, 2 * HALF)
+        n_kv = gl.cdiv(seqlen_k, BLOCK_N)
+        q_buf = q_smem.index(WG)
+        s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+        it = 0
+        t = 0
+        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            q_row, k_row, q_col, kv_col, m0, bh = _tile_coords(tile, n_mblocks, n_heads, group, seqlen_q, seqlen_k,
+                                                               HEAD_DIM, 2 * HALF)
+            mbarrier.wait(q_ready.index(WG), t & 1)
+            slot = it % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            s = _mask_tail(s, 0, seqlen_k, BLOCK_N, s_layout)
+            m_i = gl.max(s, axis=1) * scale_log2
+            p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
+            l_i = gl.sum(p, axis=1)
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+            for j in range(0, n_kv - 1):
+                cur = it + j
+                nxt = cur + 1
+                # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that their
+                # softmax runs while P.V is still on the tensor cores.
+                mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                       is_async=True)
+                mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(cur % STAGES),
+                                    acc, is_async=True)
+                s = warpgroup_mma_wait(1, deps=(s_next, ))
+                mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
+                s = _mask_tail(s, (j + 1) * BLOCK_N, seqlen_k, BLOCK_N, s_layout)
+                m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+                p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            last = it + n_kv - 1
+            mbarrier.arrive(q_empty.index(WG), count=1)  # Q is read for the last time: the next tile's may load
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES), acc,
+                                is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+            l_o = gl.convert_layout(l_i, row_o)
+            rows = m0 + WG * HALF + gl.arange(0, HALF, layout=row_o)
+            row_ok = rows < seqlen_q
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            ptrs = O + gl.expand_dims((q_row + rows).to(gl.int64) * stride_om, 1) + q_col + gl.expand_dims(cols, 0)
+            gl.store(ptrs, (acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+            lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
+            gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=row_ok)
+            it += n_kv
+            t += 1
+
+    @gluon.jit
+    def _consumer0(args):
+        _consume(args, 0)
+
+    @gluon.jit
+    def _consumer1(args):
+        _consume(args, 1)
+
+    @gluon.jit
+    def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om,
+                                scale_log2, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        HALF: gl.constexpr = q_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # both consumers release a key or value slot
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        args = (q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles,
+                q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+        gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
+                           [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, D) boxes."""
+    b, s, h, d = t.shape
+    matrix = t.as_strided((b * s, h * d), (t.stride(1), 1))
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    return TensorDescriptor(matrix, [b * s, h * d], [t.stride(1), 1], [rows, d], layout)
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      scale: float) -> None:
+    """Writes the non-causal attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) into ``out`` (q's shape, a
+    strided (B * Sq, Hq * D) matrix) and its natural-log log-sum-exp into ``lse`` (B, Hq, Sq), contiguous.
+    The caller has checked ``forward_unsupported``."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    block_n, stages = TILES[d]
+    n_tiles = cdiv(sq, BLOCK_M) * b * hq
+    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    grid = (min(n_tiles, sm_count(device)), )
+    _attn_fwd_hopper_kernel[grid](
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, sq, sk, hq,
+        hq // hkv, out.stride(1), scale * 1.4426950408889634, n_tiles,
+        HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
+        PRODUCER_REGS=PRODUCER_REGISTERS, num_warps=4, maxnreg=MAX_REGISTERS,
+    )

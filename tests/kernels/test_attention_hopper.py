@@ -1,0 +1,107 @@
+"""The Hopper attention forward (Gluon, ``attention_hopper``): taken where it can run, equal to the reference
+there (output, log-sum-exp, and the gradients of the backward it feeds), and passed over where it cannot. Its
+kernel runs on a Hopper GPU only (Gluon has no interpreter); the CPU checks the reasons it gives."""
+
+import pytest
+import torch
+
+from flash_kernels import attention_hopper, flash_attn_func, flash_attn_varlen_func
+from flash_kernels._testing import assert_close
+from tests.kernels.test_attention import _check_fwd_bwd, _qkv
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on Hopper (compute capability 9.0)")
+PLAIN = dict(varlen=False, causal=False, local=False, softcap=0.0, alibi=None, dropout_p=0.0, scale=0.125)
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch):
+    """The q shapes the Hopper forward was called with."""
+    calls, real = [], attention_hopper.attention_forward
+
+    def spy(q, *args, **kwargs):
+        calls.append(tuple(q.shape))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention_hopper, "attention_forward", spy)
+    return calls
+
+
+def test_reasons_on_the_cpu_and_for_unsupported_inputs():
+    q = torch.randn(1, 512, 2, 128, dtype=torch.bfloat16)
+    reason = attention_hopper.forward_unsupported(q, q, q, q, **PLAIN)
+    assert "Hopper" in reason or "Gluon" in reason
+    if HOPPER:
+        g = q.cuda()
+        assert attention_hopper.forward_unsupported(g, g, g, g, **PLAIN) is None
+        short = g[..., :64].contiguous()
+        assert "fewer than 4096 keys" in attention_hopper.forward_unsupported(short, short, short, short, **PLAIN)
+        assert "causal" in attention_hopper.forward_unsupported(g, g, g, g, **{**PLAIN, "causal": True})
+        assert "head dim" in attention_hopper.forward_unsupported(g[..., :32], g[..., :32], g[..., :32],
+                                                                 g[..., :32].contiguous(), **PLAIN)
+        heads_apart = torch.randn(1, 2, 512, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        assert "layout" in attention_hopper.forward_unsupported(heads_apart, g, g, g, **PLAIN)
+
+
+def test_the_switch_returns_the_previous_setting():
+    assert attention_hopper.use_hopper_forward(False) is True
+    assert attention_hopper.enabled() is False
+    assert attention_hopper.use_hopper_forward(True) is False
+    assert attention_hopper.enabled() is True
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d,dtype",
+    [(2, 1, 600, 4, 4, 128, torch.bfloat16), (3, 17, 4100, 4, 2, 64, torch.float16),
+     (2, 113, 700, 8, 2, 128, torch.bfloat16), (2, 300, 513, 4, 1, 128, torch.float16),
+     (1, 4096, 4096, 2, 2, 64, torch.bfloat16), (2, 2048, 2048, 16, 16, 128, torch.bfloat16)],
+    ids=str,
+)
+def test_gpu_forward_and_its_gradients_match_the_reference(hopper_calls, b, sq, sk, hq, hkv, d, dtype):
+    """Odd lengths (a partial last key tile, query rows past the end of a 128-row tile), Sq != Sk, GQA and MQA;
+    the backward (the Triton kernels) reads this forward's log-sum-exp."""
+    torch.manual_seed(20)
+    q, k, v = _qkv(b, sq, sk, hq, hkv, d, dtype)
+    _check_fwd_bwd(q, k, v, dtype, causal=False)
+    assert hopper_calls == [(b, sq, hq, d)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_packed_qkv_slices_take_it_and_match_the_triton_forward(hopper_calls):
+    """q, k, v as slices of one packed (B, S, 3, H, D) tensor (rows 3 * H * D apart), as a fused qkv projection
+    gives them; the Triton forward of the same call agrees."""
+    torch.manual_seed(21)
+    qkv = torch.randn(4, 777, 3, 8, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = qkv.unbind(2)
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+    assert hopper_calls == [(4, 777, 8, 128)]
+    previous = attention_hopper.use_hopper_forward(False)
+    try:
+        ref, ref_lse = flash_attn_func(q, k, v, return_lse=True)
+    finally:
+        attention_hopper.use_hopper_forward(previous)
+    assert len(hopper_calls) == 1
+    assert_close(out, ref, torch.bfloat16, name="out")
+    assert_close(lse, ref_lse, torch.float32, scale=10, name="lse")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_other_inputs_keep_the_triton_forward(hopper_calls):
+    """At a size the plain call takes this kernel for, every excluded feature keeps the Triton forward."""
+    torch.manual_seed(22)
+    q, k, v = _qkv(2, 600, 600, 4, 4, 128, torch.bfloat16)
+    flash_attn_func(q, k, v)
+    assert hopper_calls == [(2, 600, 4, 128)]
+    flash_attn_func(q, k, v, causal=True)
+    flash_attn_func(q, k, v, window_size=(64, 64))
+    flash_attn_func(q, k, v, dropout_p=0.1)
+    flash_attn_func(q, k, v, softcap=30.0)
+    flash_attn_func(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous())
+    cu = torch.tensor([0, 100, 1200], dtype=torch.int32, device="cuda")
+    flat = [t.detach().reshape(1200, 4, 128) for t in (q, k, v)]
+    flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1100, max_seqlen_k=1100)
+    assert len(hopper_calls) == 1
