@@ -31,6 +31,10 @@ causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x
 (77 vs 51). TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
 16-byte alignment of every descriptor base and row stride); ``set_tma_loads`` forces or forbids them.
 
+On a Hopper GPU the forward of non-causal, dense fp16/bf16 attention at head dims 128 and 64 (from 512 and 4096
+keys) runs instead on ``attention_hopper``'s Gluon kernel (FlashAttention-3's schedule, which Triton's
+``tl.dot`` cannot express); its output and log-sum-exp are this module's, and the backward is the same.
+
 This module holds the validation, the forward kernel, the launchers (with their launch plans), the custom ops
 and the public functions. The reference is in ``attention_ref``, the backward kernels in ``attention_bwd``, and
 the tile-level pieces the forward, the backward and the decode kernels share in ``attention_tiles``.
