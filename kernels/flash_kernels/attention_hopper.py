@@ -71,16 +71,17 @@ def use_hopper_forward(enable: bool) -> bool:
 
 def forward_unsupported(q, k, v, out, *, varlen, causal, local, softcap, alibi, dropout_p, scale) -> str | None:
     """Why this kernel cannot run the forward for q, k, v (B, S, H, D) into ``out`` (q's shape), or None."""
-    if not GLUON_AVAILABLE:
-        return "this Triton has no Gluon Hopper ops"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return "not a Hopper (compute capability 9.0) GPU"
+    # The cheap questions first: every forward on a GPU asks, the causal prefill of a decoder among them.
     if varlen or causal or local or softcap > 0 or alibi is not None or dropout_p > 0 or scale <= 0:
         return "varlen, causal, a window, softcap, ALiBi, dropout or a non-positive scale"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in MIN_KEYS:
         return "a dtype other than fp16/bf16 or a head dim other than 64/128"
     if k.shape[1] < MIN_KEYS[q.shape[-1]]:
         return f"fewer than {MIN_KEYS[q.shape[-1]]} keys at head dim {q.shape[-1]}, where the Triton kernel is as fast"
+    if not GLUON_AVAILABLE:
+        return "this Triton has no Gluon Hopper ops"
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return "not a Hopper (compute capability 9.0) GPU"
     for t in (q, k, v, out):
         b, s, h, d = t.shape
         sb, ss, sh, sd = t.stride()
@@ -106,8 +107,11 @@ if GLUON_AVAILABLE:
     def _producer(args):
         """One warp: for each of the program's tiles, the two query halves, then every key and value tile into
         the STAGES-deep rings, each slot refilled once both consumers have released it."""
-        (q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles,
-         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty) = args
+        descs, _outputs, sizes, buffers, barriers = args
+        q_desc, k_desc, v_desc = descs
+        q_smem, k_smem, v_smem = buffers
+        seqlen_q, seqlen_k, n_heads, group, _stride_om, _scale_log2, n_tiles = sizes
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = barriers
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -151,8 +155,12 @@ if GLUON_AVAILABLE:
     def _consume(args, WG: gl.constexpr):
         """One consumer warpgroup: query rows [WG * 64, WG * 64 + 64) of each tile. The online softmax keeps the
         row maximum of the raw scores (the scale is positive) and folds the scale into the exponent."""
-        (q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles,
-         q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty) = args
+        descs, outputs, sizes, buffers, barriers = args
+        q_desc, k_desc, v_desc = descs
+        O, LSE = outputs
+        q_smem, k_smem, v_smem = buffers
+        seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles = sizes
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = barriers
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -253,8 +261,9 @@ if GLUON_AVAILABLE:
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release a key or value slot
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
-        args = (q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles,
-                q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+        args = ((q_desc, k_desc, v_desc), (O, LSE),
+                (seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles), (q_smem, k_smem, v_smem),
+                (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty))
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
 
