@@ -35,7 +35,7 @@ try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     GLUON_AVAILABLE = TRITON_AVAILABLE
-except ImportError:  # pragma: no cover - depends on the installed Triton
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     GLUON_AVAILABLE = False
 
 # Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (session 24, docs/benchmarks.md
