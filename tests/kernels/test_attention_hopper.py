@@ -105,3 +105,29 @@ def test_gpu_other_inputs_keep_the_triton_forward(hopper_calls):
     flat = [t.detach().reshape(1200, 4, 128) for t in (q, k, v)]
     flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1100, max_seqlen_k=1100)
     assert len(hopper_calls) == 1
+
+
+def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
+    """The dispatch in ``attention``'s forward, on any device: where ``forward_unsupported`` says yes, the Hopper
+    forward writes the output and the log-sum-exp that the call returns (and the backward reads), and no
+    Triton launch happens; switched off, the Triton forward runs."""
+    written = []
+
+    def fake_forward(q, k, v, out, lse, scale):
+        written.append(scale)
+        out.fill_(0.5)
+        lse.fill_(-3.0)
+
+    monkeypatch.setattr(attention_hopper, "forward_unsupported", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_hopper, "attention_forward", fake_forward)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (torch.randn(2, 9, 2, 64, dtype=torch.bfloat16, device=device) for _ in range(3))
+    out, lse = flash_attn_func(q, k, v, softmax_scale=0.25, return_lse=True, backend="triton")
+    assert written == [0.25]
+    assert (out == 0.5).all() and (lse == -3.0).all() and lse.shape == (2, 2, 9)
+    previous = attention_hopper.use_hopper_forward(False)
+    try:
+        out = flash_attn_func(q, k, v, softmax_scale=0.25, backend="triton")
+    finally:
+        attention_hopper.use_hopper_forward(previous)
+    assert written == [0.25] and not (out == 0.5).all()
