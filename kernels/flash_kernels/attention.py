@@ -509,9 +509,9 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     lse, slb, slh = _lse_layout(q4, varlen, max_q)
     # The Hopper kernel first: a launch plan is only ever made for the Triton kernel.
     if q4.numel() and max_q > 0 and attention_hopper.enabled() and attention_hopper.forward_unsupported(
-            q4, k4, v4, o4, varlen=varlen, causal=causal, local=causal or wl >= 0 or wr >= 0, softcap=softcap,
-            alibi=alibi, dropout_p=dropout_p, scale=scale) is None:
-        attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale)
+            q4, k4, v4, o4, varlen=varlen, causal=causal, local=wl >= 0 or (wr >= 0 and not causal),
+            softcap=softcap, alibi=alibi, dropout_p=dropout_p, scale=scale) is None:
+        attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale, causal)
         return out, lse, placeholder(q.device, torch.int64)
     plan_key = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)
     plan = _FWD_PLANS.get(plan_key)

@@ -4,21 +4,26 @@ warpgroups of 64 query rows each.
 
 Why Gluon: a Triton ``tl.dot`` waits for its wgmma right after issuing it, so the Triton forward
 (``attention._attn_fwd_kernel``) runs each key tile's Q.K^T, softmax and P.V one after the other. Gluon issues
-wgmma asynchronously and waits for a given count of outstanding groups, which is what FA3's intra-warpgroup
-overlap needs: each consumer issues the next tile's Q.K^T, then this tile's P.V, waits for the Q.K^T alone
-and computes the next softmax while P.V is still in flight. The producer warp keeps STAGES key and value
-tiles in flight through TMA, and the two consumers share them, so a key tile is read once per 128 query rows.
+wgmma asynchronously and waits for a given count of outstanding groups, which is what FA3's two overlaps need:
+- within a warpgroup, each consumer issues the next tile's Q.K^T, then this tile's P.V, waits for the Q.K^T
+  alone and computes the next softmax while P.V is still in flight;
+- between the two (ping-pong), a consumer issues its matrix products only after the other issued its own, so
+  one's softmax runs while the other's products hold the tensor cores.
+The producer warp keeps STAGES key and value tiles in flight through TMA, and the two consumers share them, so a
+key tile is read once per 128 query rows; it loads the next tile's queries while this one's run (Q_BUFFERS).
 
-What it runs: ``forward_unsupported`` names the conditions (non-causal, no window, softcap, ALiBi or dropout;
-fp16/bf16; head dim 64 or 128; dense (B, S, H, D) tensors whose (B * S, H * D) view is a strided matrix, as
-contiguous tensors and the slices of a packed qkv are); ``attention`` takes it for those on Hopper and keeps
-its Triton kernel (also the interpreter's and the CPU's path, and the test oracle here) for the rest. Rows past
-a sequence's end are masked in the last key tile; query rows past it are computed and not stored. Outputs
-and the log-sum-exp follow ``attention``'s forward, so its backward runs unchanged.
+What it runs: ``forward_unsupported`` names the conditions (causal with Sq <= Sk, or non-causal; no window,
+softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; dense (B, S, H, D) tensors whose (B * S, H * D) view
+is a strided matrix, as contiguous tensors and the slices of a packed qkv are); ``attention`` takes it for
+those on Hopper and keeps its Triton kernel (also the interpreter's and the CPU's path, and the test oracle
+here) for the rest. Rows past a sequence's end are masked in the last key tile; query rows past it are computed
+and not stored. Causal, a tile walks the key tiles up to its diagonal only, and programs take query blocks in
+pairs of equal total cost (``_unit_tiles``). Outputs and the log-sum-exp follow ``attention``'s forward, so its
+backward runs unchanged.
 
-Measured on an H100 (session 24, graph-replayed, docs/benchmarks.md Attention), head dim 128, non-causal,
-B * S = 16k, 16 heads: the forward 1.15-1.30x the Triton kernel's speed at S 1k-4k and 0.90-0.96x cuDNN's (the
-Triton kernel: 0.69-0.83x); forward + backward (the backward unchanged) 4-5% faster.
+Measured on H100s (sessions 24-25, graph-replayed, docs/benchmarks.md Attention), B * S = 16k, H * D = 2048:
+head dim 128, the forward 1.16-1.24x the Triton kernel's speed non-causal and 1.28-1.30x causal at S 1k-8k;
+against cuDNN 0.94-0.98x non-causal at S 2k-8k, causal 0.92-0.99x at 2k and 1.03-1.07x at 4k-8k.
 """
 
 from __future__ import annotations
@@ -38,11 +43,13 @@ try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     GLUON_AVAILABLE = False
 
-# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (session 24, docs/benchmarks.md
-# Attention; B * S = 16k, H * D = 2048, non-causal, graph-replayed forward; the Triton kernel's time over this
-# one's): head dim 128, S 512 to 8k: 1.14-1.30x; head dim 64: 0.96-1.02x at S 512 to 4k, 1.03-1.10x at 8k. Below
-# 512 keys nothing was measured, and the Triton kernel's launch plans cost less host time for short calls.
-MIN_KEYS = {128: 512, 64: 4096}
+# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (sessions 24-25, docs/benchmarks.md
+# Attention; B * S = 16k, H * D = 2048, graph-replayed forward; the Triton kernel's time over this one's): head
+# dim 128, S 512 to 8k: 1.14-1.30x; head dim 64 with ping-pong: 1.05x non-causal and 1.16x causal at S 2k,
+# 1.10x at 8k (without it, session 24: 0.96-1.02x at S 512 to 4k); at BERT-large's 512 keys (B 32, 16 heads)
+# 105 us against the Triton kernel's 101. Below 512 keys nothing was measured, and the Triton kernel's launch
+# plans cost less host time for short calls.
+MIN_KEYS = {128: 512, 64: 2048}
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
 # (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (160 KB of shared memory at head dim 128).
 # From the session-24 sweep (H100): at head dim 128 (B 8, S 2k) 484.6 us against 546.7-553.6 for 64-key tiles
@@ -51,6 +58,10 @@ TILES = {64: (128, 2), 128: (128, 2)}
 # Registers: three warpgroups (the producer's warp is padded to one) share the SM's 64K at 168 each; the
 # producer gives all but 24 back, which go to the consumers (240 each).
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
+# Ping-pong between the consumers (``_await_turn``): 2.4-3.2% faster at S 1k-2k, level at 4k-8k (head dim 128,
+# H100, session 25). A second query buffer per consumer: +0.9% on average over seven shapes (-0.7% to +2.3%).
+PINGPONG = True
+Q_BUFFERS = 2
 
 
 _enabled = True
@@ -70,10 +81,13 @@ def use_hopper_forward(enable: bool) -> bool:
 
 
 def forward_unsupported(q, k, v, out, *, varlen, causal, local, softcap, alibi, dropout_p, scale) -> str | None:
-    """Why this kernel cannot run the forward for q, k, v (B, S, H, D) into ``out`` (q's shape), or None."""
+    """Why this kernel cannot run the forward for q, k, v (B, S, H, D) into ``out`` (q's shape), or None.
+    ``local``: a window beyond the causal mask."""
     # The cheap questions first: every forward on a GPU asks, the causal prefill of a decoder among them.
-    if varlen or causal or local or softcap > 0 or alibi is not None or dropout_p > 0 or scale <= 0:
-        return "varlen, causal, a window, softcap, ALiBi, dropout or a non-positive scale"
+    if varlen or local or softcap > 0 or alibi is not None or dropout_p > 0 or scale <= 0:
+        return "varlen, a window, softcap, ALiBi, dropout or a non-positive scale"
+    if causal and q.shape[1] > k.shape[1]:
+        return "causal with more queries than keys (rows that see no key)"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in MIN_KEYS:
         return "a dtype other than fp16/bf16 or a head dim other than 64/128"
     if k.shape[1] < MIN_KEYS[q.shape[-1]]:
@@ -94,77 +108,126 @@ def forward_unsupported(q, k, v, out, *, varlen, causal, local, softcap, alibi, 
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _tile_coords(tile, n_mblocks, n_heads, group, seqlen_q, seqlen_k, HEAD_DIM: gl.constexpr,
-                     BLOCK_M: gl.constexpr):
-        """(first q row, first k row, q column, kv column, first query row in the sequence, batch x head)."""
-        mb = tile % n_mblocks
-        bh = tile // n_mblocks
+    def _unit_tiles(unit, n_mblocks, CAUSAL: gl.constexpr):
+        """A program's unit of work: (batch x head, k, tiles). Non-causal, one 128-row query block k of a batch and
+        head. Causal, query blocks cost more the later they sit, so a unit pairs the k-th block from the end with
+        the k-th from the start (one block alone where a count is odd): every unit costs about the same, and the
+        programs, which take units in turn, finish together."""
+        per_bh = n_mblocks
+        if CAUSAL:
+            per_bh = (n_mblocks + 1) // 2
+        k = unit % per_bh
+        tiles = 1
+        if CAUSAL:
+            tiles = 2 - (2 * k + 1 == n_mblocks).to(gl.int32)
+        return unit // per_bh, k, tiles
+
+    @gluon.jit
+    def _tile(bh, k, part, n_mblocks, n_heads, group, seqlen_q, seqlen_k, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Tile ``part`` of unit (bh, k): (first q row, first k row, q column, kv column, first query row in the
+        sequence, key tiles to walk). Causal: the heavier block first, and only the keys up to the diagonal."""
+        mb = k
+        kv_end = seqlen_k
+        if CAUSAL:
+            mb = k + (1 - part) * (n_mblocks - 1 - 2 * k)
+            kv_end = gl.minimum(seqlen_k, mb * BLOCK_M + BLOCK_M + seqlen_k - seqlen_q)
         b = bh // n_heads
         h = bh % n_heads
-        return b * seqlen_q, b * seqlen_k, h * HEAD_DIM, (h // group) * HEAD_DIM, mb * BLOCK_M, bh
+        return (b * seqlen_q, b * seqlen_k, h * HEAD_DIM, (h // group) * HEAD_DIM, mb * BLOCK_M,
+                gl.cdiv(kv_end, BLOCK_N))
 
     @gluon.jit
     def _producer(args):
         """One warp: for each of the program's tiles, the two query halves, then every key and value tile into
         the STAGES-deep rings, each slot refilled once both consumers have released it."""
-        descs, _outputs, sizes, buffers, barriers = args
+        descs, _outputs, sizes, buffers, barriers, flags = args
         q_desc, k_desc, v_desc = descs
         q_smem, k_smem, v_smem = buffers
-        seqlen_q, seqlen_k, n_heads, group, _stride_om, _scale_log2, n_tiles = sizes
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = barriers
+        seqlen_q, seqlen_k, n_heads, group, _stride_om, _scale_log2, n_units = sizes
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, _turn = barriers
+        CAUSAL, _pingpong = flags
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
+        Q_BUFFERS: gl.constexpr = q_smem.type.shape[0] // 2  # per consumer
         n_mblocks = gl.cdiv(seqlen_q, 2 * HALF)
-        n_kv = gl.cdiv(seqlen_k, BLOCK_N)
         it = 0
         t = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            q_row, k_row, q_col, kv_col, m0, bh = _tile_coords(tile, n_mblocks, n_heads, group, seqlen_q, seqlen_k,
-                                                               HEAD_DIM, 2 * HALF)
-            for wg in gl.static_range(2):
-                # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier passes.
-                mbarrier.wait(q_empty.index(wg), (t & 1) ^ 1)
-                mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col], q_ready.index(wg),
-                                                q_smem.index(wg))
-            for j in range(n_kv):
-                slot = it % STAGES
-                phase = (it // STAGES) & 1
-                mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(slot),
-                                                k_smem.index(slot))
-                mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(slot),
-                                                v_smem.index(slot))
-                it += 1
-            t += 1
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
+            for part in range(tiles):
+                q_row, k_row, q_col, kv_col, m0, n_kv = _tile(bh, k, part, n_mblocks, n_heads, group, seqlen_q,
+                                                              seqlen_k, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL)
+                for wg in gl.static_range(2):
+                    # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier passes.
+                    qb = (t % Q_BUFFERS) * 2 + wg
+                    mbarrier.wait(q_empty.index(qb), ((t // Q_BUFFERS) & 1) ^ 1)
+                    mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col], q_ready.index(qb),
+                                                    q_smem.index(qb))
+                for j in range(n_kv):
+                    slot = it % STAGES
+                    phase = (it // STAGES) & 1
+                    mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(slot),
+                                                    k_smem.index(slot))
+                    mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(slot),
+                                                    v_smem.index(slot))
+                    it += 1
+                t += 1
 
     @gluon.jit
-    def _mask_tail(s, tile_start, seqlen_k, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Scores of keys past the sequence's end (the next sequence's rows, or TMA's zeros) set to -inf."""
+    def _mask_scores(s, tile_start, seqlen_k, row0, diagonal, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HALF: gl.constexpr, s_layout: gl.constexpr):
+        """Scores set to -inf for keys past the sequence's end (the next sequence's rows, or TMA's zeros) and,
+        causal, for keys past a row's diagonal: row r of rows [row0, row0 + HALF) sees keys <= r + diagonal,
+        where diagonal = Sk - Sq aligns the mask bottom-right."""
+        if CAUSAL:
+            if tile_start + BLOCK_N - 1 > row0 + diagonal:
+                cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+                s = gl.where(gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + diagonal, s, float("-inf"))
         if tile_start + BLOCK_N > seqlen_k:
             cols = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(gl.expand_dims(cols < seqlen_k, 0), s, float("-inf"))
         return s
 
     @gluon.jit
+    def _await_turn(turn, WG: gl.constexpr, event, PINGPONG: gl.constexpr):
+        """Ping-pong: a warpgroup issues its event-th group of wgmma only after the other one issued its previous
+        group, so one warpgroup's softmax runs while the other's matrix products hold the tensor cores. The first
+        warpgroup's first wait passes on the barrier's initial phase."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (event & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
     def _consume(args, WG: gl.constexpr):
         """One consumer warpgroup: query rows [WG * 64, WG * 64 + 64) of each tile. The online softmax keeps the
-        row maximum of the raw scores (the scale is positive) and folds the scale into the exponent."""
-        descs, outputs, sizes, buffers, barriers = args
+        row maximum of the raw scores (the scale is positive) and folds the scale into the exponent. Every row
+        sees key 0 (causal: Sq <= Sk), so the first key tile leaves each row a finite maximum and a later tile
+        wholly past a row's diagonal adds nothing to it."""
+        descs, outputs, sizes, buffers, barriers, flags = args
         q_desc, k_desc, v_desc = descs
         O, LSE = outputs
         q_smem, k_smem, v_smem = buffers
-        seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles = sizes
-        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = barriers
+        seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_units = sizes
+        q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = barriers
+        CAUSAL, PINGPONG = flags
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         STAGES: gl.constexpr = k_smem.type.shape[0]
+        Q_BUFFERS: gl.constexpr = q_smem.type.shape[0] // 2  # per consumer
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -172,64 +235,81 @@ if GLUON_AVAILABLE:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         n_mblocks = gl.cdiv(seqlen_q, 2 * HALF)
-        n_kv = gl.cdiv(seqlen_k, BLOCK_N)
-        q_buf = q_smem.index(WG)
+        diagonal = seqlen_k - seqlen_q
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
         it = 0
         t = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            q_row, k_row, q_col, kv_col, m0, bh = _tile_coords(tile, n_mblocks, n_heads, group, seqlen_q, seqlen_k,
-                                                               HEAD_DIM, 2 * HALF)
-            mbarrier.wait(q_ready.index(WG), t & 1)
-            slot = it % STAGES
-            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-            s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(0, deps=(s, ))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            s = _mask_tail(s, 0, seqlen_k, BLOCK_N, s_layout)
-            m_i = gl.max(s, axis=1) * scale_log2
-            p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
-            l_i = gl.sum(p, axis=1)
-            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-            for j in range(0, n_kv - 1):
-                cur = it + j
-                nxt = cur + 1
-                # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that their
-                # softmax runs while P.V is still on the tensor cores.
-                mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-                s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                       is_async=True)
-                mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(cur % STAGES),
+        event = 0
+        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+            bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
+            for part in range(tiles):
+                q_row, k_row, q_col, kv_col, m0, n_kv = _tile(bh, k, part, n_mblocks, n_heads, group, seqlen_q,
+                                                              seqlen_k, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL)
+                row0 = m0 + WG * HALF
+                qb = (t % Q_BUFFERS) * 2 + WG
+                q_buf = q_smem.index(qb)
+                mbarrier.wait(q_ready.index(qb), (t // Q_BUFFERS) & 1)
+                slot = it % STAGES
+                mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+                _await_turn(turn, WG, event, PINGPONG)
+                s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                _pass_turn(turn, WG, PINGPONG)
+                event += 1
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                s = _mask_scores(s, 0, seqlen_k, row0, diagonal, CAUSAL, BLOCK_N, HALF, s_layout)
+                m_i = gl.max(s, axis=1) * scale_log2
+                p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
+                l_i = gl.sum(p, axis=1)
+                alpha = gl.full([HALF], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
+                acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+                for j in range(0, n_kv - 1):
+                    cur = it + j
+                    nxt = cur + 1
+                    # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that
+                    # their softmax runs while P.V is still on the tensor cores.
+                    mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                    _await_turn(turn, WG, event, PINGPONG)
+                    s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero,
+                                           use_acc=False, is_async=True)
+                    mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout),
+                                        v_smem.index(cur % STAGES), acc, is_async=True)
+                    _pass_turn(turn, WG, PINGPONG)
+                    event += 1
+                    s = warpgroup_mma_wait(1, deps=(s_next, ))
+                    mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
+                    s = _mask_scores(s, (j + 1) * BLOCK_N, seqlen_k, row0, diagonal, CAUSAL, BLOCK_N, HALF,
+                                     s_layout)
+                    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+                    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+                    alpha = gl.exp2(m_i - m_new)
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    m_i = m_new
+                    acc = warpgroup_mma_wait(0, deps=(acc, ))
+                    mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
+                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                last = it + n_kv - 1
+                mbarrier.arrive(q_empty.index(qb), count=1)  # Q is read for the last time: the buffer may refill
+                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                _await_turn(turn, WG, event, PINGPONG)
+                acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES),
                                     acc, is_async=True)
-                s = warpgroup_mma_wait(1, deps=(s_next, ))
-                mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
-                s = _mask_tail(s, (j + 1) * BLOCK_N, seqlen_k, BLOCK_N, s_layout)
-                m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
-                p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                m_i = m_new
+                _pass_turn(turn, WG, PINGPONG)
+                event += 1
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            last = it + n_kv - 1
-            mbarrier.arrive(q_empty.index(WG), count=1)  # Q is read for the last time: the next tile's may load
-            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES), acc,
-                                is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-            l_o = gl.convert_layout(l_i, row_o)
-            rows = m0 + WG * HALF + gl.arange(0, HALF, layout=row_o)
-            row_ok = rows < seqlen_q
-            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-            ptrs = O + gl.expand_dims((q_row + rows).to(gl.int64) * stride_om, 1) + q_col + gl.expand_dims(cols, 0)
-            gl.store(ptrs, (acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
-            lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
-            gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=row_ok)
-            it += n_kv
-            t += 1
+                mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+                l_o = gl.convert_layout(l_i, row_o)
+                rows = row0 + gl.arange(0, HALF, layout=row_o)
+                row_ok = rows < seqlen_q
+                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+                ptrs = (O + gl.expand_dims((q_row + rows).to(gl.int64) * stride_om, 1) + q_col
+                        + gl.expand_dims(cols, 0))
+                gl.store(ptrs, (acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+                lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
+                gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=row_ok)
+                it += n_kv
+                t += 1
 
     @gluon.jit
     def _consumer0(args):
@@ -241,29 +321,33 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om,
-                                scale_log2, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                scale_log2, n_units, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
         HALF: gl.constexpr = q_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF, HEAD_DIM], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFFERS, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2 * Q_BUFFERS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release a key or value slot
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
         args = ((q_desc, k_desc, v_desc), (O, LSE),
-                (seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_tiles), (q_smem, k_smem, v_smem),
-                (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty))
+                (seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_units), (q_smem, k_smem, v_smem),
+                (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn), (CAUSAL, PINGPONG))
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -277,19 +361,21 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      scale: float) -> None:
-    """Writes the non-causal attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) into ``out`` (q's shape, a
-    strided (B * Sq, Hq * D) matrix) and its natural-log log-sum-exp into ``lse`` (B, Hq, Sq), contiguous.
-    The caller has checked ``forward_unsupported``."""
+                      scale: float, causal: bool = False) -> None:
+    """Writes the attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) into ``out`` (q's shape, a strided
+    (B * Sq, Hq * D) matrix) and its natural-log log-sum-exp into ``lse`` (B, Hq, Sq), contiguous. Causal aligns
+    the mask bottom-right and needs Sq <= Sk. The caller has checked ``forward_unsupported``."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     block_n, stages = TILES[d]
-    n_tiles = cdiv(sq, BLOCK_M) * b * hq
+    n_mblocks = cdiv(sq, BLOCK_M)
+    n_units = (cdiv(n_mblocks, 2) if causal else n_mblocks) * b * hq  # see _unit_tiles
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    grid = (min(n_tiles, sm_count(device)), )
+    grid = (min(n_units, sm_count(device)), )
     _attn_fwd_hopper_kernel[grid](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, sq, sk, hq,
-        hq // hkv, out.stride(1), scale * 1.4426950408889634, n_tiles,
+        hq // hkv, out.stride(1), scale * 1.4426950408889634, n_units,
         HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, num_warps=4, maxnreg=MAX_REGISTERS,
+        PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), PINGPONG=PINGPONG, Q_BUFFERS=Q_BUFFERS,
+        num_warps=4, maxnreg=MAX_REGISTERS,
     )

@@ -35,8 +35,11 @@ def test_reasons_on_the_cpu_and_for_unsupported_inputs():
         g = q.cuda()
         assert attention_hopper.forward_unsupported(g, g, g, g, **PLAIN) is None
         short = g[..., :64].contiguous()
-        assert "fewer than 4096 keys" in attention_hopper.forward_unsupported(short, short, short, short, **PLAIN)
-        assert "causal" in attention_hopper.forward_unsupported(g, g, g, g, **{**PLAIN, "causal": True})
+        assert "fewer than 2048 keys" in attention_hopper.forward_unsupported(short, short, short, short, **PLAIN)
+        assert attention_hopper.forward_unsupported(g, g, g, g, **{**PLAIN, "causal": True}) is None
+        assert "more queries than keys" in attention_hopper.forward_unsupported(
+            torch.cat([g, g], 1), g, g, torch.cat([g, g], 1), **{**PLAIN, "causal": True})
+        assert "window" in attention_hopper.forward_unsupported(g, g, g, g, **{**PLAIN, "causal": True, "local": True})
         assert "head dim" in attention_hopper.forward_unsupported(g[..., :32], g[..., :32], g[..., :32],
                                                                  g[..., :32].contiguous(), **PLAIN)
         heads_apart = torch.randn(1, 2, 512, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
@@ -56,15 +59,19 @@ def test_the_switch_returns_the_previous_setting():
     "b,sq,sk,hq,hkv,d,dtype",
     [(2, 1, 600, 4, 4, 128, torch.bfloat16), (3, 17, 4100, 4, 2, 64, torch.float16),
      (2, 113, 700, 8, 2, 128, torch.bfloat16), (2, 300, 513, 4, 1, 128, torch.float16),
-     (1, 4096, 4096, 2, 2, 64, torch.bfloat16), (2, 2048, 2048, 16, 16, 128, torch.bfloat16)],
+     (1, 4096, 4096, 2, 2, 64, torch.bfloat16), (2, 2048, 2048, 16, 16, 128, torch.bfloat16),
+     (2, 448, 512, 4, 2, 128, torch.bfloat16)],
     ids=str,
 )
-def test_gpu_forward_and_its_gradients_match_the_reference(hopper_calls, b, sq, sk, hq, hkv, d, dtype):
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_forward_and_its_gradients_match_the_reference(hopper_calls, b, sq, sk, hq, hkv, d, dtype, causal):
     """Odd lengths (a partial last key tile, query rows past the end of a 128-row tile), Sq != Sk, GQA and MQA;
-    the backward (the Triton kernels) reads this forward's log-sum-exp."""
+    the backward (the Triton kernels) reads this forward's log-sum-exp. Causal: the mask aligned bottom-right,
+    an odd count of query blocks (300 rows: the middle block is a unit alone), and Sk - Sq = 64, where the last
+    key tile lies wholly past the first warpgroup's rows."""
     torch.manual_seed(20)
     q, k, v = _qkv(b, sq, sk, hq, hkv, d, dtype)
-    _check_fwd_bwd(q, k, v, dtype, causal=False)
+    _check_fwd_bwd(q, k, v, dtype, causal=causal)
     assert hopper_calls == [(b, sq, hq, d)]
 
 
@@ -91,20 +98,23 @@ def test_gpu_packed_qkv_slices_take_it_and_match_the_triton_forward(hopper_calls
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_other_inputs_keep_the_triton_forward(hopper_calls):
-    """At a size the plain call takes this kernel for, every excluded feature keeps the Triton forward."""
+    """At a size the plain call takes this kernel for, every excluded feature keeps the Triton forward; causal
+    takes it where no row is left without keys."""
     torch.manual_seed(22)
     q, k, v = _qkv(2, 600, 600, 4, 4, 128, torch.bfloat16)
     flash_attn_func(q, k, v)
-    assert hopper_calls == [(2, 600, 4, 128)]
     flash_attn_func(q, k, v, causal=True)
+    assert hopper_calls == [(2, 600, 4, 128)] * 2
     flash_attn_func(q, k, v, window_size=(64, 64))
+    flash_attn_func(q, k, v, causal=True, window_size=(64, 0))
+    flash_attn_func(torch.cat([q, q], 1), k, v, causal=True)
     flash_attn_func(q, k, v, dropout_p=0.1)
     flash_attn_func(q, k, v, softcap=30.0)
     flash_attn_func(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous())
     cu = torch.tensor([0, 100, 1200], dtype=torch.int32, device="cuda")
     flat = [t.detach().reshape(1200, 4, 128) for t in (q, k, v)]
     flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1100, max_seqlen_k=1100)
-    assert len(hopper_calls) == 1
+    assert len(hopper_calls) == 2
 
 
 def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
@@ -113,7 +123,7 @@ def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
     Triton launch happens; switched off, the Triton forward runs."""
     written = []
 
-    def fake_forward(q, k, v, out, lse, scale):
+    def fake_forward(q, k, v, out, lse, scale, causal):
         written.append(scale)
         out.fill_(0.5)
         lse.fill_(-3.0)
