@@ -31,9 +31,10 @@ causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x
 (77 vs 51). TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
 16-byte alignment of every descriptor base and row stride); ``set_tma_loads`` forces or forbids them.
 
-On a Hopper GPU the forward of non-causal, dense fp16/bf16 attention at head dims 128 and 64 (from 512 and 4096
-keys) runs instead on ``attention_hopper``'s Gluon kernel (FlashAttention-3's schedule, which Triton's
-``tl.dot`` cannot express); its output and log-sum-exp are this module's, and the backward is the same.
+On a Hopper GPU the forward of fp16/bf16 attention at head dims 128 and 64 from 512 keys, causal or not, with no
+window, softcap, ALiBi or dropout (varlen: self-attention only) runs instead on ``attention_hopper``'s Gluon
+kernel (FlashAttention-3's schedule, which Triton's ``tl.dot`` cannot express); its output and log-sum-exp are
+this module's, and the backward is the same.
 
 This module holds the validation, the forward kernel, the launchers (with their launch plans), the custom ops
 and the public functions. The reference is in ``attention_ref``, the backward kernels in ``attention_bwd``, and
@@ -509,9 +510,10 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     lse, slb, slh = _lse_layout(q4, varlen, max_q)
     # The Hopper kernel first: a launch plan is only ever made for the Triton kernel.
     if q4.numel() and max_q > 0 and attention_hopper.enabled() and attention_hopper.forward_unsupported(
-            q4, k4, v4, o4, varlen=varlen, causal=causal, local=wl >= 0 or (wr >= 0 and not causal),
-            softcap=softcap, alibi=alibi, dropout_p=dropout_p, scale=scale) is None:
-        attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale, causal)
+            q4, k4, v4, o4, cu_q=cu_q, cu_k=cu_k, max_k=max_k, causal=causal,
+            local=wl >= 0 or (wr >= 0 and not causal), softcap=softcap, alibi=alibi, dropout_p=dropout_p,
+            scale=scale) is None:
+        attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale, causal, cu_q, max_q)
         return out, lse, placeholder(q.device, torch.int64)
     plan_key = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)
     plan = _FWD_PLANS.get(plan_key)

@@ -11,19 +11,23 @@ wgmma asynchronously and waits for a given count of outstanding groups, which is
   one's softmax runs while the other's products hold the tensor cores.
 The producer warp keeps STAGES key and value tiles in flight through TMA, and the two consumers share them, so a
 key tile is read once per 128 query rows; it loads the next tile's queries while this one's run (Q_BUFFERS).
+Each consumer writes its output rows into its query buffer (read for the last time) and stores them with TMA,
+which keeps the epilogue short and the consumer's registers free of per-element output pointers (with
+``gl.store`` those were hoisted out of the loop and spilled: 460 bytes of spills, 100 without).
 
 What it runs: ``forward_unsupported`` names the conditions (causal with Sq <= Sk, or non-causal; no window,
-softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; dense (B, S, H, D) tensors whose (B * S, H * D) view
-is a strided matrix, as contiguous tensors and the slices of a packed qkv are); ``attention`` takes it for
+softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; (B, S, H, D) tensors whose (B * S, H * D) view is a
+strided matrix, as contiguous tensors and the slices of a packed qkv are; varlen for self-attention, where one
+cu_seqlens bounds the queries and the keys: BERT's path); ``attention`` takes it for
 those on Hopper and keeps its Triton kernel (also the interpreter's and the CPU's path, and the test oracle
-here) for the rest. Rows past a sequence's end are masked in the last key tile; query rows past it are computed
-and not stored. Causal, a tile walks the key tiles up to its diagonal only, and programs take query blocks in
+here) for the rest. Keys past a sequence's end are masked in the last key tile; query rows past it are computed
+and not stored (a warpgroup whose rows cross the end stores its rows with ``gl.store``). Causal, a tile walks the key tiles up to its diagonal only, and programs take query blocks in
 pairs of equal total cost (``_unit_tiles``). Outputs and the log-sum-exp follow ``attention``'s forward, so its
 backward runs unchanged.
 
-Measured on H100s (sessions 24-25, graph-replayed, docs/benchmarks.md Attention), B * S = 16k, H * D = 2048:
-head dim 128, the forward 1.16-1.24x the Triton kernel's speed non-causal and 1.28-1.30x causal at S 1k-8k;
-against cuDNN 0.94-0.98x non-causal at S 2k-8k, causal 0.92-0.99x at 2k and 1.03-1.07x at 4k-8k.
+Measured on H100s (session 25, graph-replayed, docs/benchmarks.md Attention), B * S = 16k, H * D = 2048: head
+dim 128 against cuDNN 1.00-1.08x non-causal and 1.03-1.11x causal at S 1k-8k; head dim 64 1.00-1.02x at 2k and
+0.97x at BERT-large's shape (32 x 512, 16 heads), where the Triton forward takes about 101 us to this one's 92.5.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from ._triton_utils import cdiv, sm_count
 try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     GLUON_AVAILABLE = TRITON_AVAILABLE
@@ -44,12 +49,11 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
     GLUON_AVAILABLE = False
 
 # Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (sessions 24-25, docs/benchmarks.md
-# Attention; B * S = 16k, H * D = 2048, graph-replayed forward; the Triton kernel's time over this one's): head
-# dim 128, S 512 to 8k: 1.14-1.30x; head dim 64 with ping-pong: 1.05x non-causal and 1.16x causal at S 2k,
-# 1.10x at 8k (without it, session 24: 0.96-1.02x at S 512 to 4k); at BERT-large's 512 keys (B 32, 16 heads)
-# 105 us against the Triton kernel's 101. Below 512 keys nothing was measured, and the Triton kernel's launch
-# plans cost less host time for short calls.
-MIN_KEYS = {128: 512, 64: 2048}
+# Attention; B * S = 16k, H * D = 2048, graph-replayed forward): head dim 128, S 512 to 8k, 1.14-1.30x the Triton
+# kernel's speed before the TMA-stored epilogue, which added 2-19% (most at S 1k); head dim 64, 92.5 us against
+# about 101 for the Triton kernel at 512 keys (B 32, 16 heads), 1.10x at S 2k. Below 512 keys nothing was
+# measured, and the Triton kernel's launch plans cost less host time for short calls.
+MIN_KEYS = {128: 512, 64: 512}
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
 # (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (160 KB of shared memory at head dim 128).
 # From the session-24 sweep (H100): at head dim 128 (B 8, S 2k) 484.6 us against 546.7-553.6 for 64-key tiles
@@ -80,17 +84,21 @@ def use_hopper_forward(enable: bool) -> bool:
     return previous
 
 
-def forward_unsupported(q, k, v, out, *, varlen, causal, local, softcap, alibi, dropout_p, scale) -> str | None:
+def forward_unsupported(q, k, v, out, *, cu_q, cu_k, max_k, causal, local, softcap, alibi, dropout_p,
+                        scale) -> str | None:
     """Why this kernel cannot run the forward for q, k, v (B, S, H, D) into ``out`` (q's shape), or None.
-    ``local``: a window beyond the causal mask."""
+    Varlen: ``cu_q``/``cu_k`` and the longest key sequence ``max_k``; ``local``: a window beyond the causal mask."""
     # The cheap questions first: every forward on a GPU asks, the causal prefill of a decoder among them.
-    if varlen or local or softcap > 0 or alibi is not None or dropout_p > 0 or scale <= 0:
-        return "varlen, a window, softcap, ALiBi, dropout or a non-positive scale"
-    if causal and q.shape[1] > k.shape[1]:
+    if local or softcap > 0 or alibi is not None or dropout_p > 0 or scale <= 0:
+        return "a window, softcap, ALiBi, dropout or a non-positive scale"
+    varlen = cu_q is not None
+    if varlen and (cu_k.data_ptr() != cu_q.data_ptr() or k.shape[1] != q.shape[1]):
+        return "varlen with separate query and key sequences (self-attention over one cu_seqlens only)"
+    if causal and not varlen and q.shape[1] > k.shape[1]:
         return "causal with more queries than keys (rows that see no key)"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in MIN_KEYS:
         return "a dtype other than fp16/bf16 or a head dim other than 64/128"
-    if k.shape[1] < MIN_KEYS[q.shape[-1]]:
+    if (max_k if varlen else k.shape[1]) < MIN_KEYS[q.shape[-1]]:
         return f"fewer than {MIN_KEYS[q.shape[-1]]} keys at head dim {q.shape[-1]}, where the Triton kernel is as fast"
     if not GLUON_AVAILABLE:
         return "this Triton has no Gluon Hopper ops"
@@ -123,30 +131,49 @@ if GLUON_AVAILABLE:
         return unit // per_bh, k, tiles
 
     @gluon.jit
-    def _tile(bh, k, part, n_mblocks, n_heads, group, seqlen_q, seqlen_k, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        """Tile ``part`` of unit (bh, k): (first q row, first k row, q column, kv column, first query row in the
-        sequence, key tiles to walk). Causal: the heavier block first, and only the keys up to the diagonal."""
-        mb = k
-        kv_end = seqlen_k
-        if CAUSAL:
-            mb = k + (1 - part) * (n_mblocks - 1 - 2 * k)
-            kv_end = gl.minimum(seqlen_k, mb * BLOCK_M + BLOCK_M + seqlen_k - seqlen_q)
+    def _tile(bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+        """Tile ``part`` of unit (bh, k): (first q row of the sequence in the (rows, H * D) matrix, first k row,
+        q column, kv column, first query row in the sequence, key tiles to walk (0: the tile lies past a short
+        sequence's end), query length, key length, the log-sum-exp's offset). Varlen (self-attention): sequence b
+        is rows CuSeq[b]:CuSeq[b + 1] of both. Causal: the heavier block first, keys up to the diagonal only."""
+        seqlen_q, seqlen_k, n_heads, group, _scale_log2, _n_units, _stride_om, lse_sb, lse_sh = sizes
         b = bh // n_heads
         h = bh % n_heads
-        return (b * seqlen_q, b * seqlen_k, h * HEAD_DIM, (h // group) * HEAD_DIM, mb * BLOCK_M,
-                gl.cdiv(kv_end, BLOCK_N))
+        if VARLEN:
+            start = gl.load(CuSeq + b)
+            len_q = gl.load(CuSeq + b + 1) - start
+            len_k = len_q
+            q_row = start
+            k_row = start
+            lse_off = h.to(gl.int64) * lse_sh + start
+        else:
+            len_q = seqlen_q
+            len_k = seqlen_k
+            q_row = b * seqlen_q
+            k_row = b * seqlen_k
+            lse_off = b.to(gl.int64) * lse_sb + h * lse_sh
+        mb = k
+        if CAUSAL:
+            mb = k + (1 - part) * (n_mblocks - 1 - 2 * k)
+        m0 = mb * BLOCK_M
+        kv_end = len_k
+        if CAUSAL:
+            kv_end = gl.minimum(len_k, m0 + BLOCK_M + len_k - len_q)
+        n_kv = gl.cdiv(kv_end, BLOCK_N) * (m0 < len_q).to(gl.int32)
+        return q_row, k_row, h * HEAD_DIM, (h // group) * HEAD_DIM, m0, n_kv, len_q, len_k, lse_off
 
     @gluon.jit
     def _producer(args):
         """One warp: for each of the program's tiles, the two query halves, then every key and value tile into
         the STAGES-deep rings, each slot refilled once both consumers have released it."""
-        descs, _outputs, sizes, buffers, barriers, flags = args
-        q_desc, k_desc, v_desc = descs
+        descs, outputs, sizes, buffers, barriers, flags = args
+        q_desc, k_desc, v_desc, _o_desc = descs
+        _O, _LSE, CuSeq = outputs
         q_smem, k_smem, v_smem = buffers
-        seqlen_q, seqlen_k, n_heads, group, _stride_om, _scale_log2, n_units = sizes
+        seqlen_q, _seqlen_k, _n_heads, _group, _scale_log2, n_units, _stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, _turn = barriers
-        CAUSAL, _pingpong = flags
+        CAUSAL, VARLEN, _pingpong = flags
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -158,28 +185,30 @@ if GLUON_AVAILABLE:
         for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
             bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
             for part in range(tiles):
-                q_row, k_row, q_col, kv_col, m0, n_kv = _tile(bh, k, part, n_mblocks, n_heads, group, seqlen_q,
-                                                              seqlen_k, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL)
-                for wg in gl.static_range(2):
-                    # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier passes.
-                    qb = (t % Q_BUFFERS) * 2 + wg
-                    mbarrier.wait(q_empty.index(qb), ((t // Q_BUFFERS) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col], q_ready.index(qb),
-                                                    q_smem.index(qb))
-                for j in range(n_kv):
-                    slot = it % STAGES
-                    phase = (it // STAGES) & 1
-                    mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(slot),
-                                                    k_smem.index(slot))
-                    mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                    mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(slot),
-                                                    v_smem.index(slot))
-                    it += 1
-                t += 1
+                q_row, k_row, q_col, kv_col, m0, n_kv, _len_q, _len_k, _lse_off = _tile(
+                    bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
+                if n_kv > 0:
+                    for wg in gl.static_range(2):
+                        # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier
+                        # passes.
+                        qb = (t % Q_BUFFERS) * 2 + wg
+                        mbarrier.wait(q_empty.index(qb), ((t // Q_BUFFERS) & 1) ^ 1)
+                        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col], q_ready.index(qb),
+                                                        q_smem.index(qb))
+                    for j in range(n_kv):
+                        slot = it % STAGES
+                        phase = (it // STAGES) & 1
+                        mbarrier.wait(k_empty.index(slot), phase ^ 1)
+                        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(slot),
+                                                        k_smem.index(slot))
+                        mbarrier.wait(v_empty.index(slot), phase ^ 1)
+                        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(slot),
+                                                        v_smem.index(slot))
+                        it += 1
+                    t += 1
 
     @gluon.jit
     def _mask_scores(s, tile_start, seqlen_k, row0, diagonal, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -211,18 +240,30 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
+    def _store_rows(o_buf, O, q_row, row0, q_col, len_q, stride_om, HALF: gl.constexpr, HEAD_DIM: gl.constexpr):
+        """A warpgroup's output rows from shared memory, those past the sequence's end left out: a TMA store
+        would write them over the next sequence's first rows. 16-byte stores, each thread's pointers made here."""
+        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+        gl.thread_barrier()  # every thread of the warpgroup has written its part of o_buf
+        o = o_buf.load(rows_layout)
+        rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, rows_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+        ptrs = O + gl.expand_dims((q_row + rows).to(gl.int64) * stride_om, 1) + q_col + gl.expand_dims(cols, 0)
+        gl.store(ptrs, o, mask=gl.expand_dims(rows < len_q, 1))
+
+    @gluon.jit
     def _consume(args, WG: gl.constexpr):
         """One consumer warpgroup: query rows [WG * 64, WG * 64 + 64) of each tile. The online softmax keeps the
         row maximum of the raw scores (the scale is positive) and folds the scale into the exponent. Every row
         sees key 0 (causal: Sq <= Sk), so the first key tile leaves each row a finite maximum and a later tile
         wholly past a row's diagonal adds nothing to it."""
         descs, outputs, sizes, buffers, barriers, flags = args
-        q_desc, k_desc, v_desc = descs
-        O, LSE = outputs
+        q_desc, k_desc, v_desc, o_desc = descs
+        O, LSE, CuSeq = outputs
         q_smem, k_smem, v_smem = buffers
-        seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_units = sizes
+        seqlen_q, _seqlen_k, _n_heads, _group, scale_log2, n_units, stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = barriers
-        CAUSAL, PINGPONG = flags
+        CAUSAL, VARLEN, PINGPONG = flags
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -235,7 +276,6 @@ if GLUON_AVAILABLE:
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         n_mblocks = gl.cdiv(seqlen_q, 2 * HALF)
-        diagonal = seqlen_k - seqlen_q
         s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
         it = 0
         t = 0
@@ -243,73 +283,80 @@ if GLUON_AVAILABLE:
         for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
             bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
             for part in range(tiles):
-                q_row, k_row, q_col, kv_col, m0, n_kv = _tile(bh, k, part, n_mblocks, n_heads, group, seqlen_q,
-                                                              seqlen_k, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL)
-                row0 = m0 + WG * HALF
-                qb = (t % Q_BUFFERS) * 2 + WG
-                q_buf = q_smem.index(qb)
-                mbarrier.wait(q_ready.index(qb), (t // Q_BUFFERS) & 1)
-                slot = it % STAGES
-                mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-                _await_turn(turn, WG, event, PINGPONG)
-                s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
-                event += 1
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                mbarrier.arrive(k_empty.index(slot), count=1)
-                s = _mask_scores(s, 0, seqlen_k, row0, diagonal, CAUSAL, BLOCK_N, HALF, s_layout)
-                m_i = gl.max(s, axis=1) * scale_log2
-                p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
-                l_i = gl.sum(p, axis=1)
-                alpha = gl.full([HALF], 1.0, gl.float32, gl.SliceLayout(1, s_layout))
-                acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-                for j in range(0, n_kv - 1):
-                    cur = it + j
-                    nxt = cur + 1
-                    # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that
-                    # their softmax runs while P.V is still on the tensor cores.
-                    mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                q_row, k_row, q_col, kv_col, m0, n_kv, len_q, len_k, lse_off = _tile(
+                    bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
+                if n_kv > 0:
+                    diagonal = len_k - len_q
+                    row0 = m0 + WG * HALF
+                    qb = (t % Q_BUFFERS) * 2 + WG
+                    q_buf = q_smem.index(qb)
+                    mbarrier.wait(q_ready.index(qb), (t // Q_BUFFERS) & 1)
+                    slot = it % STAGES
+                    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
                     _await_turn(turn, WG, event, PINGPONG)
-                    s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero,
-                                           use_acc=False, is_async=True)
-                    mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
-                    acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout),
-                                        v_smem.index(cur % STAGES), acc, is_async=True)
+                    s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                                      is_async=True)
                     _pass_turn(turn, WG, PINGPONG)
                     event += 1
-                    s = warpgroup_mma_wait(1, deps=(s_next, ))
-                    mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
-                    s = _mask_scores(s, (j + 1) * BLOCK_N, seqlen_k, row0, diagonal, CAUSAL, BLOCK_N, HALF,
-                                     s_layout)
-                    m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
-                    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
-                    alpha = gl.exp2(m_i - m_new)
-                    l_i = l_i * alpha + gl.sum(p, axis=1)
-                    m_i = m_new
+                    s = warpgroup_mma_wait(0, deps=(s, ))
+                    mbarrier.arrive(k_empty.index(slot), count=1)
+                    s = _mask_scores(s, 0, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF, s_layout)
+                    m_i = gl.max(s, axis=1) * scale_log2
+                    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
+                    l_i = gl.sum(p, axis=1)
+                    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+                    for j in range(0, n_kv - 1):
+                        cur = it + j
+                        nxt = cur + 1
+                        # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that
+                        # their softmax runs while P.V is still on the tensor cores.
+                        mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                        _await_turn(turn, WG, event, PINGPONG)
+                        s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero,
+                                               use_acc=False, is_async=True)
+                        mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
+                        acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout),
+                                            v_smem.index(cur % STAGES), acc, is_async=True)
+                        _pass_turn(turn, WG, PINGPONG)
+                        event += 1
+                        s = warpgroup_mma_wait(1, deps=(s_next, ))
+                        mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
+                        s = _mask_scores(s, (j + 1) * BLOCK_N, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF,
+                                         s_layout)
+                        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+                        p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+                        alpha = gl.exp2(m_i - m_new)
+                        l_i = l_i * alpha + gl.sum(p, axis=1)
+                        m_i = m_new
+                        acc = warpgroup_mma_wait(0, deps=(acc, ))
+                        mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
+                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                    last = it + n_kv - 1
+                    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+                    _await_turn(turn, WG, event, PINGPONG)
+                    acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES),
+                                        acc, is_async=True)
+                    _pass_turn(turn, WG, PINGPONG)
+                    event += 1
                     acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
-                    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                last = it + n_kv - 1
-                mbarrier.arrive(q_empty.index(qb), count=1)  # Q is read for the last time: the buffer may refill
-                mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-                _await_turn(turn, WG, event, PINGPONG)
-                acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES),
-                                    acc, is_async=True)
-                _pass_turn(turn, WG, PINGPONG)
-                event += 1
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-                l_o = gl.convert_layout(l_i, row_o)
-                rows = row0 + gl.arange(0, HALF, layout=row_o)
-                row_ok = rows < seqlen_q
-                cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-                ptrs = (O + gl.expand_dims((q_row + rows).to(gl.int64) * stride_om, 1) + q_col
-                        + gl.expand_dims(cols, 0))
-                gl.store(ptrs, (acc / gl.expand_dims(l_o, 1)).to(O.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
-                lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
-                gl.store(LSE + bh.to(gl.int64) * seqlen_q + rows, lse, mask=row_ok)
-                it += n_kv
-                t += 1
+                    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+                    # The output goes through this tile's query buffer (its queries are read): TMA stores it where
+                    # the warpgroup's rows all lie in the sequence, which keeps the epilogue short and the
+                    # registers free of per-element output pointers; then the buffer goes back to the producer.
+                    l_o = gl.convert_layout(l_i, row_o)
+                    q_buf.store((acc * gl.expand_dims(1.0 / l_o, 1)).to(o_desc.dtype))
+                    if row0 + HALF <= len_q:
+                        fence_async_shared()
+                        tma.async_copy_shared_to_global(o_desc, [q_row + row0, q_col], q_buf)
+                        tma.store_wait(0)
+                    else:
+                        _store_rows(q_buf, O, q_row, row0, q_col, len_q, stride_om, HALF, HEAD_DIM)
+                    rows = row0 + gl.arange(0, HALF, layout=row_o)
+                    lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
+                    gl.store(LSE + lse_off + rows, lse, mask=rows < len_q)
+                    mbarrier.arrive(q_empty.index(qb), count=1)
+                    it += n_kv
+                    t += 1
 
     @gluon.jit
     def _consumer0(args):
@@ -320,10 +367,11 @@ if GLUON_AVAILABLE:
         _consume(args, 1)
 
     @gluon.jit
-    def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, O, LSE, seqlen_q, seqlen_k, n_heads, group, stride_om,
-                                scale_log2, n_units, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
+    def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CuSeq, seqlen_q, seqlen_k, n_heads, group,
+                                scale_log2, n_units, stride_om, lse_sb, lse_sh, HEAD_DIM: gl.constexpr,
+                                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                PRODUCER_REGS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                                PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
         HALF: gl.constexpr = q_desc.block_type.shape[0]
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFFERS, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -345,37 +393,50 @@ if GLUON_AVAILABLE:
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release a key or value slot
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
-        args = ((q_desc, k_desc, v_desc), (O, LSE),
-                (seqlen_q, seqlen_k, n_heads, group, stride_om, scale_log2, n_units), (q_smem, k_smem, v_smem),
-                (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn), (CAUSAL, PINGPONG))
+        args = ((q_desc, k_desc, v_desc, o_desc), (O, LSE, CuSeq),
+                (seqlen_q, seqlen_k, n_heads, group, scale_log2, n_units, stride_om, lse_sb, lse_sh),
+                (q_smem, k_smem, v_smem), (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn),
+                (CAUSAL, VARLEN, PINGPONG))
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def _gl_dtype(t: torch.Tensor):
+    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
 
 
 def _descriptor(t: torch.Tensor, rows: int):
     """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, D) boxes."""
     b, s, h, d = t.shape
     matrix = t.as_strided((b * s, h * d), (t.stride(1), 1))
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], _gl_dtype(t))
     return TensorDescriptor(matrix, [b * s, h * d], [t.stride(1), 1], [rows, d], layout)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      scale: float, causal: bool = False) -> None:
+                      scale: float, causal: bool = False, cu_seqlens: torch.Tensor | None = None,
+                      max_seqlen: int = 0) -> None:
     """Writes the attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) into ``out`` (q's shape, a strided
-    (B * Sq, Hq * D) matrix) and its natural-log log-sum-exp into ``lse`` (B, Hq, Sq), contiguous. Causal aligns
-    the mask bottom-right and needs Sq <= Sk. The caller has checked ``forward_unsupported``."""
+    (B * Sq, Hq * D) matrix) and its natural-log log-sum-exp into ``lse``: (B, Hq, Sq), or (Hq, total) for
+    varlen. Causal aligns the mask bottom-right and needs Sq <= Sk. Varlen (``cu_seqlens``, int32): self-attention
+    over packed sequences, q, k, v (1, total, H, D), sequence b in rows cu_seqlens[b]:cu_seqlens[b + 1] of all
+    three, none longer than ``max_seqlen``. The caller has checked ``forward_unsupported``."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
+    varlen = cu_seqlens is not None
+    if varlen:
+        b, sq, sk = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
     block_n, stages = TILES[d]
     n_mblocks = cdiv(sq, BLOCK_M)
     n_units = (cdiv(n_mblocks, 2) if causal else n_mblocks) * b * hq  # see _unit_tiles
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     grid = (min(n_units, sm_count(device)), )
+    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     _attn_fwd_hopper_kernel[grid](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, sq, sk, hq,
-        hq // hkv, out.stride(1), scale * 1.4426950408889634, n_units,
+        _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M // 2),
+        out, lse, cu_seqlens if varlen else lse, sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units,
+        out.stride(1), lse_sb, lse_sh,
         HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), PINGPONG=PINGPONG, Q_BUFFERS=Q_BUFFERS,
-        num_warps=4, maxnreg=MAX_REGISTERS,
+        PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=varlen, PINGPONG=PINGPONG,
+        Q_BUFFERS=Q_BUFFERS, num_warps=4, maxnreg=MAX_REGISTERS,
     )

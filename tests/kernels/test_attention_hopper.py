@@ -11,7 +11,8 @@ from tests.kernels.test_attention import _check_fwd_bwd, _qkv
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on Hopper (compute capability 9.0)")
-PLAIN = dict(varlen=False, causal=False, local=False, softcap=0.0, alibi=None, dropout_p=0.0, scale=0.125)
+PLAIN = dict(cu_q=None, cu_k=None, max_k=0, causal=False, local=False, softcap=0.0, alibi=None, dropout_p=0.0,
+             scale=0.125)
 
 
 @pytest.fixture
@@ -34,8 +35,8 @@ def test_reasons_on_the_cpu_and_for_unsupported_inputs():
     if HOPPER:
         g = q.cuda()
         assert attention_hopper.forward_unsupported(g, g, g, g, **PLAIN) is None
-        short = g[..., :64].contiguous()
-        assert "fewer than 2048 keys" in attention_hopper.forward_unsupported(short, short, short, short, **PLAIN)
+        short = g[:, :300, :, :64].contiguous()
+        assert "fewer than 512 keys" in attention_hopper.forward_unsupported(short, short, short, short, **PLAIN)
         assert attention_hopper.forward_unsupported(g, g, g, g, **{**PLAIN, "causal": True}) is None
         assert "more queries than keys" in attention_hopper.forward_unsupported(
             torch.cat([g, g], 1), g, g, torch.cat([g, g], 1), **{**PLAIN, "causal": True})
@@ -44,6 +45,12 @@ def test_reasons_on_the_cpu_and_for_unsupported_inputs():
                                                                  g[..., :32].contiguous(), **PLAIN)
         heads_apart = torch.randn(1, 2, 512, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
         assert "layout" in attention_hopper.forward_unsupported(heads_apart, g, g, g, **PLAIN)
+        cu = torch.tensor([0, 200, 512], dtype=torch.int32, device="cuda")
+        varlen = {**PLAIN, "cu_q": cu, "cu_k": cu}
+        assert attention_hopper.forward_unsupported(g, g, g, g, **{**varlen, "max_k": 512}) is None
+        assert "fewer than 512 keys" in attention_hopper.forward_unsupported(g, g, g, g, **{**varlen, "max_k": 312})
+        assert "self-attention" in attention_hopper.forward_unsupported(g, g, g, g, **{**varlen, "cu_k": cu.clone(),
+                                                                                       "max_k": 512})
 
 
 def test_the_switch_returns_the_previous_setting():
@@ -77,6 +84,23 @@ def test_gpu_forward_and_its_gradients_match_the_reference(hopper_calls, b, sq, 
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("d,dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_varlen_self_attention_matches_the_reference(hopper_calls, d, dtype, causal):
+    """Packed sequences (BERT's path): an empty one, lengths that end inside a warpgroup's 64 rows (those rows are
+    stored with ``gl.store``, not TMA), one shorter than a query tile, and max_seqlen above the longest."""
+    torch.manual_seed(23)
+    lengths = [700, 0, 77, 1000, 128, 513]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    q, k, v = (torch.randn(total, 4, d, dtype=dtype, device="cuda", requires_grad=True) for _ in range(3))
+    varlen_kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1100, max_seqlen_k=1100)
+    _check_fwd_bwd(q, k, v, dtype, varlen_kwargs=varlen_kwargs, causal=causal)
+    assert hopper_calls == [(1, total, 4, d)]
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_gpu_packed_qkv_slices_take_it_and_match_the_triton_forward(hopper_calls):
     """q, k, v as slices of one packed (B, S, 3, H, D) tensor (rows 3 * H * D apart), as a fused qkv projection
     gives them; the Triton forward of the same call agrees."""
@@ -98,8 +122,8 @@ def test_gpu_packed_qkv_slices_take_it_and_match_the_triton_forward(hopper_calls
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_other_inputs_keep_the_triton_forward(hopper_calls):
-    """At a size the plain call takes this kernel for, every excluded feature keeps the Triton forward; causal
-    takes it where no row is left without keys."""
+    """At a size the plain call takes this kernel for, every excluded feature keeps the Triton forward (varlen:
+    separate query and key cu_seqlens); causal takes it where no row is left without keys."""
     torch.manual_seed(22)
     q, k, v = _qkv(2, 600, 600, 4, 4, 128, torch.bfloat16)
     flash_attn_func(q, k, v)
@@ -113,7 +137,7 @@ def test_gpu_other_inputs_keep_the_triton_forward(hopper_calls):
     flash_attn_func(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous())
     cu = torch.tensor([0, 100, 1200], dtype=torch.int32, device="cuda")
     flat = [t.detach().reshape(1200, 4, 128) for t in (q, k, v)]
-    flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1100, max_seqlen_k=1100)
+    flash_attn_varlen_func(*flat, cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=1100, max_seqlen_k=1100)
     assert len(hopper_calls) == 2
 
 
@@ -123,7 +147,7 @@ def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
     Triton launch happens; switched off, the Triton forward runs."""
     written = []
 
-    def fake_forward(q, k, v, out, lse, scale, causal):
+    def fake_forward(q, k, v, out, lse, scale, causal, cu_seqlens, max_seqlen):
         written.append(scale)
         out.fill_(0.5)
         lse.fill_(-3.0)
