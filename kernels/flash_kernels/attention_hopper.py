@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ._triton_compat import TRITON_AVAILABLE
-from ._triton_utils import cdiv, sm_count
+from ._triton_utils import cdiv, dummy_pointer, sm_count
 
 try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
     from triton.experimental import gluon
@@ -116,7 +116,7 @@ def forward_unsupported(q, k, v, out, *, cu_q, cu_k, max_k, causal, local, softc
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _unit_tiles(unit, n_mblocks, CAUSAL: gl.constexpr):
+    def _unit_tiles(unit, n_mblocks, CAUSAL):
         """A program's unit of work: (batch x head, k, tiles). Non-causal, one 128-row query block k of a batch and
         head. Causal, query blocks cost more the later they sit, so a unit pairs the k-th block from the end with
         the k-th from the start (one block alone where a count is odd): every unit costs about the same, and the
@@ -132,7 +132,7 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _tile(bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr):
+              BLOCK_N: gl.constexpr, CAUSAL, VARLEN):
         """Tile ``part`` of unit (bh, k): (first q row of the sequence in the (rows, H * D) matrix, first k row,
         q column, kv column, first query row in the sequence, key tiles to walk (0: the tile lies past a short
         sequence's end), query length, key length, the log-sum-exp's offset). Varlen (self-attention): sequence b
@@ -211,7 +211,7 @@ if GLUON_AVAILABLE:
                     t += 1
 
     @gluon.jit
-    def _mask_scores(s, tile_start, seqlen_k, row0, diagonal, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _mask_scores(s, tile_start, seqlen_k, row0, diagonal, CAUSAL, BLOCK_N: gl.constexpr,
                      HALF: gl.constexpr, s_layout: gl.constexpr):
         """Scores set to -inf for keys past the sequence's end (the next sequence's rows, or TMA's zeros) and,
         causal, for keys past a row's diagonal: row r of rows [row0, row0 + HALF) sees keys <= r + diagonal,
@@ -227,7 +227,7 @@ if GLUON_AVAILABLE:
         return s
 
     @gluon.jit
-    def _await_turn(turn, WG: gl.constexpr, event, PINGPONG: gl.constexpr):
+    def _await_turn(turn, WG: gl.constexpr, event, PINGPONG):
         """Ping-pong: a warpgroup issues its event-th group of wgmma only after the other one issued its previous
         group, so one warpgroup's softmax runs while the other's matrix products hold the tensor cores. The first
         warpgroup's first wait passes on the barrier's initial phase."""
@@ -235,7 +235,7 @@ if GLUON_AVAILABLE:
             mbarrier.wait(turn.index(WG), (event & 1) ^ (1 - WG))
 
     @gluon.jit
-    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG):
         if PINGPONG:
             mbarrier.arrive(turn.index(1 - WG), count=1)
 
@@ -264,6 +264,7 @@ if GLUON_AVAILABLE:
         seqlen_q, _seqlen_k, _n_heads, _group, scale_log2, n_units, stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = barriers
         CAUSAL, VARLEN, PINGPONG = flags
+        gl.static_print("consume", flags, CAUSAL)
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -393,10 +394,13 @@ if GLUON_AVAILABLE:
             mbarrier.init(k_empty.index(i), count=2)  # both consumers release a key or value slot
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=2)
+        # The flags reach the partitions as i1 values, not constexprs (a tuple made in the kernel holds values):
+        # both sides of every ``if`` on them must type-check, and LLVM folds the constant branches.
         args = ((q_desc, k_desc, v_desc, o_desc), (O, LSE, CuSeq),
                 (seqlen_q, seqlen_k, n_heads, group, scale_log2, n_units, stride_om, lse_sb, lse_sh),
                 (q_smem, k_smem, v_smem), (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn),
-                (CAUSAL, VARLEN, PINGPONG))
+                (gl.constexpr(CAUSAL), gl.constexpr(VARLEN), gl.constexpr(PINGPONG)))
+        gl.static_print("kernel", CAUSAL, args[5], args[5][0])
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -434,7 +438,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     lse_sb, lse_sh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     _attn_fwd_hopper_kernel[grid](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M // 2),
-        out, lse, cu_seqlens if varlen else lse, sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units,
+        out, lse, cu_seqlens if varlen else dummy_pointer(q.device, torch.int32), sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units,
         out.stride(1), lse_sb, lse_sh,
         HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
         PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=varlen, PINGPONG=PINGPONG,
