@@ -18,12 +18,12 @@ which keeps the epilogue short and the consumer's registers free of per-element 
 What it runs: ``forward_unsupported`` names the conditions (causal with Sq <= Sk, or non-causal; no window,
 softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; (B, S, H, D) tensors whose (B * S, H * D) view is a
 strided matrix, as contiguous tensors and the slices of a packed qkv are; varlen for self-attention, where one
-cu_seqlens bounds the queries and the keys: BERT's path); ``attention`` takes it for
-those on Hopper and keeps its Triton kernel (also the interpreter's and the CPU's path, and the test oracle
-here) for the rest. Keys past a sequence's end are masked in the last key tile; query rows past it are computed
-and not stored (a warpgroup whose rows cross the end stores its rows with ``gl.store``). Causal, a tile walks the key tiles up to its diagonal only, and programs take query blocks in
-pairs of equal total cost (``_unit_tiles``). Outputs and the log-sum-exp follow ``attention``'s forward, so its
-backward runs unchanged.
+cu_seqlens bounds the queries and the keys: BERT's path); ``attention`` takes it for those on Hopper and keeps
+its Triton kernel (also the interpreter's and the CPU's path, and the test oracle here) for the rest. Keys past
+a sequence's end are masked in the last key tile; query rows past it are computed and not stored (a warpgroup
+whose rows cross the end stores its rows with ``gl.store``). Causal, a tile walks the key tiles up to its
+diagonal only, and programs take query blocks in pairs of equal total cost (``_unit_tiles``). Outputs and the
+log-sum-exp follow ``attention``'s forward, so its backward runs unchanged.
 
 Measured on H100s (session 25, graph-replayed, docs/benchmarks.md Attention), B * S = 16k, H * D = 2048: head
 dim 128 against cuDNN 1.00-1.08x non-causal and 1.03-1.11x causal at S 1k-8k; head dim 64 1.00-1.02x at 2k and
@@ -55,7 +55,8 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 # measured, and the Triton kernel's launch plans cost less host time for short calls.
 MIN_KEYS = {128: 512, 64: 512}
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
-# (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (160 KB of shared memory at head dim 128).
+# (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (128 KB of shared memory at head dim 128,
+# 192 KB with the query buffers).
 # From the session-24 sweep (H100): at head dim 128 (B 8, S 2k) 484.6 us against 546.7-553.6 for 64-key tiles
 # in 2 or 3 stages; at head dim 64 (B 16, S 1k, H 32) 363.9 against 396.7-407.7.
 TILES = {64: (128, 2), 128: (128, 2)}
@@ -242,7 +243,8 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _store_rows(o_buf, O, q_row, row0, q_col, len_q, stride_om, HALF: gl.constexpr, HEAD_DIM: gl.constexpr):
         """A warpgroup's output rows from shared memory, those past the sequence's end left out: a TMA store
-        would write them over the next sequence's first rows. 16-byte stores, each thread's pointers made here."""
+        would write them over the next sequence's first rows. Each thread stores 8 contiguous elements a row (one
+        16-byte store where the row stride is known divisible), its pointers made here, not kept across tiles."""
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
         gl.thread_barrier()  # every thread of the warpgroup has written its part of o_buf
         o = o_buf.load(rows_layout)
@@ -436,10 +438,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     grid = (min(n_units, sm_count(device)), )
     lse_sb, lse_sh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    cu = cu_seqlens if varlen else dummy_pointer(q.device, torch.int32)
     _attn_fwd_hopper_kernel[grid](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M // 2),
-        out, lse, cu_seqlens if varlen else dummy_pointer(q.device, torch.int32), sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units,
-        out.stride(1), lse_sb, lse_sh,
+        out, lse, cu, sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units, out.stride(1), lse_sb, lse_sh,
         HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
         PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=varlen, PINGPONG=PINGPONG,
         Q_BUFFERS=Q_BUFFERS, num_warps=4, maxnreg=MAX_REGISTERS,
