@@ -27,7 +27,8 @@ log-sum-exp follow ``attention``'s forward, so its backward runs unchanged.
 
 Measured on H100s (session 25, graph-replayed, docs/benchmarks.md Attention), B * S = 16k, H * D = 2048: head
 dim 128 against cuDNN 1.00-1.08x non-causal and 1.03-1.11x causal at S 1k-8k; head dim 64 1.00-1.02x at 2k and
-0.97x at BERT-large's shape (32 x 512, 16 heads), where the Triton forward takes about 101 us to this one's 92.5.
+0.97x at BERT-large's shape (32 x 512, 16 heads), where the Triton forward took 101-103 us (sessions 19-24)
+to this one's 92.5.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 
 # Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (sessions 24-25, docs/benchmarks.md
 # Attention; B * S = 16k, H * D = 2048, graph-replayed forward): head dim 128, S 512 to 8k, 1.14-1.30x the Triton
-# kernel's speed before the TMA-stored epilogue, which added 2-19% (most at S 1k); head dim 64, 92.5 us against
-# about 101 for the Triton kernel at 512 keys (B 32, 16 heads), 1.10x at S 2k. Below 512 keys nothing was
-# measured, and the Triton kernel's launch plans cost less host time for short calls.
+# kernel's speed before the TMA-stored epilogue, which added 2-19% (most at S 1k); head dim 64 at 512 keys (B 32,
+# 16 heads), 92.5 us against 101-103 for the Triton kernel (sessions 19-24); at S 2k 1.05x non-causal and 1.16x
+# causal before the TMA epilogue, which added 5-6% there. Below 512 keys nothing was measured, and the Triton
+# kernel's launch plans cost less host time for short calls.
 MIN_KEYS = {128: 512, 64: 512}
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
 # (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (128 KB of shared memory at head dim 128,

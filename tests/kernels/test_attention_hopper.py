@@ -10,7 +10,8 @@ from flash_kernels._testing import assert_close
 from tests.kernels.test_attention import _check_fwd_bwd, _qkv
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon forward runs on Hopper (compute capability 9.0)")
+needs_hopper = pytest.mark.skipif(
+    not HOPPER, reason="needs a Hopper GPU (compute capability 9.0): run on the device machine")
 PLAIN = dict(cu_q=None, cu_k=None, max_k=0, causal=False, local=False, softcap=0.0, alibi=None, dropout_p=0.0,
              scale=0.125)
 
