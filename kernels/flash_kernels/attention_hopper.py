@@ -268,7 +268,6 @@ if GLUON_AVAILABLE:
         seqlen_q, _seqlen_k, _n_heads, _group, scale_log2, n_units, stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = barriers
         CAUSAL, VARLEN, PINGPONG = flags
-        gl.static_print("consume", flags, CAUSAL)
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
         HALF: gl.constexpr = q_desc.block_type.shape[0]
@@ -404,7 +403,6 @@ if GLUON_AVAILABLE:
                 (seqlen_q, seqlen_k, n_heads, group, scale_log2, n_units, stride_om, lse_sb, lse_sh),
                 (q_smem, k_smem, v_smem), (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn),
                 (gl.constexpr(CAUSAL), gl.constexpr(VARLEN), gl.constexpr(PINGPONG)))
-        gl.static_print("kernel", CAUSAL, args[5], args[5][0])
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
 
