@@ -407,15 +407,11 @@ if GLUON_AVAILABLE:
                            [CONSUMER_REGS, PRODUCER_REGS])
 
 
-def _gl_dtype(t: torch.Tensor):
-    return gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-
-
 def _descriptor(t: torch.Tensor, rows: int):
     """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, D) boxes."""
     b, s, h, d = t.shape
     matrix = t.as_strided((b * s, h * d), (t.stride(1), 1))
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], _gl_dtype(t))
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16)
     return TensorDescriptor(matrix, [b * s, h * d], [t.stride(1), 1], [rows, d], layout)
 
 
