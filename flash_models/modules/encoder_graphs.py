@@ -16,8 +16,10 @@ A bucket holds:
   model's position limit); the extra rows and columns are padding;
 - the packed tokens: a multiple of ``max_seqlen``, the extra tokens forming one padding sequence (id 0,
   position 0) that attends only to itself and is dropped from the output;
-- the sequences: a power of two above the rows plus that padding sequence, the rest empty (repeated offsets;
-  the varlen kernels allow zero-length sequences);
+- the sequences: one per row, then that padding sequence (empty where the rows fill the bucket: repeated
+  offsets, which the varlen kernels allow). No more: the Hopper forward's persistent programs walk every
+  sequence, and 2x rows of them (a power of two, as before session 27) cost BERT-large 3-3.6 us per attention
+  call on an H100;
 - ``max_seqlen``: the next power of two at or above the longest sequence (at least 16), at most the model's
   position limit. The attention grid is sized by it, so it is part of the bucket.
 
@@ -65,7 +67,7 @@ def bucket_for(lengths: list[int], *, seq_limit: int) -> Bucket:
     max_seqlen = min(max(next_power_of_2(longest), MIN_SEQLEN_BUCKET), seq_limit)
     total = sum(lengths)
     tokens = max(-(-total // max_seqlen), 1) * max_seqlen
-    return Bucket(tokens=tokens, sequences=next_power_of_2(len(lengths) + 1), max_seqlen=max_seqlen)
+    return Bucket(tokens=tokens, sequences=len(lengths) + 1, max_seqlen=max_seqlen)
 
 
 def graph_key(lengths: list[int], columns: int, *, seq_limit: int, positions_given: bool = False,

@@ -11,14 +11,19 @@ wgmma asynchronously and waits for a given count of outstanding groups, which is
   one's softmax runs while the other's products hold the tensor cores.
 The producer warp keeps STAGES key and value tiles in flight through TMA, and the two consumers share them, so a
 key tile is read once per 128 query rows; it loads the next tile's queries while this one's run (Q_BUFFERS).
+Programs take units of work from a counter as they finish them (the producer takes each, and posts each tile to
+the consumers beside its queries), so they stay level where units cost differently: with varlen sequences of
+uneven lengths, taking every n-th unit left the programs with the longest sequences' blocks last (BERT-large at
+45% padding: 84.8 against 63.4 us, session 27).
 Each consumer writes its output rows into its query buffer (read for the last time) and stores them with TMA,
 which keeps the epilogue short and the consumer's registers free of per-element output pointers (with
 ``gl.store`` those were hoisted out of the loop and spilled: 460 bytes of spills, 100 without).
 
 What it runs: ``forward_unsupported`` names the conditions (causal with Sq <= Sk, or non-causal; no window,
-softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; (B, S, H, D) tensors whose (B * S, H * D) view is a
-strided matrix, as contiguous tensors and the slices of a packed qkv are; varlen for self-attention, where one
-cu_seqlens bounds the queries and the keys: BERT's path); ``attention`` takes it for those on Hopper and keeps
+softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; at least ``MIN_KEYS`` keys; (B, S, H, D) tensors
+whose (B * S, H * D) view is a strided matrix, as contiguous tensors and the slices of a packed qkv are; varlen
+for self-attention, where one cu_seqlens bounds the queries and the keys (BERT's path), with the tokens filling
+``MIN_VARLEN_FILL`` of the sequences' tiles); ``attention`` takes it for those on Hopper and keeps
 its Triton kernel (also the interpreter's and the CPU's path, and the test oracle here) for the rest. Keys past
 a sequence's end are masked in the last key tile; query rows past it are computed and not stored (a warpgroup
 whose rows cross the end stores its rows with ``gl.store``). Causal, a tile walks the key tiles up to its
@@ -49,13 +54,17 @@ try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     GLUON_AVAILABLE = False
 
-# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (sessions 24-25, docs/benchmarks.md
-# Attention; B * S = 16k, H * D = 2048, graph-replayed forward): head dim 128, S 512 to 8k, 1.14-1.30x the Triton
-# kernel's speed before the TMA-stored epilogue, which added 2-19% (most at S 1k); head dim 64 at 512 keys (B 32,
-# 16 heads), 92.5 us against 101-103 for the Triton kernel (sessions 19-24); at S 2k 1.05x non-causal and 1.16x
-# causal before the TMA epilogue, which added 5-6% there. Below 512 keys nothing was measured, and the Triton
-# kernel's launch plans cost less host time for short calls.
-MIN_KEYS = {128: 512, 64: 512}
+# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (docs/benchmarks.md Attention;
+# B * S = 16k, H * D = 2048, graph-replayed forward): head dim 128, S 512 to 8k, 1.14-1.30x the Triton kernel's
+# speed (sessions 24-25); head dim 64 at BERT-large's 512 keys (B 32, 16 heads) 97 against 103 us; at 128 and 256
+# keys (session 27) 1.04-1.40x at both head dims, causal or not. Below 128 keys nothing was measured, and the
+# Triton kernel's launch plans cost less host time for short calls.
+MIN_KEYS = {128: 128, 64: 128}
+# Varlen: the smallest share of the (sequences x max_seqlen) grid the tokens must fill. This kernel's 128-row
+# query blocks and 128-key tiles waste more on a sequence's last tiles than the Triton kernel's smaller ones;
+# BERT-large (session 27, H100): at 512 keys 1.02-1.09x the Triton kernel's speed from 91% full, level at 78-84%,
+# 0.95x at 72% and 0.69x at 55%; at 256 keys 1.03x at 81%, 0.92x at 70%; at 128 keys ahead down to 68%.
+MIN_VARLEN_FILL = 0.8
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
 # (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (128 KB of shared memory at head dim 128,
 # 192 KB with the query buffers).
@@ -103,6 +112,9 @@ def forward_unsupported(q, k, v, out, *, cu_q, cu_k, max_k, causal, local, softc
         return "a dtype other than fp16/bf16 or a head dim other than 64/128"
     if (max_k if varlen else k.shape[1]) < MIN_KEYS[q.shape[-1]]:
         return f"fewer than {MIN_KEYS[q.shape[-1]]} keys at head dim {q.shape[-1]}, where the Triton kernel is as fast"
+    if varlen and q.shape[1] < MIN_VARLEN_FILL * (cu_q.numel() - 1) * max_k:
+        return (f"varlen sequences filling less than {MIN_VARLEN_FILL:.0%} of (sequences x max_seqlen), where the "
+                "Triton kernel's smaller tiles waste less")
     if not GLUON_AVAILABLE:
         return "this Triton has no Gluon Hopper ops"
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -167,13 +179,28 @@ if GLUON_AVAILABLE:
         return q_row, k_row, h * HEAD_DIM, (h // group) * HEAD_DIM, m0, n_kv, len_q, len_k, lse_off
 
     @gluon.jit
+    def _post_tile(tile_codes, slot, code):
+        """The producer tells both consumers which tile the query buffers ``slot`` hold: ``2 * unit + part``,
+        or -1 (no more). Written before the queries' barriers are armed, whose arrival releases it to them."""
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        tile_codes.index(slot).store(gl.full([1], code, gl.int32, layout))
+
+    @gluon.jit
+    def _posted_tile(tile_codes, slot):
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        return gl.max(tile_codes.index(slot).load(layout), axis=0)
+
+    @gluon.jit
     def _producer(args):
-        """One warp: for each of the program's tiles, the two query halves, then every key and value tile into
-        the STAGES-deep rings, each slot refilled once both consumers have released it."""
-        descs, outputs, sizes, buffers, barriers, flags = args
+        """One warp: takes units from the launch's counter in turn (``_unit_tiles``); for each of a unit's tiles
+        that has work, posts it to the consumers with the two query halves, then loads every key and value tile
+        into the STAGES-deep rings, each slot refilled once both consumers have released it. Programs that take
+        units as they finish, rather than every n-th, stay level where units cost differently (varlen sequences
+        of uneven lengths), and empty tiles never reach the consumers."""
+        descs, pointers, sizes, buffers, barriers, flags = args
         q_desc, k_desc, v_desc, _o_desc = descs
-        _O, _LSE, CuSeq = outputs
-        q_smem, k_smem, v_smem = buffers
+        _O, _LSE, CuSeq, Next = pointers
+        q_smem, k_smem, v_smem, tile_codes = buffers
         seqlen_q, _seqlen_k, _n_heads, _group, _scale_log2, n_units, _stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, _turn = barriers
         CAUSAL, VARLEN, _pingpong = flags
@@ -185,33 +212,44 @@ if GLUON_AVAILABLE:
         n_mblocks = gl.cdiv(seqlen_q, 2 * HALF)
         it = 0
         t = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
+        unit = gl.atomic_add(Next, 1, sem="relaxed")
+        while unit < n_units:
             bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
             for part in range(tiles):
                 q_row, k_row, q_col, kv_col, m0, n_kv, _len_q, _len_k, _lse_off = _tile(
                     bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
                 if n_kv > 0:
+                    slot = t % Q_BUFFERS
+                    # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier passes.
+                    free = ((t // Q_BUFFERS) & 1) ^ 1
+                    mbarrier.wait(q_empty.index(2 * slot), free)
+                    mbarrier.wait(q_empty.index(2 * slot + 1), free)
+                    _post_tile(tile_codes, slot, 2 * unit + part)
                     for wg in gl.static_range(2):
-                        # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier
-                        # passes.
-                        qb = (t % Q_BUFFERS) * 2 + wg
-                        mbarrier.wait(q_empty.index(qb), ((t // Q_BUFFERS) & 1) ^ 1)
-                        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col], q_ready.index(qb),
-                                                        q_smem.index(qb))
+                        mbarrier.expect(q_ready.index(2 * slot + wg), q_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col],
+                                                        q_ready.index(2 * slot + wg), q_smem.index(2 * slot + wg))
                     for j in range(n_kv):
-                        slot = it % STAGES
+                        stage = it % STAGES
                         phase = (it // STAGES) & 1
-                        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-                        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(slot),
-                                                        k_smem.index(slot))
-                        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-                        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(slot),
-                                                        v_smem.index(slot))
+                        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(k_desc, [k_row + j * BLOCK_N, kv_col], k_ready.index(stage),
+                                                        k_smem.index(stage))
+                        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(v_desc, [k_row + j * BLOCK_N, kv_col], v_ready.index(stage),
+                                                        v_smem.index(stage))
                         it += 1
                     t += 1
+            unit = gl.atomic_add(Next, 1, sem="relaxed")
+        slot = t % Q_BUFFERS
+        free = ((t // Q_BUFFERS) & 1) ^ 1
+        mbarrier.wait(q_empty.index(2 * slot), free)
+        mbarrier.wait(q_empty.index(2 * slot + 1), free)
+        _post_tile(tile_codes, slot, -1)
+        for wg in gl.static_range(2):
+            mbarrier.arrive(q_ready.index(2 * slot + wg), count=1)
 
     @gluon.jit
     def _mask_scores(s, tile_start, seqlen_k, row0, diagonal, CAUSAL, BLOCK_N: gl.constexpr,
@@ -261,11 +299,11 @@ if GLUON_AVAILABLE:
         row maximum of the raw scores (the scale is positive) and folds the scale into the exponent. Every row
         sees key 0 (causal: Sq <= Sk), so the first key tile leaves each row a finite maximum and a later tile
         wholly past a row's diagonal adds nothing to it."""
-        descs, outputs, sizes, buffers, barriers, flags = args
+        descs, pointers, sizes, buffers, barriers, flags = args
         q_desc, k_desc, v_desc, o_desc = descs
-        O, LSE, CuSeq = outputs
-        q_smem, k_smem, v_smem = buffers
-        seqlen_q, _seqlen_k, _n_heads, _group, scale_log2, n_units, stride_om, _lse_sb, _lse_sh = sizes
+        O, LSE, CuSeq, _next = pointers
+        q_smem, k_smem, v_smem, tile_codes = buffers
+        seqlen_q, _seqlen_k, _n_heads, _group, scale_log2, _n_units, stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = barriers
         CAUSAL, VARLEN, PINGPONG = flags
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -284,83 +322,86 @@ if GLUON_AVAILABLE:
         it = 0
         t = 0
         event = 0
-        for unit in range(gl.program_id(0), n_units, gl.num_programs(0)):
-            bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
-            for part in range(tiles):
-                q_row, k_row, q_col, kv_col, m0, n_kv, len_q, len_k, lse_off = _tile(
-                    bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
-                if n_kv > 0:
-                    diagonal = len_k - len_q
-                    row0 = m0 + WG * HALF
-                    qb = (t % Q_BUFFERS) * 2 + WG
-                    q_buf = q_smem.index(qb)
-                    mbarrier.wait(q_ready.index(qb), (t // Q_BUFFERS) & 1)
-                    slot = it % STAGES
-                    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
-                    _await_turn(turn, WG, event, PINGPONG)
-                    s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                                      is_async=True)
-                    _pass_turn(turn, WG, PINGPONG)
-                    event += 1
-                    s = warpgroup_mma_wait(0, deps=(s, ))
-                    mbarrier.arrive(k_empty.index(slot), count=1)
-                    s = _mask_scores(s, 0, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF, s_layout)
-                    m_i = gl.max(s, axis=1) * scale_log2
-                    p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
-                    l_i = gl.sum(p, axis=1)
-                    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
-                    for j in range(0, n_kv - 1):
-                        cur = it + j
-                        nxt = cur + 1
-                        # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that
-                        # their softmax runs while P.V is still on the tensor cores.
-                        mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-                        _await_turn(turn, WG, event, PINGPONG)
-                        s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero,
-                                               use_acc=False, is_async=True)
-                        mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
-                        acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout),
-                                            v_smem.index(cur % STAGES), acc, is_async=True)
-                        _pass_turn(turn, WG, PINGPONG)
-                        event += 1
-                        s = warpgroup_mma_wait(1, deps=(s_next, ))
-                        mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
-                        s = _mask_scores(s, (j + 1) * BLOCK_N, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF,
-                                         s_layout)
-                        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
-                        p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
-                        alpha = gl.exp2(m_i - m_new)
-                        l_i = l_i * alpha + gl.sum(p, axis=1)
-                        m_i = m_new
-                        acc = warpgroup_mma_wait(0, deps=(acc, ))
-                        mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
-                        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                    last = it + n_kv - 1
-                    mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-                    _await_turn(turn, WG, event, PINGPONG)
-                    acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES),
-                                        acc, is_async=True)
-                    _pass_turn(turn, WG, PINGPONG)
-                    event += 1
-                    acc = warpgroup_mma_wait(0, deps=(acc, ))
-                    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-                    # The output goes through this tile's query buffer (its queries are read): TMA stores it where
-                    # the warpgroup's rows all lie in the sequence, which keeps the epilogue short and the
-                    # registers free of per-element output pointers; then the buffer goes back to the producer.
-                    l_o = gl.convert_layout(l_i, row_o)
-                    q_buf.store((acc * gl.expand_dims(1.0 / l_o, 1)).to(o_desc.dtype))
-                    if row0 + HALF <= len_q:
-                        fence_async_shared()
-                        tma.async_copy_shared_to_global(o_desc, [q_row + row0, q_col], q_buf)
-                        tma.store_wait(0)
-                    else:
-                        _store_rows(q_buf, O, q_row, row0, q_col, len_q, stride_om, HALF, HEAD_DIM)
-                    rows = row0 + gl.arange(0, HALF, layout=row_o)
-                    lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
-                    gl.store(LSE + lse_off + rows, lse, mask=rows < len_q)
-                    mbarrier.arrive(q_empty.index(qb), count=1)
-                    it += n_kv
-                    t += 1
+        # The producer posts each tile with work as ``2 * unit + part`` beside its queries, and -1 at the end.
+        qb = WG
+        mbarrier.wait(q_ready.index(qb), 0)
+        code = _posted_tile(tile_codes, 0)
+        while code >= 0:
+            bh, k, _tiles = _unit_tiles(code // 2, n_mblocks, CAUSAL)
+            q_row, k_row, q_col, kv_col, m0, n_kv, len_q, len_k, lse_off = _tile(
+                bh, k, code % 2, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
+            diagonal = len_k - len_q
+            row0 = m0 + WG * HALF
+            q_buf = q_smem.index(qb)
+            slot = it % STAGES
+            mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+            _await_turn(turn, WG, event, PINGPONG)
+            s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
+            event += 1
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            s = _mask_scores(s, 0, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF, s_layout)
+            m_i = gl.max(s, axis=1) * scale_log2
+            p = gl.exp2(s * scale_log2 - gl.expand_dims(m_i, 1))
+            l_i = gl.sum(p, axis=1)
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+            for j in range(0, n_kv - 1):
+                cur = it + j
+                nxt = cur + 1
+                # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that
+                # their softmax runs while P.V is still on the tensor cores.
+                mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+                _await_turn(turn, WG, event, PINGPONG)
+                s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero,
+                                       use_acc=False, is_async=True)
+                mbarrier.wait(v_ready.index(cur % STAGES), (cur // STAGES) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout),
+                                    v_smem.index(cur % STAGES), acc, is_async=True)
+                _pass_turn(turn, WG, PINGPONG)
+                event += 1
+                s = warpgroup_mma_wait(1, deps=(s_next, ))
+                mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
+                s = _mask_scores(s, (j + 1) * BLOCK_N, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF,
+                                 s_layout)
+                m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
+                p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, axis=1)
+                m_i = m_new
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(cur % STAGES), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            last = it + n_kv - 1
+            mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+            _await_turn(turn, WG, event, PINGPONG)
+            acc = warpgroup_mma(gl.convert_layout(p.to(q_desc.dtype), p_layout), v_smem.index(last % STAGES),
+                                acc, is_async=True)
+            _pass_turn(turn, WG, PINGPONG)
+            event += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+            # The output goes through this tile's query buffer (its queries are read): TMA stores it where
+            # the warpgroup's rows all lie in the sequence, which keeps the epilogue short and the
+            # registers free of per-element output pointers; then the buffer goes back to the producer.
+            l_o = gl.convert_layout(l_i, row_o)
+            q_buf.store((acc * gl.expand_dims(1.0 / l_o, 1)).to(o_desc.dtype))
+            if row0 + HALF <= len_q:
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [q_row + row0, q_col], q_buf)
+                tma.store_wait(0)
+            else:
+                _store_rows(q_buf, O, q_row, row0, q_col, len_q, stride_om, HALF, HEAD_DIM)
+            rows = row0 + gl.arange(0, HALF, layout=row_o)
+            lse = (gl.convert_layout(m_i, row_o) + gl.log2(l_o)) * 0.6931471805599453
+            gl.store(LSE + lse_off + rows, lse, mask=rows < len_q)
+            mbarrier.arrive(q_empty.index(qb), count=1)
+            it += n_kv
+            t += 1
+            qb = (t % Q_BUFFERS) * 2 + WG
+            mbarrier.wait(q_ready.index(qb), (t // Q_BUFFERS) & 1)
+            code = _posted_tile(tile_codes, t % Q_BUFFERS)
 
     @gluon.jit
     def _consumer0(args):
@@ -371,8 +412,8 @@ if GLUON_AVAILABLE:
         _consume(args, 1)
 
     @gluon.jit
-    def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CuSeq, seqlen_q, seqlen_k, n_heads, group,
-                                scale_log2, n_units, stride_om, lse_sb, lse_sh, HEAD_DIM: gl.constexpr,
+    def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CuSeq, Next, seqlen_q, seqlen_k, n_heads,
+                                group, scale_log2, n_units, stride_om, lse_sb, lse_sh, HEAD_DIM: gl.constexpr,
                                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                 PRODUCER_REGS: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                                 PINGPONG: gl.constexpr, Q_BUFFERS: gl.constexpr):
@@ -380,6 +421,7 @@ if GLUON_AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFFERS, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        tile_codes = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -399,9 +441,9 @@ if GLUON_AVAILABLE:
             mbarrier.init(v_empty.index(i), count=2)
         # The flags reach the partitions as i1 values, not constexprs (a tuple made in the kernel holds values):
         # both sides of every ``if`` on them must type-check, and LLVM folds the constant branches.
-        args = ((q_desc, k_desc, v_desc, o_desc), (O, LSE, CuSeq),
+        args = ((q_desc, k_desc, v_desc, o_desc), (O, LSE, CuSeq, Next),
                 (seqlen_q, seqlen_k, n_heads, group, scale_log2, n_units, stride_om, lse_sb, lse_sh),
-                (q_smem, k_smem, v_smem), (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn),
+                (q_smem, k_smem, v_smem, tile_codes), (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn),
                 (gl.constexpr(CAUSAL), gl.constexpr(VARLEN), gl.constexpr(PINGPONG)))
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
@@ -435,9 +477,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     grid = (min(n_units, sm_count(device)), )
     lse_sb, lse_sh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     cu = cu_seqlens if varlen else dummy_pointer(q.device, torch.int32)
+    next_unit = torch.zeros(1, dtype=torch.int32, device=q.device)  # the programs' shared count of units taken
     _attn_fwd_hopper_kernel[grid](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M // 2),
-        out, lse, cu, sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units, out.stride(1), lse_sb, lse_sh,
+        out, lse, cu, next_unit, sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units, out.stride(1), lse_sb,
+        lse_sh,
         HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
         PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=varlen, PINGPONG=PINGPONG,
         Q_BUFFERS=Q_BUFFERS, num_warps=4, maxnreg=MAX_REGISTERS,
