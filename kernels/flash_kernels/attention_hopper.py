@@ -146,18 +146,28 @@ if GLUON_AVAILABLE:
         return unit // per_bh, k, tiles
 
     @gluon.jit
-    def _tile(bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _sequence(b, CuSeq, VARLEN):
+        """Varlen (self-attention): sequence b's first row and length, rows CuSeq[b]:CuSeq[b + 1] of q, k and v.
+        Only the producer reads them; it posts them to the consumers with each tile (``_post_tile``)."""
+        start = 0
+        length = 0
+        if VARLEN:
+            start = gl.load(CuSeq + b)
+            length = gl.load(CuSeq + b + 1) - start
+        return start, length
+
+    @gluon.jit
+    def _tile(bh, k, part, n_mblocks, sizes, start, length, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, CAUSAL, VARLEN):
         """Tile ``part`` of unit (bh, k): (first q row of the sequence in the (rows, H * D) matrix, first k row,
         q column, kv column, first query row in the sequence, key tiles to walk (0: the tile lies past a short
-        sequence's end), query length, key length, the log-sum-exp's offset). Varlen (self-attention): sequence b
-        is rows CuSeq[b]:CuSeq[b + 1] of both. Causal: the heavier block first, keys up to the diagonal only."""
+        sequence's end), query length, key length, the log-sum-exp's offset). Varlen: the sequence's ``start``
+        and ``length`` (``_sequence``). Causal: the heavier block first, keys up to the diagonal only."""
         seqlen_q, seqlen_k, n_heads, group, _scale_log2, _n_units, _stride_om, lse_sb, lse_sh = sizes
         b = bh // n_heads
         h = bh % n_heads
         if VARLEN:
-            start = gl.load(CuSeq + b)
-            len_q = gl.load(CuSeq + b + 1) - start
+            len_q = length
             len_k = len_q
             q_row = start
             k_row = start
@@ -179,16 +189,24 @@ if GLUON_AVAILABLE:
         return q_row, k_row, h * HEAD_DIM, (h // group) * HEAD_DIM, m0, n_kv, len_q, len_k, lse_off
 
     @gluon.jit
-    def _post_tile(tile_codes, slot, code):
-        """The producer tells both consumers which tile the query buffers ``slot`` hold: ``2 * unit + part``,
-        or -1 (no more). Written before the queries' barriers are armed, whose arrival releases it to them."""
+    def _post_tile(tile_codes, slot, code, start, length, VARLEN):
+        """The producer tells both consumers which tile the query buffers ``slot`` hold: ``2 * unit + part``
+        (or -1: no more) and its sequence's start and length (varlen), so the consumers read no offsets
+        themselves. Written before the queries' barriers are armed, whose arrival releases it to them. Field f of
+        slot s sits at row f * Q_BUFFERS + s, one value a row: a one-element load is a plain ``ld.shared``."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        slots: gl.constexpr = tile_codes.type.shape[0] // 3
         tile_codes.index(slot).store(gl.full([1], code, gl.int32, layout))
+        if VARLEN:
+            tile_codes.index(slots + slot).store(gl.full([1], start, gl.int32, layout))
+            tile_codes.index(2 * slots + slot).store(gl.full([1], length, gl.int32, layout))
 
     @gluon.jit
-    def _posted_tile(tile_codes, slot):
+    def _posted(tile_codes, slot, field: gl.constexpr):
+        """Field 0 (the code), 1 (start) or 2 (length) of what ``_post_tile`` wrote to ``slot``."""
         layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        return gl.max(tile_codes.index(slot).load(layout), axis=0)
+        slots: gl.constexpr = tile_codes.type.shape[0] // 3
+        return gl.max(tile_codes.index(field * slots + slot).load(layout), axis=0)
 
     @gluon.jit
     def _producer(args):
@@ -201,7 +219,7 @@ if GLUON_AVAILABLE:
         q_desc, k_desc, v_desc, _o_desc = descs
         _O, _LSE, CuSeq, Next = pointers
         q_smem, k_smem, v_smem, tile_codes = buffers
-        seqlen_q, _seqlen_k, _n_heads, _group, _scale_log2, n_units, _stride_om, _lse_sb, _lse_sh = sizes
+        seqlen_q, _seqlen_k, n_heads, _group, _scale_log2, n_units, _stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, _turn = barriers
         CAUSAL, VARLEN, _pingpong = flags
         HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
@@ -215,16 +233,17 @@ if GLUON_AVAILABLE:
         unit = gl.atomic_add(Next, 1, sem="relaxed")
         while unit < n_units:
             bh, k, tiles = _unit_tiles(unit, n_mblocks, CAUSAL)
+            start, length = _sequence(bh // n_heads, CuSeq, VARLEN)
             for part in range(tiles):
                 q_row, k_row, q_col, kv_col, m0, n_kv, _len_q, _len_k, _lse_off = _tile(
-                    bh, k, part, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
+                    bh, k, part, n_mblocks, sizes, start, length, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
                 if n_kv > 0:
                     slot = t % Q_BUFFERS
                     # An mbarrier starts with its phase 1 complete: the first wait on an "empty" barrier passes.
                     free = ((t // Q_BUFFERS) & 1) ^ 1
                     mbarrier.wait(q_empty.index(2 * slot), free)
                     mbarrier.wait(q_empty.index(2 * slot + 1), free)
-                    _post_tile(tile_codes, slot, 2 * unit + part)
+                    _post_tile(tile_codes, slot, 2 * unit + part, start, length, VARLEN)
                     for wg in gl.static_range(2):
                         mbarrier.expect(q_ready.index(2 * slot + wg), q_desc.block_type.nbytes)
                         tma.async_copy_global_to_shared(q_desc, [q_row + m0 + wg * HALF, q_col],
@@ -247,7 +266,7 @@ if GLUON_AVAILABLE:
         free = ((t // Q_BUFFERS) & 1) ^ 1
         mbarrier.wait(q_empty.index(2 * slot), free)
         mbarrier.wait(q_empty.index(2 * slot + 1), free)
-        _post_tile(tile_codes, slot, -1)
+        _post_tile(tile_codes, slot, -1, 0, 0, VARLEN)
         for wg in gl.static_range(2):
             mbarrier.arrive(q_ready.index(2 * slot + wg), count=1)
 
@@ -301,7 +320,7 @@ if GLUON_AVAILABLE:
         wholly past a row's diagonal adds nothing to it."""
         descs, pointers, sizes, buffers, barriers, flags = args
         q_desc, k_desc, v_desc, o_desc = descs
-        O, LSE, CuSeq, _next = pointers
+        O, LSE, _cu_seq, _next = pointers
         q_smem, k_smem, v_smem, tile_codes = buffers
         seqlen_q, _seqlen_k, _n_heads, _group, scale_log2, _n_units, stride_om, _lse_sb, _lse_sh = sizes
         q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn = barriers
@@ -325,11 +344,18 @@ if GLUON_AVAILABLE:
         # The producer posts each tile with work as ``2 * unit + part`` beside its queries, and -1 at the end.
         qb = WG
         mbarrier.wait(q_ready.index(qb), 0)
-        code = _posted_tile(tile_codes, 0)
+        code = _posted(tile_codes, 0, 0)
         while code >= 0:
+            # Read here, not carried through the loop: at head dim 128 two more loop-carried registers made
+            # ptxas spill 468 bytes instead of 76. Dense calls read nothing (they ran up to 9% slower with reads).
+            start = 0
+            length = 0
+            if VARLEN:
+                start = _posted(tile_codes, t % Q_BUFFERS, 1)
+                length = _posted(tile_codes, t % Q_BUFFERS, 2)
             bh, k, _tiles = _unit_tiles(code // 2, n_mblocks, CAUSAL)
             q_row, k_row, q_col, kv_col, m0, n_kv, len_q, len_k, lse_off = _tile(
-                bh, k, code % 2, n_mblocks, sizes, CuSeq, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
+                bh, k, code % 2, n_mblocks, sizes, start, length, HEAD_DIM, 2 * HALF, BLOCK_N, CAUSAL, VARLEN)
             diagonal = len_k - len_q
             row0 = m0 + WG * HALF
             q_buf = q_smem.index(qb)
@@ -401,7 +427,7 @@ if GLUON_AVAILABLE:
             t += 1
             qb = (t % Q_BUFFERS) * 2 + WG
             mbarrier.wait(q_ready.index(qb), (t // Q_BUFFERS) & 1)
-            code = _posted_tile(tile_codes, t % Q_BUFFERS)
+            code = _posted(tile_codes, t % Q_BUFFERS, 0)
 
     @gluon.jit
     def _consumer0(args):
@@ -421,7 +447,7 @@ if GLUON_AVAILABLE:
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFFERS, HALF, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        tile_codes = gl.allocate_shared_memory(gl.int32, [Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_codes = gl.allocate_shared_memory(gl.int32, [3 * Q_BUFFERS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFFERS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
