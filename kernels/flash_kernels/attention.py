@@ -33,8 +33,8 @@ causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x
 
 On a Hopper GPU the forward of fp16/bf16 attention at head dims 128 and 64 from 128 keys, causal or not, with no
 window, softcap, ALiBi or dropout (varlen: self-attention only, its tokens filling 80% of (sequences x
-max_seqlen)) runs instead on ``attention_hopper``'s Gluon kernel (FlashAttention-3's schedule, which Triton's ``tl.dot`` cannot express); its output and log-sum-exp are
-this module's, and the backward is the same.
+max_seqlen)) runs instead on ``attention_hopper``'s Gluon kernel (FlashAttention-3's schedule, which Triton's
+``tl.dot`` cannot express); its output and log-sum-exp are this module's, and the backward is the same.
 
 This module holds the validation, the forward kernel, the launchers (with their launch plans), the custom ops
 and the public functions. The reference is in ``attention_ref``, the backward kernels in ``attention_bwd``, and

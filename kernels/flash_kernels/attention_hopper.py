@@ -347,7 +347,7 @@ if GLUON_AVAILABLE:
         code = _posted(tile_codes, 0, 0)
         while code >= 0:
             # Read here, not carried through the loop: at head dim 128 two more loop-carried registers made
-            # ptxas spill 468 bytes instead of 76. Dense calls read nothing (they ran up to 9% slower with reads).
+            # ptxas spill 468 bytes instead of 76. Dense calls read nothing, so their code stays as it was.
             start = 0
             length = 0
             if VARLEN:
@@ -362,8 +362,7 @@ if GLUON_AVAILABLE:
             slot = it % STAGES
             mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
             _await_turn(turn, WG, event, PINGPONG)
-            s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
+            s = warpgroup_mma(q_buf, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             _pass_turn(turn, WG, PINGPONG)
             event += 1
             s = warpgroup_mma_wait(0, deps=(s, ))
@@ -376,8 +375,8 @@ if GLUON_AVAILABLE:
             for j in range(0, n_kv - 1):
                 cur = it + j
                 nxt = cur + 1
-                # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that
-                # their softmax runs while P.V is still on the tensor cores.
+                # The next tile's scores first, then this tile's P.V; wait for the scores alone, so that their
+                # softmax runs while P.V is still on the tensor cores.
                 mbarrier.wait(k_ready.index(nxt % STAGES), (nxt // STAGES) & 1)
                 _await_turn(turn, WG, event, PINGPONG)
                 s_next = warpgroup_mma(q_buf, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero,
@@ -389,8 +388,7 @@ if GLUON_AVAILABLE:
                 event += 1
                 s = warpgroup_mma_wait(1, deps=(s_next, ))
                 mbarrier.arrive(k_empty.index(nxt % STAGES), count=1)
-                s = _mask_scores(s, (j + 1) * BLOCK_N, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF,
-                                 s_layout)
+                s = _mask_scores(s, (j + 1) * BLOCK_N, len_k, row0, diagonal, CAUSAL, BLOCK_N, HALF, s_layout)
                 m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2)
                 p = gl.exp2(s * scale_log2 - gl.expand_dims(m_new, 1))
                 alpha = gl.exp2(m_i - m_new)
@@ -408,9 +406,9 @@ if GLUON_AVAILABLE:
             event += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-            # The output goes through this tile's query buffer (its queries are read): TMA stores it where
-            # the warpgroup's rows all lie in the sequence, which keeps the epilogue short and the
-            # registers free of per-element output pointers; then the buffer goes back to the producer.
+            # The output goes through this tile's query buffer (its queries are read): TMA stores it where the
+            # warpgroup's rows all lie in the sequence, which keeps the epilogue short and the registers free of
+            # per-element output pointers; then the buffer goes back to the producer.
             l_o = gl.convert_layout(l_i, row_o)
             q_buf.store((acc * gl.expand_dims(1.0 / l_o, 1)).to(o_desc.dtype))
             if row0 + HALF <= len_q:
