@@ -108,6 +108,26 @@ def test_padded_bucket_runs_give_the_unpadded_outputs():
 
 
 @torch.no_grad()
+def test_a_batch_without_padding_gets_a_graph_without_the_zero_row():
+    """A batch whose every row is full gathers its output from the encoder's own rows: its graph appends no zero
+    row (a copy of the whole output). A padded batch of the same bucket gets its own graph, with the row."""
+    model, batch = model_and_batch_maker()
+    graphed = GraphedEncoder(model._encode, model, seq_limit=64)
+    full = batch([20, 20, 20], 20)
+    padded = batch([20, 19, 20, 1], 20)  # the same bucket: 4 rows x 32 columns, 64 packed tokens
+    full_key, padded_key = (graph_key(lengths, 20, seq_limit=64, positions_given=True, token_types_given=True)
+                            for lengths in ([20, 20, 20], [20, 19, 20, 1]))
+    assert full_key.bucket == padded_key.bucket and not full_key.has_padding and padded_key.has_padding
+    for inputs, key in ((full, full_key), (padded, padded_key), (full, full_key)):
+        got = graphed(*inputs)
+        real = inputs[3].bool()
+        torch.testing.assert_close(got[real], eager_packed(model, *inputs), rtol=1e-5, atol=1e-5)
+        assert (got[~real] == 0).all()
+        assert graphed.graphs[key].packed.shape[0] == key.bucket.tokens + key.has_padding
+    assert list(graphed.graphs) == [padded_key, full_key]
+
+
+@torch.no_grad()
 def test_default_positions_and_types_are_made_in_the_graph():
     """Without positions and token types the graph makes them: each token's column and zeros, as BERT's
     forward defaults them (left padding keeps the column as the position, as HF does)."""
