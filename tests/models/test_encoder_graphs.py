@@ -128,6 +128,35 @@ def test_a_batch_without_padding_gets_a_graph_without_the_zero_row():
 
 
 @torch.no_grad()
+def test_a_shape_whose_last_batch_was_unpadded_replays_before_reading_the_lengths():
+    """After a batch without padding, the next batch of its (B, S) runs in the same graph, the lengths read after
+    the replay. A padded batch there still gets the right outputs, though its padding sequence (41 tokens here)
+    is longer than the bucket's longest sequence (32), and zeros at its padding; its (B, S) then reads first."""
+    model, batch = model_and_batch_maker()
+    graphed = GraphedEncoder(model._encode, model, seq_limit=64, max_graphs=2)
+    shape = (3, 20, True, True)
+    full_key = graph_key([20, 20, 20], 20, seq_limit=64, positions_given=True, token_types_given=True)
+    reads = []
+    count_nonzero = torch.count_nonzero
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "count_nonzero", lambda t, dim=None: reads.append(dim) or count_nonzero(t, dim=dim))
+        # (lengths, left-padded, what the call reads: per row before the replay, or the total after it)
+        for lengths, left, read in (([20, 20, 20], False, 1), ([20, 20, 20], False, None), ([1, 20, 2], True, None),
+                                    ([1, 20, 2], False, 1), ([20, 20, 20], False, 1), ([20, 20, 20], False, None)):
+            reads.clear()
+            inputs = batch(lengths, 20, left)
+            got = graphed(*inputs)
+            real = inputs[3].bool()
+            torch.testing.assert_close(got[real], eager_packed(model, *inputs), rtol=1e-5, atol=1e-5)
+            assert (got[~real] == 0).all() and reads == [read]
+            assert graphed.unpadded.get(shape) == (None if 1 in lengths else full_key)
+    assert len(graphed.graphs) == 2
+    for lengths, columns in (([5, 7], 9), ([3], 5)):  # two more graphs evict the padded batch's, then the full one's
+        graphed(*batch(lengths, columns))
+    assert full_key not in graphed.graphs and shape not in graphed.unpadded
+
+
+@torch.no_grad()
 def test_default_positions_and_types_are_made_in_the_graph():
     """Without positions and token types the graph makes them: each token's column and zeros, as BERT's
     forward defaults them (left padding keeps the column as the position, as HF does)."""
@@ -170,11 +199,14 @@ def test_the_graph_checks_each_batch_it_runs():
 @torch.no_grad()
 def test_gpu_bert_with_graphs_equals_eager():
     hf = random_hf_model(transformers.BertConfig(**{**CONFIG, "hidden_size": 128, "num_attention_heads": 2,
-                                                    "intermediate_size": 256}), seed=0, auto_class="AutoModel")
+                                                    "intermediate_size": 256, "max_position_embeddings": 128}),
+                         seed=0, auto_class="AutoModel")
     model = ours_from_hf(hf, attn_impl="flash").to("cuda", torch.bfloat16).eval()
     eager = {}
     gen = torch.Generator().manual_seed(1)
-    batches = [[64, 20, 33], [60, 2, 40], [9, 9, 9, 9, 9]]
+    # The last two share a shape: the padded one replays in the full one's graph (its padding sequence of 381
+    # tokens past the bucket's 128), on the Hopper forward where there is one.
+    batches = [[64, 20, 33], [60, 2, 40], [9, 9, 9, 9, 9], [128] * 4, [128, 1, 1, 1]]
     inputs = []
     for lengths in batches:
         S = max(lengths)
@@ -190,7 +222,7 @@ def test_gpu_bert_with_graphs_equals_eager():
             real = mask.bool()
             torch.testing.assert_close(out[real].float(), eager[i][real].float(), rtol=2e-2, atol=2e-2)
             assert (out[~real] == 0).all()
-    assert len(model.graphed.graphs) == 2
+    assert len(model.graphed.graphs) == 3
 
 
 def test_heads_pass_the_switch_to_their_encoder():
