@@ -210,7 +210,7 @@ class GraphedEncoder:
             self.unpadded[shape] = key
         if has_padding and not key.has_padding:  # a padded batch in an unpadded batch's graph: no zero row
             slot = graph.slot[:B, :S].clamp(max=key.bucket.tokens - 1)
-            return F.embedding(slot, graph.packed).masked_fill_(attention_mask[..., None] == 0, 0)
+            return F.embedding(slot, graph.packed).masked_fill_(~graph.real[:B, :S, None], 0)
         return F.embedding(graph.slot[:B, :S], graph.packed)
 
     @staticmethod
@@ -227,7 +227,7 @@ class GraphedEncoder:
     def _build(self, key: GraphKey, inputs: tuple[torch.Tensor | None, ...]) -> _Graph:
         while len(self.graphs) >= self.max_graphs:
             evicted, _ = self.graphs.popitem(last=False)
-            self.unpadded = {shape: key for shape, key in self.unpadded.items() if key != evicted}
+            self.unpadded = {shape: kept for shape, kept in self.unpadded.items() if kept != evicted}
         device, bucket = inputs[0].device, key.bucket
         zeros = lambda dtype: torch.zeros(key.rows, key.columns, dtype=dtype, device=device)  # noqa: E731
         graph = _Graph(ids=zeros(torch.long), real=zeros(torch.bool),
