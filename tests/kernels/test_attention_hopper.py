@@ -55,6 +55,22 @@ def test_reasons_on_the_cpu_and_for_unsupported_inputs():
                                                                                        "max_k": 312})
 
 
+@pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_descriptors_view_the_rows_matrix_and_share_one_layout_per_box(dtype):
+    """A packed qkv slice's descriptor: the (B * S, H * D) matrix with qkv's row stride, (rows, D) boxes, and the
+    layout Gluon picks for them, one object for every launch (making it anew costs 15-18 us of host time)."""
+    from triton.experimental.gluon import language as gl
+
+    q = torch.zeros(1, 100, 3, 4, 64, dtype=dtype)[:, :, 0]
+    desc = attention_hopper._descriptor(q, 64)
+    assert (list(desc.shape), list(desc.strides), list(desc.block_shape)) == ([100, 256], [768, 1], [64, 64])
+    assert desc.base.data_ptr() == q.data_ptr()
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    assert desc.layout == gl.NVMMASharedLayout.get_default_for([64, 64], gl_dtype)
+    assert attention_hopper._descriptor(q[:, :50], 64).layout is desc.layout
+
+
 def test_the_switch_returns_the_previous_setting():
     assert attention_hopper.use_hopper_forward(False) is True
     assert attention_hopper.enabled() is False
