@@ -140,8 +140,8 @@ class _AsyncCount:
         if mask.is_cuda:
             if self.host is None:
                 self.host, self.done = torch.empty((), dtype=torch.long, pin_memory=True), torch.cuda.Event()
-            self.host.copy_(self.count, non_blocking=True)
-            self.done.record()
+            self.host.copy_(self.count, non_blocking=True)  # queued on the mask's device's current stream
+            self.done.record(torch.cuda.current_stream(mask.device))
 
     def read(self) -> int:
         if not self.count.is_cuda:
