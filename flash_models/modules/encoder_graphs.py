@@ -26,15 +26,12 @@ A bucket holds:
 Every row of an encoder layer depends only on its own sequence, so the real tokens' outputs are those of the
 unpadded batch. Graphs share one memory pool and are kept for the ``max_graphs`` most recent buckets.
 
-Batches without padding (a lone tokenized sentence, fixed-length inputs) skip the wait for the read. Their
-bucket holds any batch of their (B, S): at least B * S tokens, sequences of up to S. So once a batch of some
-(B, S) had no padding, the next one of that (B, S) replays the same graph at once, and its token count is read
-after the replay is launched, from a copy queued before it: the GPU no longer idles through the host's read
-(150 us a synced BERT-large call at 512 tokens on an H100, session 28). If that batch did have padding, its
-output is still right: its real tokens, packed, fit the bucket, and its padding tokens form one padding
-sequence, which may then exceed ``max_seqlen``. The attention leaves such a sequence's rows past ``max_seqlen``
-unwritten and reads only its own keys, so only dropped rows see it. The padded positions are zeroed, and the
-(B, S) goes back to the read-first path.
+Batches without padding (a lone tokenized sentence, fixed-length inputs) skip the wait for the read. Once a
+batch of some (B, S) had no padding, the next one of that (B, S) replays the same graph at once with every
+position taken as real, and its token count is read after the replay is launched, from a copy queued before
+it: the GPU no longer idles through the host's read (150 us a synced BERT-large call at 512 tokens on an H100,
+session 28). If that batch did have padding, the run is void (its padding was encoded as tokens): the batch
+takes the read-first path, its (B, S) with it from then on, and one forward's work is lost.
 """
 
 from __future__ import annotations
@@ -187,12 +184,9 @@ class GraphedEncoder:
         with torch.inference_mode():
             key = self.unpadded.get(shape)
             graph = self.graphs.get(key) if key is not None else None
-            if graph is not None:  # the last batch of this shape had no padding: replay first, read after
-                self._count.start(attention_mask)
-                self._fill(graph, inputs)
-                graph.replay()
-                has_padding = self._count.read() < B * S
-            else:
+            if graph is not None and not self._replay_as_unpadded(graph, inputs):
+                graph = None  # it had padding after all: that run is void
+            if graph is None:
                 lengths = torch.count_nonzero(attention_mask, dim=1).tolist()  # the one host read
                 key = graph_key(lengths, S, seq_limit=self.seq_limit, positions_given=shape[2],
                                 token_types_given=shape[3])
@@ -202,16 +196,23 @@ class GraphedEncoder:
                 else:
                     self._fill(graph, inputs)
                 graph.replay()
-                has_padding = key.has_padding
+                if key.has_padding:
+                    self.unpadded.pop(shape, None)
+                else:
+                    self.unpadded[shape] = key
             self.graphs.move_to_end(key)
-        if has_padding:
-            self.unpadded.pop(shape, None)
-        else:
-            self.unpadded[shape] = key
-        if has_padding and not key.has_padding:  # a padded batch in an unpadded batch's graph: no zero row
-            slot = graph.slot[:B, :S].clamp(max=key.bucket.tokens - 1)
-            return F.embedding(slot, graph.packed).masked_fill_(~graph.real[:B, :S, None], 0)
         return F.embedding(graph.slot[:B, :S], graph.packed)
+
+    def _replay_as_unpadded(self, graph: _Graph, inputs: tuple[torch.Tensor | None, ...]) -> bool:
+        """Replays an unpadded batch's graph on ``inputs`` with every position taken as real (so the layout is
+        that graph's own), then reads the mask's count: whether the batch indeed had no padding."""
+        ids, positions, token_types, mask = inputs
+        B, S = ids.shape
+        self._count.start(mask)
+        self._fill(graph, (ids, positions, token_types, None))
+        graph.real[:B, :S] = True
+        graph.replay()
+        return self._count.read() == B * S
 
     @staticmethod
     def _fill(graph: _Graph, inputs: tuple[torch.Tensor | None, ...]) -> None:

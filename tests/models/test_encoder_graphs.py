@@ -129,9 +129,9 @@ def test_a_batch_without_padding_gets_a_graph_without_the_zero_row():
 
 @torch.no_grad()
 def test_a_shape_whose_last_batch_was_unpadded_replays_before_reading_the_lengths():
-    """After a batch without padding, the next batch of its (B, S) runs in the same graph, the lengths read after
-    the replay. A padded batch there still gets the right outputs, though its padding sequence (41 tokens here)
-    is longer than the bucket's longest sequence (32), and zeros at its padding; its (B, S) then reads first."""
+    """After a batch without padding, the next batch of its (B, S) runs in the same graph first, its count read
+    after the replay. A padded batch there is found out by that count and runs again, read first, in its own
+    graph (right outputs, zeros at the padding); its (B, S) then reads first until an unpadded batch comes."""
     model, batch = model_and_batch_maker()
     graphed = GraphedEncoder(model._encode, model, seq_limit=64, max_graphs=2)
     shape = (3, 20, True, True)
@@ -140,15 +140,16 @@ def test_a_shape_whose_last_batch_was_unpadded_replays_before_reading_the_length
     count_nonzero = torch.count_nonzero
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "count_nonzero", lambda t, dim=None: reads.append(dim) or count_nonzero(t, dim=dim))
-        # (lengths, left-padded, what the call reads: per row before the replay, or the total after it)
-        for lengths, left, read in (([20, 20, 20], False, 1), ([20, 20, 20], False, None), ([1, 20, 2], True, None),
-                                    ([1, 20, 2], False, 1), ([20, 20, 20], False, 1), ([20, 20, 20], False, None)):
+        # (lengths, left-padded, what the call reads: the total after a replay (None), the rows before one (1))
+        for lengths, left, expected in (([20, 20, 20], False, [1]), ([20, 20, 20], False, [None]),
+                                        ([1, 20, 2], True, [None, 1]), ([1, 20, 2], False, [1]),
+                                        ([20, 20, 20], False, [1]), ([20, 20, 20], False, [None])):
             reads.clear()
             inputs = batch(lengths, 20, left)
             got = graphed(*inputs)
             real = inputs[3].bool()
             torch.testing.assert_close(got[real], eager_packed(model, *inputs), rtol=1e-5, atol=1e-5)
-            assert (got[~real] == 0).all() and reads == [read]
+            assert (got[~real] == 0).all() and reads == expected
             assert graphed.unpadded.get(shape) == (None if 1 in lengths else full_key)
     assert len(graphed.graphs) == 2
     for lengths, columns in (([5, 7], 9), ([3], 5)):  # two more graphs evict the padded batch's, then the full one's
@@ -204,8 +205,8 @@ def test_gpu_bert_with_graphs_equals_eager():
     model = ours_from_hf(hf, attn_impl="flash").to("cuda", torch.bfloat16).eval()
     eager = {}
     gen = torch.Generator().manual_seed(1)
-    # The last two share a shape: the padded one replays in the full one's graph (its padding sequence of 381
-    # tokens past the bucket's 128), on the Hopper forward where there is one.
+    # The last two share a shape: the padded one first replays in the full one's graph, is found out by its
+    # count and runs again in its own (on the Hopper forward where there is one).
     batches = [[64, 20, 33], [60, 2, 40], [9, 9, 9, 9, 9], [128] * 4, [128, 1, 1, 1]]
     inputs = []
     for lengths in batches:
@@ -222,7 +223,7 @@ def test_gpu_bert_with_graphs_equals_eager():
             real = mask.bool()
             torch.testing.assert_close(out[real].float(), eager[i][real].float(), rtol=2e-2, atol=2e-2)
             assert (out[~real] == 0).all()
-    assert len(model.graphed.graphs) == 3
+    assert len(model.graphed.graphs) == 4
 
 
 def test_heads_pass_the_switch_to_their_encoder():
