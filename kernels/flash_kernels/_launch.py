@@ -15,12 +15,16 @@ The launch key holds everything Triton's own specialization reads, never less:
 - per positional argument: a tensor's dtype and whether its address is 16-byte aligned; an int's three
   classes (equal to 1, a multiple of 16, fits in int32); the type of a float, a bool or None; the value itself
   for a ``tl.constexpr`` parameter;
+- a Gluon host tensor descriptor's dtype, box shape and shared-memory layout (Triton specializes on those
+  only: the base address, shape and strides become the launch's own arguments, its CUtensorMap made per launch
+  by the compiled kernel's launcher);
 - every keyword argument's name and value (our constexprs and launch options: ``num_warps``, ``BLOCK``...);
 - the current CUDA device (a compiled kernel is loaded per device).
 It may be finer than Triton's (one compiled kernel under several keys), which costs only a first launch each.
-An argument of any other type (a tensor descriptor, a custom object) or a tensor passed by keyword takes
-Triton's own path at every launch. A grid given as a function is called as Triton calls it. Triton's global
-knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not seen here.
+An argument of any other type (``triton.tools``' host descriptor, a custom object) or a tensor passed by
+keyword takes Triton's own path at every launch. A grid given as a function is called as Triton calls it.
+Triton's global knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not
+seen here.
 
 On by default since its GPU check (2026-11-23, H100: every kernel GPU test passed with it; a 33-argument
 launch cost 19.8 us against Triton's 26.3 in one process, 25.8 against 27.5 in another, on a noisy host;
@@ -43,6 +47,11 @@ ENV_VAR = "FLASH_KERNELS_LEAN_LAUNCH"
 _INT32 = range(-(2**31), 2**31)  # `in range` is a constant-time bounds check for an int
 _Tensor = torch.Tensor
 
+try:  # Triton 3.6+ (Gluon's Hopper descriptor); without it no argument is one
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+    _GluonDescriptor = ()
+
 
 class _Unkeyable(Exception):
     """An argument whose specialization the launch key cannot express: Triton's own path launches it."""
@@ -55,7 +64,21 @@ def _other_arg_key(arg) -> object:
     kind = type(arg)
     if kind is float or kind is bool or arg is None:
         return kind
+    if isinstance(arg, _GluonDescriptor):  # (its layout is a frozen dataclass: hashable, compared by value)
+        return (kind, arg.base.dtype, tuple(arg.block_shape), arg.layout)
     raise _Unkeyable
+
+
+def arguments_key(args: tuple) -> list:
+    """The launch key's part for positional arguments (constexprs aside): what Triton specializes each on.
+    Raises _Unkeyable for an argument it cannot express."""
+    # Plain tensors and ints take the inline branches: this runs at every launch, for 20-40 arguments.
+    return [
+        (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor
+        else (a == 1, a % 16 == 0, a in _INT32) if type(a) is int
+        else _other_arg_key(a)
+        for a in args
+    ]
 
 
 def lean_launch(kernel):
@@ -84,13 +107,7 @@ class LeanKernel:
 
     def launch_key(self, args: tuple, kwargs: dict) -> tuple:
         """The key of a launch on the current device (which ``launch`` adds); raises _Unkeyable."""
-        # Plain tensors and ints take the inline branches: this runs at every launch, for 20-40 arguments.
-        specs = [
-            (a.dtype, a.data_ptr() % 16 == 0) if type(a) is _Tensor
-            else (a == 1, a % 16 == 0, a in _INT32) if type(a) is int
-            else _other_arg_key(a)
-            for a in args
-        ]
+        specs = arguments_key(args)
         if self.constexpr_positions:
             specs += [("constexpr", args[i]) for i in self.constexpr_positions if i < len(args)]
         return (*specs, *kwargs.items())

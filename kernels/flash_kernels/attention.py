@@ -33,8 +33,9 @@ causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x
 
 On a Hopper GPU the forward of fp16/bf16 attention at head dims 128 and 64 from 128 keys, causal or not, with no
 window, softcap, ALiBi or dropout (varlen: self-attention only, its tokens filling 80% of (sequences x
-max_seqlen)) runs instead on ``attention_hopper``'s Gluon kernel (FlashAttention-3's schedule, which Triton's
-``tl.dot`` cannot express); its output and log-sum-exp are this module's, and the backward is the same.
+max_seqlen); outside a CUDA graph's capture, 2^35 FLOPs of work or more) runs instead on ``attention_hopper``'s
+Gluon kernel (FlashAttention-3's schedule, which Triton's ``tl.dot`` cannot express); its output and
+log-sum-exp are this module's, and the backward is the same.
 
 This module holds the validation, the forward kernel, the launchers (with their launch plans), the custom ops
 and the public functions. The reference is in ``attention_ref``, the backward kernels in ``attention_bwd``, and
@@ -512,7 +513,7 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
     if q4.numel() and max_q > 0 and attention_hopper.enabled() and attention_hopper.forward_unsupported(
             q4, k4, v4, o4, cu_q=cu_q, cu_k=cu_k, max_k=max_k, causal=causal,
             local=wl >= 0 or (wr >= 0 and not causal), softcap=softcap, alibi=alibi, dropout_p=dropout_p,
-            scale=scale) is None:
+            scale=scale) is None and not attention_hopper.leave_to_triton(q4, k4, o4, lse, causal, cu_q, max_q):
         attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale, causal, cu_q, max_q)
         return out, lse, placeholder(q.device, torch.int64)
     plan_key = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)

@@ -23,7 +23,8 @@ What it runs: ``forward_unsupported`` names the conditions (causal with Sq <= Sk
 softcap, ALiBi or dropout; fp16/bf16; head dim 64 or 128; at least ``MIN_KEYS`` keys; (B, S, H, D) tensors
 whose (B * S, H * D) view is a strided matrix, as contiguous tensors and the slices of a packed qkv are; varlen
 for self-attention, where one cu_seqlens bounds the queries and the keys (BERT's path), with the tokens filling
-``MIN_VARLEN_FILL`` of the sequences' tiles); ``attention`` takes it for those on Hopper and keeps
+``MIN_VARLEN_FILL`` of the sequences' tiles; outside a CUDA graph's capture, at least ``EAGER_MIN_FLOP`` of
+work, since its launch costs more host time); ``attention`` takes it for those on Hopper and keeps
 its Triton kernel (also the interpreter's and the CPU's path, and the test oracle here) for the rest. Keys past
 a sequence's end are masked in the last key tile; query rows past it are computed and not stored (a warpgroup
 whose rows cross the end stores its rows with ``gl.store``). Causal, a tile walks the key tiles up to its
@@ -42,6 +43,8 @@ import functools
 
 import torch
 
+from ._backend import capturing_cuda_graph
+from ._launch import arguments_key, lean_launch
 from ._triton_compat import TRITON_AVAILABLE
 from ._triton_utils import cdiv, dummy_pointer, sm_count
 
@@ -67,6 +70,14 @@ MIN_KEYS = {128: 128, 64: 128}
 # BERT-large (session 27, H100): at 512 keys 1.02-1.09x the Triton kernel's speed from 91% full, level at 78-84%,
 # 0.95x at 72% and 0.69x at 55%; at 256 keys 1.03x at 81%, 0.92x at 70%; at 128 keys ahead down to 68%.
 MIN_VARLEN_FILL = 0.8
+# Outside a CUDA graph's capture, the least work (matmul FLOPs, halved for causal) of a call that takes this
+# kernel (``leave_to_triton``): 2^35 is BERT-large's 512 keys at batch 32, about 90 us of kernel. This kernel's
+# launch costs more host time than the Triton kernel's (four TMA descriptors, a zeroed counter). H100 host,
+# session 29, BERT-base's 128 x 128 and ViT-B's 197 tokens at batch 128: 240-274 us a call against 71 while it
+# launched through Triton's own path, 121-165 against 42-64 through ``lean_launch``. An eager model of such small
+# calls waits on its host: BERT-base inference (128 tokens, batch 128) took 10.71 ms with this forward (the
+# first figures) against 8.53 without. A graph pays the host once, so captures take this kernel at any size.
+EAGER_MIN_FLOP = 2**35
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
 # (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (128 KB of shared memory at head dim 128,
 # 192 KB with the query buffers).
@@ -120,7 +131,7 @@ def forward_unsupported(q, k, v, out, *, cu_q, cu_k, max_k, causal, local, softc
                 "Triton kernel's smaller tiles waste less")
     if not GLUON_AVAILABLE:
         return "this Triton has no Gluon Hopper ops"
-    if not q.is_cuda or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if not q.is_cuda or _capability(q.device.index) != (9, 0):
         return "not a Hopper (compute capability 9.0) GPU"
     for t in (q, k, v, out):
         b, s, h, d = t.shape
@@ -444,6 +455,7 @@ if GLUON_AVAILABLE:
     def _consumer1(args):
         _consume(args, 1)
 
+    @lean_launch
     @gluon.jit
     def _attn_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, O, LSE, CuSeq, Next, seqlen_q, seqlen_k, n_heads,
                                 group, scale_log2, n_units, stride_om, lse_sb, lse_sh, HEAD_DIM: gl.constexpr,
@@ -482,6 +494,59 @@ if GLUON_AVAILABLE:
                            [CONSUMER_REGS, PRODUCER_REGS])
 
 
+def _matmul_flop(q, max_seqlen_k: int, causal: bool) -> int:
+    """The FLOPs of a call's two matmuls (q.k^T, p.v) over ``max_seqlen_k`` keys, halved for causal (varlen:
+    every packed query against the longest sequence, an upper bound)."""
+    b, sq, h, d = q.shape
+    flop = 4 * b * sq * max_seqlen_k * h * d
+    return flop // 2 if causal else flop
+
+
+# The specializations (``_specialization``) of this process's launches so far: each one's compiled kernel is
+# loaded on its device, so a CUDA graph's capture may launch it (a first launch loads the module, which a
+# capture forbids: "operation not permitted when stream is capturing").
+_launched: set[tuple] = set()
+
+
+def leave_to_triton(q, k, out, lse, causal: bool, cu_seqlens, max_seqlen: int) -> bool:
+    """Whether a call this kernel can run (``forward_unsupported`` said so) goes to the Triton kernel instead:
+    an eager call of under ``EAGER_MIN_FLOP``, where the Triton kernel's cheaper launch wins. The first eager
+    call of each specialization still runs here, so that a capture of the same call (after the eager warm-up a
+    capture needs anyway) finds this kernel loaded and takes it: a graph pays the host cost once."""
+    keys = k.shape[1] if cu_seqlens is None else max_seqlen
+    if capturing_cuda_graph() or _matmul_flop(q, keys, causal) >= EAGER_MIN_FLOP:
+        return False
+    scalars = _launch_scalars(q, k, out, lse, causal, cu_seqlens, max_seqlen)
+    return _specialization(q, out, lse, cu_seqlens, causal, scalars) in _launched
+
+
+def _launch_scalars(q, k, out, lse, causal: bool, cu_seqlens, max_seqlen: int) -> tuple[int, ...]:
+    """The launch's integer arguments: sequence lengths, heads, query-head group, units of work, the output's row
+    stride, the log-sum-exp's strides."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    varlen = cu_seqlens is not None
+    if varlen:
+        b, sq, sk = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
+    n_mblocks = cdiv(sq, BLOCK_M)
+    n_units = (cdiv(n_mblocks, 2) if causal else n_mblocks) * b * hq  # see _unit_tiles
+    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    return sq, sk, hq, hq // hkv, n_units, out.stride(1), lse_sb, lse_sh
+
+
+def _specialization(q, out, lse, cu_seqlens, causal: bool, scalars: tuple) -> tuple:
+    """What Triton compiles a launch of this kernel for: the device, the dtype (the descriptors' type), the
+    head dim and flags (the constexprs), and the pointers' and integers' specialization (``arguments_key``)."""
+    return (q.device.index, q.dtype, q.shape[-1], bool(causal), cu_seqlens is not None,
+            *arguments_key((out, lse, cu_seqlens, *scalars)))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    """A device's compute capability, kept: torch's query costs microseconds at every forward."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.lru_cache(maxsize=None)
 def _box_layout(rows: int, d: int, dtype: torch.dtype):
     """The shared-memory layout of a (rows, d) box. Kept: Gluon's ``get_default_for`` costs 15-18 us of host
@@ -490,10 +555,10 @@ def _box_layout(rows: int, d: int, dtype: torch.dtype):
 
 
 def _descriptor(t: torch.Tensor, rows: int):
-    """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, D) boxes."""
+    """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, D) boxes. Its base is t itself: a
+    descriptor reads only the base's address and dtype (no (B * S, H * D) view is made, a few us a call)."""
     b, s, h, d = t.shape
-    matrix = t.as_strided((b * s, h * d), (t.stride(1), 1))
-    return TensorDescriptor(matrix, [b * s, h * d], [t.stride(1), 1], [rows, d], _box_layout(rows, d, t.dtype))
+    return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, d], _box_layout(rows, d, t.dtype))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -504,24 +569,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
     varlen. Causal aligns the mask bottom-right and needs Sq <= Sk. Varlen (``cu_seqlens``, int32): self-attention
     over packed sequences, q, k, v (1, total, H, D), sequence b in rows cu_seqlens[b]:cu_seqlens[b + 1] of all
     three, none longer than ``max_seqlen``. The caller has checked ``forward_unsupported``."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    varlen = cu_seqlens is not None
-    if varlen:
-        b, sq, sk = cu_seqlens.numel() - 1, max_seqlen, max_seqlen
+    d = q.shape[-1]
     block_n, stages = TILES[d]
-    n_mblocks = cdiv(sq, BLOCK_M)
-    n_units = (cdiv(n_mblocks, 2) if causal else n_mblocks) * b * hq  # see _unit_tiles
+    scalars = _launch_scalars(q, k, out, lse, causal, cu_seqlens, max_seqlen)
+    sq, sk, hq, group, n_units, stride_om, lse_sb, lse_sh = scalars
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     grid = (min(n_units, sm_count(device)), )
-    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    cu = cu_seqlens if varlen else dummy_pointer(q.device, torch.int32)
+    cu = cu_seqlens if cu_seqlens is not None else dummy_pointer(q.device, torch.int32)
     next_unit = torch.zeros(1, dtype=torch.int32, device=q.device)  # the programs' shared count of units taken
     _attn_fwd_hopper_kernel[grid](
         _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M // 2),
-        out, lse, cu, next_unit, sq, sk, hq, hq // hkv, scale * 1.4426950408889634, n_units, out.stride(1), lse_sb,
+        out, lse, cu, next_unit, sq, sk, hq, group, scale * 1.4426950408889634, n_units, stride_om, lse_sb,
         lse_sh,
         HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=varlen, PINGPONG=PINGPONG,
+        PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=cu_seqlens is not None, PINGPONG=PINGPONG,
         Q_BUFFERS=Q_BUFFERS, num_warps=4, maxnreg=MAX_REGISTERS,
     )
+    _launched.add(_specialization(q, out, lse, cu_seqlens, causal, scalars))

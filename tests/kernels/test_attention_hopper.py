@@ -16,6 +16,12 @@ PLAIN = dict(cu_q=None, cu_k=None, max_k=0, causal=False, local=False, softcap=0
              scale=0.125)
 
 
+@pytest.fixture(autouse=True)
+def eager_calls_of_any_size(monkeypatch):
+    """The kernel tests run small, odd shapes eagerly: no eager size limit (``EAGER_MIN_FLOP``) for them."""
+    monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 0)
+
+
 @pytest.fixture
 def hopper_calls(monkeypatch):
     """The q shapes the Hopper forward was called with."""
@@ -53,6 +59,65 @@ def test_reasons_on_the_cpu_and_for_unsupported_inputs():
         assert "fewer than 128 keys" in attention_hopper.forward_unsupported(g, g, g, g, **{**varlen, "max_k": 100})
         assert "self-attention" in attention_hopper.forward_unsupported(g, g, g, g, **{**varlen, "cu_k": cu.clone(),
                                                                                        "max_k": 312})
+
+
+def test_small_eager_calls_go_to_the_triton_forward_once_this_kernel_is_loaded(monkeypatch):
+    """Eagerly, a call of under ``EAGER_MIN_FLOP`` goes to the Triton forward (its launch costs less host time),
+    but only once this kernel has launched with the same specialization: the first such call loads it, so that
+    a CUDA graph's capture of the call (which forbids loading a kernel) can take it. Captures and larger eager
+    calls always take it. Causal halves the work; varlen counts every token against ``max_seqlen``."""
+    monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 2**35)
+    monkeypatch.setattr(attention_hopper, "_launched", set())
+    q = torch.randn(2, 600, 4, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 4, 600)
+    args = (q, q, q, lse)
+    assert not attention_hopper.leave_to_triton(*args, False, None, 600)  # never launched: this kernel first
+    attention_hopper._launched.add(attention_hopper._specialization(
+        q, q, lse, None, False, attention_hopper._launch_scalars(q, q, q, lse, False, None, 600)))
+    assert attention_hopper.leave_to_triton(*args, False, None, 600)
+    assert not attention_hopper.leave_to_triton(*args, True, None, 600)  # causal: another specialization
+    assert not attention_hopper.leave_to_triton(q[:, :592], q, q[:, :592], lse, False, None, 592)  # 592: a multiple of 16
+    monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 4 * 2 * 600 * 600 * 4 * 128)
+    assert not attention_hopper.leave_to_triton(*args, False, None, 600)  # enough work
+    monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 2**35)
+    monkeypatch.setattr(attention_hopper, "capturing_cuda_graph", lambda: True)
+    assert not attention_hopper.leave_to_triton(*args, False, None, 600)
+    big = torch.empty(1, 1, 1, 128).expand(32, 512, 16, 128)
+    assert attention_hopper._matmul_flop(big, 512, causal=False) == 2**36
+    assert attention_hopper._matmul_flop(big, 512, causal=True) == 2**35
+    assert attention_hopper._matmul_flop(q[:1, :, :1], 700, causal=False) == 4 * 600 * 700 * 128
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_a_capture_after_eager_calls_takes_this_kernel(hopper_calls, monkeypatch):
+    """A small call: eagerly, the first launch is this kernel's (loading it), the second the Triton kernel's;
+    captured into a CUDA graph after them, this kernel's, and the replay computes the graph's new inputs."""
+    monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 2**35)
+    monkeypatch.setattr(attention_hopper, "_launched", set())
+    torch.manual_seed(25)
+    q, k, v = (torch.randn(3, 333, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    eager = [flash_attn_func(q, k, v) for _ in range(2)]
+    assert hopper_calls == [(3, 333, 4, 64)]
+    assert_close(eager[0], eager[1], torch.bfloat16, name="out")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v)  # the warm-up a capture wants, on its side stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_attn_func(q, k, v)
+    assert hopper_calls == [(3, 333, 4, 64)] * 2
+    for t in (q, k, v):
+        t.copy_(torch.randn_like(t))
+    graph.replay()
+    previous = attention_hopper.use_hopper_forward(False)
+    try:
+        ref = flash_attn_func(q, k, v)
+    finally:
+        attention_hopper.use_hopper_forward(previous)
+    assert_close(captured, ref, torch.bfloat16, name="out")
 
 
 @pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
@@ -138,6 +203,30 @@ def test_gpu_packed_qkv_slices_take_it_and_match_the_triton_forward(hopper_calls
     assert len(hopper_calls) == 1
     assert_close(out, ref, torch.bfloat16, name="out")
     assert_close(lse, ref_lse, torch.float32, scale=10, name="lse")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gpu_a_repeated_call_launches_the_compiled_kernel_itself(monkeypatch):
+    """The second call of a shape skips Triton's launch path (``_launch.lean_launch``, keyed on the descriptors'
+    dtype, box and layout) and still reads its own tensors: new inputs at new addresses give their own output."""
+    kernel = attention_hopper._attn_fwd_hopper_kernel
+    torch.manual_seed(24)
+    first, second = (torch.randn(2, 300, 3, 4, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+    flash_attn_func(*first.unbind(2))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Triton's own launch path ran for a known launch")
+
+    monkeypatch.setattr(kernel.jit, "run", refuse)
+    out = flash_attn_func(*second.unbind(2))
+    monkeypatch.undo()
+    previous = attention_hopper.use_hopper_forward(False)
+    try:
+        ref = flash_attn_func(*second.unbind(2))
+    finally:
+        attention_hopper.use_hopper_forward(previous)
+    assert_close(out, ref, torch.float16, name="out")
 
 
 @pytest.mark.gpu

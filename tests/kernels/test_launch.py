@@ -115,3 +115,25 @@ def test_gpu_lean_launches_match_and_skip_tritons_path(monkeypatch):
     y = torch.empty(n, device="cuda", dtype=torch.float16)
     kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n, 2.0, stride, BLOCK=128, SCALE_IT=True)
     torch.testing.assert_close(y, x[:n] * 2.0, rtol=0, atol=0)
+
+
+def test_launch_key_of_a_gluon_descriptor_holds_what_triton_specializes():
+    """A Gluon host descriptor keys by its dtype, box and layout (Triton's specialization of it); its base
+    address, shape and strides are launch arguments, so descriptors differing only there share a key."""
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    lean = _keys()
+    kw = dict(BLOCK=16, SCALE_IT=True)
+
+    def key(t, box, layout=None, shape=(64, 64), strides=(64, 1)):
+        layout = layout or gl.NVMMASharedLayout.get_default_for(list(box), gl.bfloat16)
+        desc = hopper.TensorDescriptor(t, list(shape), list(strides), list(box), layout)
+        return lean.launch_key((desc, t, 48, 1.5, 2), kw)
+
+    x = torch.zeros(64 * 128, dtype=torch.bfloat16)
+    base = key(x, (64, 64))
+    assert key(torch.ones(64 * 128, dtype=torch.bfloat16), (64, 64), shape=(128, 32), strides=(32, 1)) == base
+    narrower_swizzle = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    different = [key(x, (32, 64)), key(x.half(), (64, 64)), key(x, (64, 64), narrower_swizzle)]
+    assert all(other != base for other in different)
+    assert len(set(different)) == len(different)
