@@ -35,14 +35,15 @@ def sm_count(device_index: int) -> int:
 
 
 @functools.cache
-def _capability_at_least_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def device_capability(device_index: int) -> tuple[int, int]:
+    """A CUDA device's compute capability (cached: torch's query costs microseconds a call)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def hopper_or_newer(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 or newer (TMA, programmatic dependent launch)."""
-    return device.type == "cuda" and _capability_at_least_hopper(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return device.type == "cuda" and device_capability(
+        device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -514,8 +514,9 @@ def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, sof
             q4, k4, v4, o4, cu_q=cu_q, cu_k=cu_k, max_k=max_k, causal=causal,
             local=wl >= 0 or (wr >= 0 and not causal), softcap=softcap, alibi=alibi, dropout_p=dropout_p,
             scale=scale) is None and not attention_hopper.leave_to_triton(q4, k4, o4, lse, causal, cu_q, max_q):
-        attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale, causal, cu_q, max_q)
-        return out, lse, placeholder(q.device, torch.int64)
+        if attention_hopper.attention_forward(q4, k4, v4, o4, lse, scale, causal, cu_q, max_q):
+            return out, lse, placeholder(q.device, torch.int64)
+        # (else this Triton could not compile it, and it is now off: the Triton forward below runs)
     plan_key = _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p)
     plan = _FWD_PLANS.get(plan_key)
     if plan is not None:  # (a plan exists only for a launch that was made: q is not empty)

@@ -40,13 +40,14 @@ to this one's 92.5.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from ._backend import capturing_cuda_graph
 from ._launch import arguments_key, lean_launch
-from ._triton_compat import TRITON_AVAILABLE
-from ._triton_utils import cdiv, dummy_pointer, sm_count
+from ._triton_compat import TRITON_AVAILABLE, triton
+from ._triton_utils import cdiv, device_capability, dummy_pointer, sm_count
 
 try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
     from triton.experimental import gluon
@@ -54,10 +55,15 @@ try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.compiler.errors import CompilationError
 
     GLUON_AVAILABLE = TRITON_AVAILABLE
+    # A barrier across the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7 on.
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     GLUON_AVAILABLE = False
+
+logger = logging.getLogger(__name__)
 
 # Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (docs/benchmarks.md Attention;
 # B * S = 16k, H * D = 2048, graph-replayed forward): head dim 128, S 512 to 8k, 1.14-1.30x the Triton kernel's
@@ -131,7 +137,7 @@ def forward_unsupported(q, k, v, out, *, cu_q, cu_k, max_k, causal, local, softc
                 "Triton kernel's smaller tiles waste less")
     if not GLUON_AVAILABLE:
         return "this Triton has no Gluon Hopper ops"
-    if not q.is_cuda or _capability(q.device.index) != (9, 0):
+    if not q.is_cuda or device_capability(q.device.index) != (9, 0):
         return "not a Hopper (compute capability 9.0) GPU"
     for t in (q, k, v, out):
         b, s, h, d = t.shape
@@ -319,7 +325,7 @@ if GLUON_AVAILABLE:
         would write them over the next sequence's first rows. Each thread stores 8 contiguous elements a row (one
         16-byte store where the row stride is known divisible), its pointers made here, not kept across tiles."""
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-        gl.thread_barrier()  # every thread of the warpgroup has written its part of o_buf
+        _cta_barrier()  # every thread of the warpgroup has written its part of o_buf
         o = o_buf.load(rows_layout)
         rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, rows_layout))
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
@@ -542,12 +548,6 @@ def _specialization(q, out, lse, cu_seqlens, causal: bool, scalars: tuple) -> tu
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    """A device's compute capability, kept: torch's query costs microseconds at every forward."""
-    return torch.cuda.get_device_capability(device_index)
-
-
-@functools.lru_cache(maxsize=None)
 def _box_layout(rows: int, d: int, dtype: torch.dtype):
     """The shared-memory layout of a (rows, d) box. Kept: Gluon's ``get_default_for`` costs 15-18 us of host
     time a call, four calls a launch (an immutable value, so one object serves every launch)."""
@@ -563,26 +563,37 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       scale: float, causal: bool = False, cu_seqlens: torch.Tensor | None = None,
-                      max_seqlen: int = 0) -> None:
+                      max_seqlen: int = 0) -> bool:
     """Writes the attention of q (B, Sq, Hq, D) over k, v (B, Sk, Hkv, D) into ``out`` (q's shape, a strided
     (B * Sq, Hq * D) matrix) and its natural-log log-sum-exp into ``lse``: (B, Hq, Sq), or (Hq, total) for
     varlen. Causal aligns the mask bottom-right and needs Sq <= Sk. Varlen (``cu_seqlens``, int32): self-attention
     over packed sequences, q, k, v (1, total, H, D), sequence b in rows cu_seqlens[b]:cu_seqlens[b + 1] of all
-    three, none longer than ``max_seqlen``. The caller has checked ``forward_unsupported``."""
+    three, none longer than ``max_seqlen``. The caller has checked ``forward_unsupported``.
+
+    Returns False, having launched nothing, where this Triton's Gluon cannot compile the kernel (its API moves
+    between releases: 3.7 renamed ``thread_barrier``); the kernel is then switched off for the process, with a
+    warning, and the caller runs the Triton forward."""
     d = q.shape[-1]
     block_n, stages = TILES[d]
     scalars = _launch_scalars(q, k, out, lse, causal, cu_seqlens, max_seqlen)
     sq, sk, hq, group, n_units, stride_om, lse_sb, lse_sh = scalars
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    grid = (min(n_units, sm_count(device)), )
+    grid = (min(n_units, sm_count(q.device.index)), )  # (a CUDA tensor's device always has its index)
     cu = cu_seqlens if cu_seqlens is not None else dummy_pointer(q.device, torch.int32)
     next_unit = torch.zeros(1, dtype=torch.int32, device=q.device)  # the programs' shared count of units taken
-    _attn_fwd_hopper_kernel[grid](
-        _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(out, BLOCK_M // 2),
-        out, lse, cu, next_unit, sq, sk, hq, group, scale * 1.4426950408889634, n_units, stride_om, lse_sb,
-        lse_sh,
-        HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
-        PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=cu_seqlens is not None, PINGPONG=PINGPONG,
-        Q_BUFFERS=Q_BUFFERS, num_warps=4, maxnreg=MAX_REGISTERS,
-    )
+    try:
+        _attn_fwd_hopper_kernel[grid](
+            _descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n),
+            _descriptor(out, BLOCK_M // 2), out, lse, cu, next_unit, sq, sk, hq, group, scale * 1.4426950408889634,
+            n_units, stride_om, lse_sb, lse_sh,
+            HEAD_DIM=d, BLOCK_N=block_n, STAGES=stages, CONSUMER_REGS=CONSUMER_REGISTERS,
+            PRODUCER_REGS=PRODUCER_REGISTERS, CAUSAL=bool(causal), VARLEN=cu_seqlens is not None, PINGPONG=PINGPONG,
+            Q_BUFFERS=Q_BUFFERS, num_warps=4, maxnreg=MAX_REGISTERS,
+        )
+    except CompilationError as error:  # raised before anything is queued: nothing half-done
+        use_hopper_forward(False)
+        logger.warning("flash_kernels: this Triton (%s) cannot compile the Hopper attention forward, so attention "
+                       "keeps its Triton forward (slower on Hopper; Triton 3.6 and 3.8 compile it):\n%s",
+                       triton.__version__, error)
+        return False
     _launched.add(_specialization(q, out, lse, cu_seqlens, causal, scalars))
+    return True

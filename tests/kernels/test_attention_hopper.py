@@ -2,6 +2,11 @@
 there (output, log-sum-exp, and the gradients of the backward it feeds), and passed over where it cannot. Its
 kernel runs on a Hopper GPU only (Gluon has no interpreter); the CPU checks the reasons it gives."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -76,7 +81,8 @@ def test_small_eager_calls_go_to_the_triton_forward_once_this_kernel_is_loaded(m
         q, q, lse, None, False, attention_hopper._launch_scalars(q, q, q, lse, False, None, 600)))
     assert attention_hopper.leave_to_triton(*args, False, None, 600)
     assert not attention_hopper.leave_to_triton(*args, True, None, 600)  # causal: another specialization
-    assert not attention_hopper.leave_to_triton(q[:, :592], q, q[:, :592], lse, False, None, 592)  # 592: a multiple of 16
+    # 592 rows, a multiple of 16 (600 is not): another specialization
+    assert not attention_hopper.leave_to_triton(q[:, :592], q, q[:, :592], lse, False, None, 592)
     monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 4 * 2 * 600 * 600 * 4 * 128)
     assert not attention_hopper.leave_to_triton(*args, False, None, 600)  # enough work
     monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 2**35)
@@ -261,6 +267,7 @@ def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
         written.append(scale)
         out.fill_(0.5)
         lse.fill_(-3.0)
+        return True
 
     monkeypatch.setattr(attention_hopper, "forward_unsupported", lambda *args, **kwargs: None)
     monkeypatch.setattr(attention_hopper, "attention_forward", fake_forward)
@@ -275,3 +282,46 @@ def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
     finally:
         attention_hopper.use_hopper_forward(previous)
     assert written == [0.25] and not (out == 0.5).all()
+
+
+@pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
+def test_a_triton_that_cannot_compile_the_kernel_leaves_attention_to_the_triton_forward(monkeypatch, caplog):
+    """Gluon's API moves between Triton releases (3.7 renamed ``thread_barrier``): where this kernel does not
+    compile, the call runs the Triton forward instead, and the kernel is off for the process, with a warning
+    naming the Triton version and the compiler's message."""
+    from triton.compiler.errors import CompilationError
+
+    class Uncompilable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise CompilationError(None, None, "module 'gluon.language' has no attribute 'thread_barrier'")
+            return launch
+
+    monkeypatch.setattr(attention_hopper, "forward_unsupported", lambda *args, **kwargs: None)
+    monkeypatch.setattr(attention_hopper, "leave_to_triton", lambda *args, **kwargs: False)
+    monkeypatch.setattr(attention_hopper, "_attn_fwd_hopper_kernel", Uncompilable())
+    monkeypatch.setattr(attention_hopper, "sm_count", lambda device_index: 4)
+    monkeypatch.setattr(attention_hopper, "_enabled", True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(26)
+    q, k, v = (torch.randn(2, 37, 2, 64, dtype=torch.bfloat16, device=device) for _ in range(3))
+    with caplog.at_level("WARNING", logger=attention_hopper.logger.name):
+        out = flash_attn_func(q, k, v, backend="triton")
+    assert not attention_hopper.enabled()
+    assert "cannot compile the Hopper attention forward" in caplog.text and "thread_barrier" in caplog.text
+    assert_close(out, flash_attn_func(q, k, v, backend="reference"), torch.bfloat16, name="out")
+
+
+@pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
+@pytest.mark.parametrize("d,causal,varlen", [(128, False, False), (64, True, True)], ids=str)
+def test_the_kernel_compiles_for_hopper_with_this_triton(d, causal, varlen):
+    """The kernel builds for sm_90 with the installed Triton (its Gluon API moves between releases), every flag
+    covered by the two cases, and fits a Hopper SM's 227 KB of shared memory. Compiled without a GPU, in a fresh
+    process without Triton's interpreter (``hopper_offline_compile``)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.hopper_offline_compile", str(d), str(int(causal)),
+                           str(int(varlen))], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = int(done.stdout.split("shared")[-1])
+    assert 0 < shared <= 227 * 1024
