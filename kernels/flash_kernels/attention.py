@@ -18,9 +18,8 @@ Semantics follow FlashAttention-2's public functions:
   differentiable (as in FA2).
 
 The Triton path is registered as ``flash_kernels::attn_fwd`` / ``attn_bwd`` custom ops with fake
-implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it. The backward is
-atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group, one for dQ), hence always
-deterministic; ``deterministic=`` is accepted for FA2 compatibility.
+implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it. The Triton backward is
+atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group, one for dQ), hence deterministic.
 
 The forward loads its Q, K, V tiles either with pointer loads or (``TMA``, Hopper and newer) through tensor
 descriptors that each program builds on the device over its own sequence, so rows past the sequence's end and
@@ -35,7 +34,12 @@ On a Hopper GPU the forward of fp16/bf16 attention at head dims 128 and 64 from 
 window, softcap, ALiBi or dropout (varlen: self-attention only, its tokens filling 80% of (sequences x
 max_seqlen); outside a CUDA graph's capture, 2^35 FLOPs of work or more) runs instead on ``attention_hopper``'s
 Gluon kernel (FlashAttention-3's schedule, which Triton's ``tl.dot`` cannot express); its output and
-log-sum-exp are this module's, and the backward is the same.
+log-sum-exp are this module's, so either backward takes them.
+
+On a Hopper GPU the backward of dense (not varlen) fp16/bf16 attention at head dim 128 without a causal mask,
+from 512 keys, with no window, softcap, ALiBi or dropout (outside a capture, 2^35 FLOPs or more), runs on
+``attention_hopper_bwd``'s Gluon kernel (FA3's single-pass backward, dQ summed with TMA reduce-adds), unless
+``deterministic=True`` or torch's deterministic algorithms ask for a reproducible dQ.
 
 This module holds the validation, the forward kernel, the launchers (with their launch plans), the custom ops
 and the public functions. The reference is in ``attention_ref``, the backward kernels in ``attention_bwd``, and
@@ -58,7 +62,7 @@ from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import (
     cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
 )
-from . import attention_hopper
+from . import attention_hopper, attention_hopper_bwd
 from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_preprocess_kernel
 from .attention_ref import flash_attn_func_ref, flash_attn_varlen_func_ref
 from .attention_tiles import (
@@ -503,7 +507,9 @@ def _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, soft
             current, offsets, max_q, max_k, causal, scale, wl, wr, softcap)
 
 
-def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p):
+def _attn_fwd_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p,
+                   deterministic=False):
+    """(out, lse, rng_state). ``deterministic`` is the backward's (kept with the inputs for it)."""
     q4, k4, v4 = _as4d(q), _as4d(k), _as4d(v)
     varlen = cu_q is not None
     out = torch.empty_like(q)
@@ -579,7 +585,7 @@ def _bwd_plan_key(do, q, k, v, out, cu_q, cu_k, max_q, max_k, causal, scale, wl,
 
 
 def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi, dropout_p,
-                   rng_state, grads=None):
+                   rng_state, deterministic=False, grads=None):
     """dq, dk, dv; written into ``grads`` (three tensors shaped like q, k, v, any strides) when given, which is
     how the packed-qkv op gets one dqkv buffer without a gradient copy per slice."""
     do = do.contiguous()
@@ -590,6 +596,14 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
         return dq.zero_(), dk.zero_(), dv.zero_()
     dq4, dk4, dv4 = _as4d(dq), _as4d(dk), _as4d(dv)
     delta = torch.empty_like(lse)
+    if attention_hopper_bwd.backward_unsupported(
+            q4, k4, v4, do4, dk4, dv4, varlen=varlen, causal=causal, local=wl >= 0 or (wr >= 0 and not causal),
+            softcap=softcap, alibi=alibi, dropout_p=dropout_p, scale=scale,
+            deterministic=deterministic) is None and not attention_hopper_bwd.leave_to_triton(q4, k4, causal):
+        _bwd_delta(o4, do4, delta, None, False, max_q, q4.shape[2])
+        if attention_hopper_bwd.attention_backward(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, scale, causal):
+            return dq, dk, dv
+        # (else this Triton could not compile it, and it is now off: the Triton backward below runs)
     plan_key = _bwd_plan_key(do, q, k, v, out, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, alibi,
                              dropout_p, grads)
     plan = _BWD_PLANS.get(plan_key)
@@ -609,13 +623,7 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     seed = rng_state if dropout_p > 0 else dummy_pointer(q.device, torch.int64)
     cu_q_t, cu_k_t = (cu_q, cu_k) if varlen else (dummy, dummy)
     q_s, k_s, v_s, do_s = (_bsh_strides(t, varlen) for t in (q4, k4, v4, do4))
-    pre_block = 16 if triton_interpreter_enabled() else 64
-    launches = []  # (kernel, grid, args, kwargs) of each launch, for the plan
-    pre_grid = (cdiv(max_q, pre_block), nseq * hq)
-    pre_args = (o4, do4, delta, cu_q_t, *_bsh_strides(o4, varlen), *do_s, slb, slh, max_q, hq)
-    pre_kwargs = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, BLOCK_M=pre_block)
-    _bwd_preprocess_kernel[pre_grid](*pre_args, **pre_kwargs)
-    launches.append((_bwd_preprocess_kernel, pre_grid, pre_args, pre_kwargs))
+    launches = [_bwd_delta(o4, do4, delta, cu_q, varlen, max_q, hq)]  # (kernel, grid, args, kwargs) for the plan
     common = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
                   ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q))
     tune = _tune_buckets(max_q, max_k)
@@ -642,6 +650,20 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     return dq, dk, dv
 
 
+def _bwd_delta(o4, do4, delta, cu_q, varlen, max_q, hq):
+    """Launches delta = rowsum(dO * O) into ``delta`` (the log-sum-exp's layout); returns the launch, for a plan."""
+    nseq = cu_q.numel() - 1 if varlen else o4.shape[0]
+    d = o4.shape[-1]
+    slb, slh = (0, delta.stride(0)) if varlen else (delta.stride(0), delta.stride(1))
+    block = 16 if triton_interpreter_enabled() else 64
+    grid = (cdiv(max_q, block), nseq * hq)
+    args = (o4, do4, delta, cu_q if varlen else dummy_pointer(o4.device, torch.int32),
+            *_bsh_strides(o4, varlen), *_bsh_strides(do4, varlen), slb, slh, max_q, hq)
+    kwargs = dict(HEAD_DIM=d, BLOCK_D=next_power_of_2(d), VARLEN=varlen, BLOCK_M=block)
+    _bwd_preprocess_kernel[grid](*args, **kwargs)
+    return _bwd_preprocess_kernel, grid, args, kwargs
+
+
 def _bind_all(launches, slots):
     """One Relaunch per launch (None stays None), or None when any launch cannot be bound."""
     bound = []
@@ -666,6 +688,7 @@ def _attn_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float,
     window_left: int, window_right: int, softcap: float, alibi_slopes: torch.Tensor | None, dropout_p: float,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                           window_left, window_right, softcap, alibi_slopes, dropout_p)
@@ -673,7 +696,7 @@ def _attn_fwd_op(
 
 @_attn_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
-      window_right, softcap, alibi_slopes, dropout_p):
+      window_right, softcap, alibi_slopes, dropout_p, deterministic=False):
     hq = q.shape[-2]
     if cu_seqlens_q is not None:
         lse = q.new_empty(hq, q.shape[0], dtype=torch.float32)
@@ -687,15 +710,16 @@ def _attn_bwd_op(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
     causal: bool, softmax_scale: float, window_left: int, window_right: int, softcap: float,
-    alibi_slopes: torch.Tensor | None, dropout_p: float, rng_state: torch.Tensor,
+    alibi_slopes: torch.Tensor | None, dropout_p: float, rng_state: torch.Tensor, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                          softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+                          softmax_scale, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state,
+                          deterministic)
 
 
 @_attn_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
+      window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -707,7 +731,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse, rng_state = output
     ctx.save_for_backward(q, k, v, out, lse, rng_state, inputs[3], inputs[4], inputs[12])
-    ctx.args = inputs[5:12] + (inputs[13],)  # max_q, max_k, causal, scale, wl, wr, softcap, dropout_p
+    # max_q, max_k, causal, scale, wl, wr, softcap, dropout_p, deterministic (a direct op call may leave it out)
+    ctx.args = inputs[5:12] + (inputs[13], bool(inputs[14]) if len(inputs) > 14 else False)
 
 
 def _backward_with(bwd):
@@ -715,10 +740,10 @@ def _backward_with(bwd):
 
     def backward(ctx, dout, _dlse, _drng):
         q, k, v, out, lse, rng_state, cu_q, cu_k, alibi = ctx.saved_tensors
-        max_q, max_k, causal, scale, wl, wr, softcap, dropout_p = ctx.args
+        max_q, max_k, causal, scale, wl, wr, softcap, dropout_p, deterministic = ctx.args
         dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
-                         alibi, dropout_p, rng_state)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+                         alibi, dropout_p, rng_state, deterministic)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
 
     return backward
 
@@ -753,8 +778,10 @@ def flash_attn_func(
 ):
     """Attention over q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq)].
 
-    See the module docstring for masking, softcap, ALiBi and dropout semantics. ``deterministic`` is
-    accepted for FA2 compatibility; our backward has no atomics, so it is always deterministic.
+    See the module docstring for masking, softcap, ALiBi and dropout semantics. ``deterministic=True`` (or
+    ``torch.use_deterministic_algorithms``) keeps the backward bitwise reproducible: the Hopper backward
+    (``attention_hopper_bwd``, head dim 128 without a causal mask) sums dQ with atomic reductions, so then the
+    atomics-free Triton backward runs instead.
     """
     op = "flash_attn_func"
     _check_qkv(op, q, k, v, 4)
@@ -770,7 +797,8 @@ def flash_attn_func(
     q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
     out, lse, _ = pick(_attn_fwd_op, _attn_eager)(q, k, v, None, None, q.shape[1], k.shape[1], causal, float(scale),
-                               int(window_size[0]), int(window_size[1]), float(softcap), alibi, float(dropout_p))
+                               int(window_size[0]), int(window_size[1]), float(softcap), alibi, float(dropout_p),
+                               bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -820,5 +848,5 @@ def flash_attn_varlen_func(
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
     out, lse, _ = pick(_attn_fwd_op, _attn_eager)(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
                                float(scale), int(window_size[0]), int(window_size[1]), float(softcap), alibi,
-                               float(dropout_p))
+                               float(dropout_p), bool(deterministic))
     return (out, lse) if return_lse else out

@@ -508,6 +508,12 @@ def _matmul_flop(q, max_seqlen_k: int, causal: bool) -> int:
     return flop // 2 if causal else flop
 
 
+def small_eager_call(q, keys: int, causal: bool) -> bool:
+    """An eager call (outside a CUDA graph's capture) of under ``EAGER_MIN_FLOP``: one where the Triton kernels'
+    cheaper launch wins (the Hopper backward asks this too)."""
+    return not capturing_cuda_graph() and _matmul_flop(q, keys, causal) < EAGER_MIN_FLOP
+
+
 # The specializations (``_specialization``) of this process's launches so far: each one's compiled kernel is
 # loaded on its device, so a CUDA graph's capture may launch it (a first launch loads the module, which a
 # capture forbids: "operation not permitted when stream is capturing").
@@ -520,7 +526,7 @@ def leave_to_triton(q, k, out, lse, causal: bool, cu_seqlens, max_seqlen: int) -
     call of each specialization still runs here, so that a capture of the same call (after the eager warm-up a
     capture needs anyway) finds this kernel loaded and takes it: a graph pays the host cost once."""
     keys = k.shape[1] if cu_seqlens is None else max_seqlen
-    if capturing_cuda_graph() or _matmul_flop(q, keys, causal) >= EAGER_MIN_FLOP:
+    if not small_eager_call(q, keys, causal):
         return False
     scalars = _launch_scalars(q, k, out, lse, causal, cu_seqlens, max_seqlen)
     return _specialization(q, out, lse, cu_seqlens, causal, scalars) in _launched

@@ -66,16 +66,17 @@ def _heads_concatenated(op: str, qkv: torch.Tensor, num_heads_kv: int | None, de
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _packed_fwd_impl(qkv, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi, dropout_p):
+def _packed_fwd_impl(qkv, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi, dropout_p,
+                     deterministic=False):
     q, k, v = _split(qkv, num_heads_kv)
     return _attn_fwd_impl(q, k, v, cu, cu, max_seqlen, max_seqlen, causal, scale, wl, wr, softcap, alibi, dropout_p)
 
 
 def _packed_bwd_impl(dout, qkv, out, lse, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi,
-                     dropout_p, rng_state):
+                     dropout_p, rng_state, deterministic=False):
     dqkv = torch.empty_like(qkv)
     _attn_bwd_impl(dout, *_split(qkv, num_heads_kv), out, lse, cu, cu, max_seqlen, max_seqlen, causal, scale, wl, wr,
-                   softcap, alibi, dropout_p, rng_state, grads=_split(dqkv, num_heads_kv))
+                   softcap, alibi, dropout_p, rng_state, deterministic, grads=_split(dqkv, num_heads_kv))
     return dqkv
 
 
@@ -83,7 +84,7 @@ def _packed_bwd_impl(dout, qkv, out, lse, num_heads_kv, cu, max_seqlen, causal, 
 def _packed_fwd_op(
     qkv: torch.Tensor, num_heads_kv: int, cu_seqlens: Optional[torch.Tensor], max_seqlen: int, causal: bool,
     softmax_scale: float, window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-    dropout_p: float,
+    dropout_p: float, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _packed_fwd_impl(qkv, num_heads_kv, cu_seqlens, max_seqlen, causal, softmax_scale, window_left,
                             window_right, softcap, alibi_slopes, dropout_p)
@@ -91,7 +92,7 @@ def _packed_fwd_op(
 
 @_packed_fwd_op.register_fake
 def _(qkv, num_heads_kv, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right, softcap,
-      alibi_slopes, dropout_p):
+      alibi_slopes, dropout_p, deterministic=False):
     hq = qkv.shape[-2] - 2 * num_heads_kv
     out = qkv.new_empty((*qkv.shape[:-2], hq, qkv.shape[-1]))
     if cu_seqlens is not None:
@@ -106,22 +107,24 @@ def _packed_bwd_op(
     dout: torch.Tensor, qkv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, num_heads_kv: int,
     cu_seqlens: Optional[torch.Tensor], max_seqlen: int, causal: bool, softmax_scale: float, window_left: int,
     window_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, rng_state: torch.Tensor,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     return _packed_bwd_impl(dout, qkv, out, lse, num_heads_kv, cu_seqlens, max_seqlen, causal, softmax_scale,
-                            window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+                            window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic)
 
 
 @_packed_bwd_op.register_fake
 def _(dout, qkv, out, lse, num_heads_kv, cu_seqlens, max_seqlen, causal, softmax_scale, window_left, window_right,
-      softcap, alibi_slopes, dropout_p, rng_state):
+      softcap, alibi_slopes, dropout_p, rng_state, deterministic=False):
     return torch.empty_like(qkv)
 
 
 def _setup_context(ctx, inputs, output):
-    qkv, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi, dropout_p = inputs
+    qkv, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi, dropout_p = inputs[:11]
+    deterministic = bool(inputs[11]) if len(inputs) > 11 else False  # a direct op call may leave it out
     out, lse, rng_state = output
     ctx.save_for_backward(qkv, out, lse, rng_state, cu, alibi)
-    ctx.args = (num_heads_kv, max_seqlen, causal, scale, wl, wr, softcap, dropout_p)
+    ctx.args = (num_heads_kv, max_seqlen, causal, scale, wl, wr, softcap, dropout_p, deterministic)
 
 
 def _backward_with(bwd):
@@ -129,10 +132,10 @@ def _backward_with(bwd):
 
     def backward(ctx, dout, _dlse, _drng):
         qkv, out, lse, rng_state, cu, alibi = ctx.saved_tensors
-        num_heads_kv, max_seqlen, causal, scale, wl, wr, softcap, dropout_p = ctx.args
+        num_heads_kv, max_seqlen, causal, scale, wl, wr, softcap, dropout_p, deterministic = ctx.args
         dqkv = bwd(dout, qkv, out, lse, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi,
-                   dropout_p, rng_state)
-        return dqkv, None, None, None, None, None, None, None, None, None, None
+                   dropout_p, rng_state, deterministic)
+        return dqkv, None, None, None, None, None, None, None, None, None, None, None
 
     return backward
 
@@ -148,7 +151,7 @@ _packed_eager = eager_function("FlashAttentionQKVPacked", _packed_fwd_impl, _set
 
 
 def _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, *, causal, softmax_scale, window_size, softcap,
-                   alibi_slopes, dropout_p, return_lse, backend):
+                   alibi_slopes, dropout_p, deterministic, return_lse, backend):
     """Shared by both public functions once qkv is heads-concatenated and (for varlen) cu_seqlens is checked."""
     q, k, v = _split(qkv, num_heads_kv)
     dense = cu_seqlens is None
@@ -166,7 +169,7 @@ def _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, *, causal, sof
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
     out, lse, _ = pick(_packed_fwd_op, _packed_eager)(
         _contiguous_last(qkv), num_heads_kv, cu_seqlens, int(max_seqlen), causal, float(scale), int(window_size[0]),
-        int(window_size[1]), float(softcap), alibi, float(dropout_p),
+        int(window_size[1]), float(softcap), alibi, float(dropout_p), bool(deterministic),
     )
     return (out, lse) if return_lse else out
 
@@ -191,7 +194,7 @@ def flash_attn_qkvpacked_func(
     qkv, num_heads_kv = _heads_concatenated(op, qkv, num_heads_kv, dense=True)
     return _attend_packed(op, qkv, num_heads_kv, None, qkv.shape[1], causal=causal, softmax_scale=softmax_scale,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                          return_lse=return_lse, backend=backend)
+                          deterministic=deterministic, return_lse=return_lse, backend=backend)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -219,4 +222,4 @@ def flash_attn_varlen_qkvpacked_func(
         raise ValueError(f"{op}: max_seqlen ({max_seqlen}) is smaller than the longest sequence ({longest})")
     return _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                          return_lse=return_lse, backend=backend)
+                          deterministic=deterministic, return_lse=return_lse, backend=backend)
