@@ -8,10 +8,11 @@ steps are long (~80 ms) and heavy enough for the GPU's clock to drift between ro
 on an H100), so the sides alternate step by step, in an order reversed every round, each step timed by CUDA
 events; the table gives medians.
 
-    PYTHONPATH=.:kernels python scripts/profile/linear_ce_chunks.py   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/linear_ce_chunks.py [CHUNK ...]   # on a CUDA GPU
 """
 
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from flash_models.bench.harness import peak_memory_bytes
 from flash_models.bench.ops import _fwd_bwd_step
 
 N, H, V = 16384, 4096, 128256
-CHUNKS = (2048, 4096, 8192)
+CHUNKS = tuple(int(c) for c in sys.argv[1:]) or (2048, 4096, 8192)
 ROUNDS = 12
 
 
