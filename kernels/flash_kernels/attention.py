@@ -596,10 +596,10 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
         return dq.zero_(), dk.zero_(), dv.zero_()
     dq4, dk4, dv4 = _as4d(dq), _as4d(dk), _as4d(dv)
     delta = torch.empty_like(lse)
-    if attention_hopper_bwd.backward_unsupported(
-            q4, k4, v4, do4, dk4, dv4, varlen=varlen, causal=causal, local=wl >= 0 or (wr >= 0 and not causal),
-            softcap=softcap, alibi=alibi, dropout_p=dropout_p, scale=scale,
-            deterministic=deterministic) is None and not attention_hopper_bwd.leave_to_triton(q4, k4, causal):
+    hopper_runs = attention_hopper_bwd.backward_unsupported(
+        q4, k4, v4, do4, dk4, dv4, varlen=varlen, causal=causal, local=wl >= 0 or (wr >= 0 and not causal),
+        softcap=softcap, alibi=alibi, dropout_p=dropout_p, scale=scale, deterministic=deterministic) is None
+    if hopper_runs and not attention_hopper_bwd.leave_to_triton(q4, k4, lse, dk4, dv4, causal):
         _bwd_delta(o4, do4, delta, None, False, max_q, q4.shape[2])
         if attention_hopper_bwd.attention_backward(q4, k4, v4, do4, lse, delta, dq4, dk4, dv4, scale, causal):
             return dq, dk, dv

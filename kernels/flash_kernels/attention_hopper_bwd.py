@@ -38,9 +38,10 @@ import logging
 import torch
 
 from . import attention_hopper
-from ._launch import lean_launch
+from ._launch import arguments_key, lean_launch
 from ._triton_compat import triton
 
+PTX_REWRITE = False  # whether dQ's TMA stores become reduce-adds in the PTX (Triton 3.6)
 if attention_hopper.GLUON_AVAILABLE:
     from triton.compiler.errors import CompilationError
     from triton.experimental import gluon
@@ -373,12 +374,28 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
     return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, cols], _descriptor_layout(rows, cols, t.dtype))
 
 
-def leave_to_triton(q, k, causal: bool) -> bool:
+def _launch_scalars(q, k, lse, dk, dv) -> tuple[int, ...]:
+    """The launch's integer arguments: lengths, heads, the query-head group, dQ's padded rows per batch, and the
+    strides of the log-sum-exp (delta shares its layout), dK and dV."""
+    b, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    dq_rows = -(-sq // BLOCK_M) * BLOCK_M
+    return (sq, sk, hq, hq // hkv, dq_rows, lse.stride(0), lse.stride(1), *dk.stride()[:3], *dv.stride()[:3])
+
+
+def _specialization(q, lse, dk, dv, causal: bool, scalars: tuple) -> tuple:
+    """What Triton compiles a launch for: the device, the dtype, the head dim, the mask, and the pointers' and
+    integers' specialization (the descriptors follow from the dtype and head dim)."""
+    return (q.device.index, q.dtype, q.shape[-1], bool(causal), *arguments_key((lse, dk, dv, *scalars)))
+
+
+def leave_to_triton(q, k, lse, dk, dv, causal: bool) -> bool:
     """An eager call too small for this kernel's launch cost (``attention_hopper.EAGER_MIN_FLOP``, the forward's
-    FLOPs), once this specialization is loaded (as ``attention_hopper.leave_to_triton``)."""
+    FLOPs), once this specialization is loaded (as ``attention_hopper.leave_to_triton``: a capture, which cannot
+    load a kernel, then finds it loaded)."""
     if not attention_hopper.small_eager_call(q, k.shape[1], causal):
         return False
-    return (q.device.index, q.dtype, q.shape, k.shape, bool(causal)) in _launched
+    return _specialization(q, lse, dk, dv, causal, _launch_scalars(q, k, lse, dk, dv)) in _launched
 
 
 def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal: bool) -> bool:
@@ -387,11 +404,13 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
     rowsum(dO * O), both (B, Hq, Sq) with any strides of the last dim 1. The caller has checked
     ``backward_unsupported``.
 
-    Returns False, having launched nothing, where this Triton cannot compile the kernel; it is then switched off
-    for the process, with a warning, and the caller runs the Triton backward."""
+    Returns False where this Triton cannot compile the kernel (nothing launched), or where the compiled kernel
+    turns out to lack its reduce-add (dK and dV written, dQ not); the kernel is then switched off for the
+    process, with a warning, and the caller runs the Triton backward, which writes all three gradients."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    dq_rows = -(-sq // BLOCK_M) * BLOCK_M
+    scalars = _launch_scalars(q, k, lse, dk, dv)
+    sq, sk, hq, group, dq_rows = scalars[:5]
     dq_sum = torch.zeros(b, dq_rows, hq, d, dtype=torch.float32, device=q.device)
     if PTX_REWRITE:
         _install_reduce_hook()
@@ -399,9 +418,8 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
     try:
         compiled = _attn_bwd_hopper_kernel[grid](
             _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dq_sum, BLOCK_M, d // 2), lse, delta, dk, dv, sq, sk, hq, hq // hkv,
-            scale * 1.4426950408889634, scale, dq_rows, lse.stride(0), lse.stride(1), *dk.stride()[:3],
-            *dv.stride()[:3], CAUSAL=bool(causal), STAGES=STAGES,
+            _descriptor(dq_sum, BLOCK_M, d // 2), lse, delta, dk, dv, sq, sk, hq, group,
+            scale * 1.4426950408889634, scale, *scalars[4:], CAUSAL=bool(causal), STAGES=STAGES,
             CONSUMER_REGS=attention_hopper.CONSUMER_REGISTERS, PRODUCER_REGS=attention_hopper.PRODUCER_REGISTERS,
             num_warps=4, maxnreg=attention_hopper.MAX_REGISTERS,
         )
@@ -412,6 +430,6 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
         # three gradients, so the wrong dQ sum is never seen.
         return _give_up("the Hopper attention backward compiled without its dQ reduce-add",
                         "was triton.knobs.runtime.add_stages_inspection_hook replaced while it compiled?")
-    _launched.add((q.device.index, q.dtype, q.shape, k.shape, bool(causal)))
+    _launched.add(_specialization(q, lse, dk, dv, causal, scalars))
     dq.copy_(dq_sum[:, :sq])
     return True

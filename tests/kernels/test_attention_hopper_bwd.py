@@ -169,11 +169,15 @@ def test_small_eager_calls_go_to_the_triton_backward_once_this_kernel_is_loaded(
     monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 2**35)
     monkeypatch.setattr(bwd, "_launched", set())
     q = torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16)  # 2^30 FLOPs
-    assert not bwd.leave_to_triton(q, q, False)  # never launched: this kernel first
-    bwd._launched.add((q.device.index, q.dtype, q.shape, q.shape, False))
-    assert bwd.leave_to_triton(q, q, False)
+    lse = torch.empty(1, 2, 1024)
+    args = (q, q, lse, q, q)
+    assert not bwd.leave_to_triton(*args, False)  # never launched: this kernel first
+    bwd._launched.add(bwd._specialization(q, lse, q, q, False, bwd._launch_scalars(*args)))
+    assert bwd.leave_to_triton(*args, False)
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # a 2-byte offset: not 16-aligned
+    assert not bwd.leave_to_triton(q, q, lse, q, unaligned, False)  # another specialization, not loaded
     monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 2**29)
-    assert not bwd.leave_to_triton(q, q, False)
+    assert not bwd.leave_to_triton(*args, False)
 
 
 @needs_gluon
