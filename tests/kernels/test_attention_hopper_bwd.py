@@ -15,20 +15,13 @@ from flash_kernels import attention_hopper, attention_hopper_bwd as bwd
 from flash_kernels import flash_attn_func, flash_attn_qkvpacked_func
 from flash_kernels._testing import assert_close
 from tests.kernels.test_attention import GRAD_SCALE, _qkv
+# (the autouse fixture lifts the eager size limit here too)
+from tests.kernels.test_attention_hopper import HOPPER, eager_calls_of_any_size, needs_hopper  # noqa: F401
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_hopper = pytest.mark.skipif(
-    not HOPPER, reason="needs a Hopper GPU (compute capability 9.0): run on the device machine")
 needs_gluon = pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PLAIN = dict(varlen=False, causal=False, local=False, softcap=0.0, alibi=None, dropout_p=0.0, scale=0.125,
              deterministic=False)
-
-
-@pytest.fixture(autouse=True)
-def eager_calls_of_any_size(monkeypatch):
-    """Small test shapes run eagerly: no eager size limit (``EAGER_MIN_FLOP``) for them."""
-    monkeypatch.setattr(attention_hopper, "EAGER_MIN_FLOP", 0)
 
 
 @pytest.fixture
