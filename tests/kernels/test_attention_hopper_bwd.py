@@ -44,15 +44,16 @@ def _reason(q, k=None, **kw):
     return bwd.backward_unsupported(q, k, k, q, k, k, **{**PLAIN, **kw})
 
 
-def test_reasons_name_what_keeps_the_triton_backward(monkeypatch):
+def test_reasons_name_what_keeps_the_triton_backward():
     q = torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16)
     assert "varlen" in _reason(q, varlen=True)
     assert "deterministic" in _reason(q, deterministic=True)
+    was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         assert "deterministic" in _reason(q)
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(was)
     assert "head dim 128, non-causal" in _reason(q, causal=True)
     assert "head dim 128, non-causal" in _reason(q[..., :64])
     assert "fewer than 512 keys" in _reason(q, q[:, :500])
@@ -129,8 +130,9 @@ def test_deterministic_reaches_the_backward(monkeypatch, packed):
             out = flash_attn_func(q, k, v, deterministic=deterministic, backend="triton")
             out.sum().backward()
     q, k, v = (t.requires_grad_() for t in _qkv(1, 19, 23, 2, 1, 32, torch.bfloat16))
-    lse_args = (None, None, 19, 23, False, 32**-0.5, -1, -1, 0.0, None, 0.0, True)
-    out, _, _ = torch.ops.flash_kernels.attn_fwd(q, k, v, *lse_args)
+    # cu_q, cu_k, max_q, max_k, causal, scale, window left, right, softcap, alibi, dropout_p, deterministic
+    op_args = (None, None, 19, 23, False, 32**-0.5, -1, -1, 0.0, None, 0.0, True)
+    out, _, _ = torch.ops.flash_kernels.attn_fwd(q, k, v, *op_args)
     out.sum().backward()
     assert asked == [False, True, True]
 
