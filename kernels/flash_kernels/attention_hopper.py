@@ -553,18 +553,24 @@ def _specialization(q, out, lse, cu_seqlens, causal: bool, scalars: tuple) -> tu
             *arguments_key((out, lse, cu_seqlens, *scalars)))
 
 
+_GLUON_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 @functools.lru_cache(maxsize=None)
-def _box_layout(rows: int, d: int, dtype: torch.dtype):
-    """The shared-memory layout of a (rows, d) box. Kept: Gluon's ``get_default_for`` costs 15-18 us of host
-    time a call, four calls a launch (an immutable value, so one object serves every launch)."""
-    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+def _box_layout(rows: int, cols: int, dtype: torch.dtype):
+    """The shared-memory layout of a (rows, cols) box of ``dtype`` (bf16, fp16, or the backward's fp32 dQ sum).
+    Kept: Gluon's ``get_default_for`` costs 15-18 us of host time a call, four or five calls a launch (an
+    immutable value, so one object serves every launch)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, _GLUON_DTYPES[dtype]))
 
 
-def _descriptor(t: torch.Tensor, rows: int):
-    """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, D) boxes. Its base is t itself: a
-    descriptor reads only the base's address and dtype (no (B * S, H * D) view is made, a few us a call)."""
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
+    """A TMA descriptor over t's (B * S, H * D) matrix, moving (rows, cols) boxes (cols: D unless given). Its base
+    is t itself: a descriptor reads only the base's address and dtype (no (B * S, H * D) view is made, a few us a
+    call). The backward's kernel takes these too."""
     b, s, h, d = t.shape
-    return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, d], _box_layout(rows, d, t.dtype))
+    cols = cols or d
+    return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, cols], _box_layout(rows, cols, t.dtype))
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -32,7 +32,6 @@ head dim 64 level with it, so ``attention`` takes it for head dim 128 without a 
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -40,6 +39,7 @@ import torch
 from . import attention_hopper
 from ._launch import arguments_key, lean_launch
 from ._triton_compat import triton
+from .attention_hopper import _descriptor
 
 PTX_REWRITE = False  # whether dQ's TMA stores become reduce-adds in the PTX (Triton 3.6)
 if attention_hopper.GLUON_AVAILABLE:
@@ -48,7 +48,6 @@ if attention_hopper.GLUON_AVAILABLE:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                    warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     # The TMA reduce-add of a staged dQ tile; before Triton 3.7, a TMA store that ``_ptx_reduce_hook`` rewrites.
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -357,21 +356,6 @@ def _give_up(problem: str, error) -> bool:
     logger.warning("flash_kernels: %s, so attention keeps its Triton backward (Triton %s):\n%s", problem,
                    triton.__version__, error)
     return False
-
-
-@functools.lru_cache(maxsize=None)
-def _descriptor_layout(rows: int, cols: int, dtype: torch.dtype):
-    """The shared-memory layout of a (rows, cols) box, kept (see ``attention_hopper._box_layout``)."""
-    if dtype == torch.float32:
-        return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
-    return attention_hopper._box_layout(rows, cols, dtype)
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None):
-    """A TMA descriptor over t's (B * S, H * D) matrix moving (rows, cols) boxes (cols: D unless given)."""
-    b, s, h, d = t.shape
-    cols = cols or d
-    return TensorDescriptor(t, [b * s, h * d], [t.stride(1), 1], [rows, cols], _descriptor_layout(rows, cols, t.dtype))
 
 
 def _launch_scalars(q, k, lse, dk, dv) -> tuple[int, ...]:

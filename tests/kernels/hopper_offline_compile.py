@@ -56,7 +56,7 @@ def compile_backward(d: int, causal: bool):
 
     def descriptor(rows: int, cols: int, dtype: torch.dtype) -> str:
         name = "fp32" if dtype == torch.float32 else "bf16"
-        return f"tensordesc<{name}[{rows}, {cols}],{hopper_bwd._descriptor_layout(rows, cols, dtype)!r}>"
+        return f"tensordesc<{name}[{rows}, {cols}],{hopper._box_layout(rows, cols, dtype)!r}>"
 
     types = {"q_desc": descriptor(hopper_bwd.BLOCK_M, d, torch.bfloat16),
              "do_desc": descriptor(hopper_bwd.BLOCK_M, d, torch.bfloat16),

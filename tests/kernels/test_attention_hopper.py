@@ -17,6 +17,7 @@ from tests.kernels.test_attention import _check_fwd_bwd, _qkv
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_hopper = pytest.mark.skipif(
     not HOPPER, reason="needs a Hopper GPU (compute capability 9.0): run on the device machine")
+needs_gluon = pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
 PLAIN = dict(cu_q=None, cu_k=None, max_k=0, causal=False, local=False, softcap=0.0, alibi=None, dropout_p=0.0,
              scale=0.125)
 
@@ -126,7 +127,7 @@ def test_gpu_a_capture_after_eager_calls_takes_this_kernel(hopper_calls, monkeyp
     assert_close(captured, ref, torch.bfloat16, name="out")
 
 
-@pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
+@needs_gluon
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_descriptors_view_the_rows_matrix_and_share_one_layout_per_box(dtype):
     """A packed qkv slice's descriptor: the (B * S, H * D) matrix with qkv's row stride, (rows, D) boxes, and the
@@ -284,7 +285,7 @@ def test_the_forward_hands_over_when_the_kernel_can_run(monkeypatch):
     assert written == [0.25] and not (out == 0.5).all()
 
 
-@pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
+@needs_gluon
 def test_a_triton_that_cannot_compile_the_kernel_leaves_attention_to_the_triton_forward(monkeypatch, caplog):
     """Gluon's API moves between Triton releases (3.7 renamed ``thread_barrier``): where this kernel does not
     compile, the call runs the Triton forward instead, and the kernel is off for the process, with a warning
@@ -312,7 +313,7 @@ def test_a_triton_that_cannot_compile_the_kernel_leaves_attention_to_the_triton_
     assert_close(out, flash_attn_func(q, k, v, backend="reference"), torch.bfloat16, name="out")
 
 
-@pytest.mark.skipif(not attention_hopper.GLUON_AVAILABLE, reason="this Triton has no Gluon Hopper ops")
+@needs_gluon
 @pytest.mark.parametrize("d,causal,varlen", [(128, False, False), (64, True, True)], ids=str)
 def test_the_kernel_compiles_for_hopper_with_this_triton(d, causal, varlen):
     """The kernel builds for sm_90 with the installed Triton (its Gluon API moves between releases), every flag
