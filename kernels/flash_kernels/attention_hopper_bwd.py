@@ -33,6 +33,7 @@ head dim 64 level with it, so ``attention`` takes it for head dim 128 without a 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -335,19 +336,19 @@ def _install_reduce_hook() -> None:
         knobs.add_stages_inspection_hook = _ptx_reduce_hook(current)
 
 
-# The compiled kernels whose PTX has been seen to reduce dQ (ids of CompiledKernel objects, kept alive by
-# Triton's cache), and the launches' specializations (a capture may launch only a loaded kernel).
-_checked: set[int] = set()
+# The compiled kernels whose PTX has been seen to reduce dQ, and the launches' specializations (a capture may
+# launch only a loaded kernel).
+_checked: weakref.WeakSet = weakref.WeakSet()
 _launched: set[tuple] = set()
 
 
 def _reduces(compiled) -> bool:
     """Whether the compiled kernel sums dQ with TMA reduce-adds (checked once per compiled kernel)."""
-    if id(compiled) not in _checked:
+    if compiled not in _checked:
         ptx = getattr(compiled, "asm", {}).get("ptx")
         if ptx is not None and "cp.reduce.async.bulk.tensor" not in ptx:
             return False
-        _checked.add(id(compiled))
+        _checked.add(compiled)
     return True
 
 

@@ -101,6 +101,24 @@ def test_the_hook_rewrites_this_kernel_only_and_keeps_an_earlier_hook(monkeypatc
     assert stages["ptx"](None, {"name": "_attn_fwd_hopper_kernel"}) == store
 
 
+def test_a_compiled_kernel_without_the_reduce_add_is_refused(monkeypatch, caplog):
+    """The check after a first launch: PTX with the TMA store still in it means a wrong dQ, so the kernel is
+    switched off (with a warning) and the caller's Triton backward writes the gradients."""
+    monkeypatch.setattr(bwd, "_checked", bwd.weakref.WeakSet())
+    monkeypatch.setattr(bwd, "_enabled", True)
+
+    class Compiled:
+        def __init__(self, ptx):
+            self.asm = {"ptx": ptx}
+
+    assert bwd._reduces(Compiled("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%rd1];"))
+    assert not bwd._reduces(Compiled("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd1];"))
+    with caplog.at_level("WARNING", logger=bwd.logger.name):
+        assert bwd._give_up("the Hopper attention backward compiled without its dQ reduce-add", "why") is False
+    assert "without its dQ reduce-add" in caplog.text
+    assert "switched off" in _reason(torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16))
+
+
 def _spy_dispatch(monkeypatch):
     """Records the ``deterministic`` each backward asks ``backward_unsupported`` with; the Triton backward runs."""
     asked = []
