@@ -25,8 +25,9 @@ SM90_TMA_REDUCE_ADD issues). Every compiled kernel's PTX is checked for the redu
 Measured (H100, session 30, docs/benchmarks.md Attention; B * S = 16k, H * D = 2048, bf16, graph-replayed): head
 dim 128 non-causal, the backward alone 1698 / 3049 / 5961 us at S 2k / 4k / 8k against the Triton backward's
 1908 / 3549 / 7101 and cuDNN's 1521 / 2660 / 5154; forward + backward 0.894-0.903x cuDNN's (the Triton backward:
-0.780-0.823x). Causal it is slower than the Triton backward (1302 against 1227 us at 2k, the prototype), and at
-head dim 64 level with it, so ``attention`` takes it for head dim 128 without a causal mask only
+0.780-0.823x). Causal (session 31), each program walks its query tiles last-first (``_tile_index``): f+b 1387 /
+2381 / 4403 us at S 2k / 4k / 8k against the Triton backward's 1505 / 2678 / 4981 (first-first: 1608 / 2744 /
+5076). At head dim 64 it is level with the Triton backward, so ``attention`` takes it for head dim 128 only
 (``backward_unsupported``).
 """
 
@@ -64,9 +65,12 @@ STAGES = 2  # (Q, dO) tiles in flight: 196 KB of shared memory at head dim 128
 # Where ``attention`` takes this kernel: (head dim, causal) pairs measured faster than the Triton backward, and the
 # fewest keys. H100, session 30 (``scripts/profile/hopper_backward.py``): head dim 128 non-causal, the backward
 # alone 688 / 1020 / 1698 us at S 512 / 1k / 2k against the Triton backward's 703 / 1120 / 1908; below 512 keys
-# nothing was measured.
-TAKEN = {(128, False)}
+# nothing was measured. Session 31: causal, with the query tiles last-first, f+b 1387 / 2381 / 4403 us at S 2k /
+# 4k / 8k against the Triton backward's 1505 / 2678 / 4981 (``.scratch`` A/B, graph-replayed).
+TAKEN = {(128, False), (128, True)}
 MIN_KEYS = 512
+# The masks (causal or not) whose query tiles each program walks last-first (``_tile_index``).
+LAST_FIRST = {True}
 # The PTX instruction a TMA store of dQ compiles to on Triton 3.6, and the reduce-add it becomes.
 _PTX_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
 _PTX_REDUCE = "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"
@@ -94,7 +98,7 @@ def backward_unsupported(q, k, v, do, dk, dv, *, varlen: bool, causal: bool, loc
     if deterministic or torch.are_deterministic_algorithms_enabled():
         return "a deterministic backward was asked for (this kernel sums dQ with atomic reductions)"
     if (q.shape[-1], bool(causal)) not in TAKEN:
-        return "a head dim and mask where the Triton backward is as fast (head dim 128, non-causal only)"
+        return "a head dim where the Triton backward is as fast (head dim 128 only)"
     if k.shape[1] < MIN_KEYS:
         return f"fewer than {MIN_KEYS} keys"
     if dk.stride(-1) != 1 or dv.stride(-1) != 1:
@@ -125,13 +129,24 @@ if attention_hopper.GLUON_AVAILABLE:
         return first, gl.cdiv(seqlen_q, BLOCK_M)
 
     @gluon.jit
+    def _tile_index(t, first, end, LAST_FIRST):
+        """The query tile a program's t-th step (t from first to end) works on: t itself, or counting down from
+        the last tile. Last-first, the key blocks of one head, launched together, reach the same (Q, dO) tile
+        at the same time causal too (first-first, block j starts at tile 2j), so they share it and its dQ
+        rows through L2 as the non-causal ones do."""
+        i = t
+        if LAST_FIRST:
+            i = end - 1 - (t - first)
+        return i
+
+    @gluon.jit
     def _producer(args):
         descs, _ptrs, sizes, bufs, bars, flags = args
         q_desc, k_desc, v_desc, do_desc, _dq_desc = descs
         k_smem, v_smem, q_smem, do_smem, _ds_smem, _dq_smem = bufs
         kv_ready, q_ready, q_empty, _ds_ready = bars
         seqlen_q, seqlen_k, n_heads_q, group = sizes[0], sizes[1], sizes[2], sizes[3]
-        CAUSAL = flags[0]
+        CAUSAL, LAST_FIRST = flags
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -144,7 +159,8 @@ if attention_hopper.GLUON_AVAILABLE:
         it = 0
         for g in range(group):
             hq = hk * group + g
-            for i in range(first, end):
+            for t in range(first, end):
+                i = _tile_index(t, first, end, LAST_FIRST)
                 slot = it % STAGES
                 mbarrier.wait(q_empty.index(slot), ((it // STAGES) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(slot), 2 * q_desc.block_type.nbytes)
@@ -165,7 +181,7 @@ if attention_hopper.GLUON_AVAILABLE:
          dv_ss, dv_sh) = sizes
         k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem = bufs
         kv_ready, q_ready, q_empty, ds_ready = bars
-        CAUSAL = flags[0]
+        CAUSAL, LAST_FIRST = flags
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -196,7 +212,8 @@ if attention_hopper.GLUON_AVAILABLE:
         for g in range(group):
             hq = hk * group + g
             lse_base = (b * lse_sb + hq * lse_sh).to(gl.int64)
-            for i in range(first, end):
+            for t in range(first, end):
+                i = _tile_index(t, first, end, LAST_FIRST)
                 slot = it % STAGES
                 q0 = i * BLOCK_M
                 mbarrier.wait(q_ready.index(slot), (it // STAGES) & 1)
@@ -261,8 +278,8 @@ if attention_hopper.GLUON_AVAILABLE:
     @gluon.jit
     def _attn_bwd_hopper_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, LSE, Delta, DK, DV, seqlen_q, seqlen_k,
                                 n_heads_q, group, scale_log2, scale, dq_rows, lse_sb, lse_sh, dk_sb, dk_ss, dk_sh,
-                                dv_sb, dv_ss, dv_sh, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                dv_sb, dv_ss, dv_sh, CAUSAL: gl.constexpr, LAST_FIRST: gl.constexpr,
+                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -289,7 +306,7 @@ if attention_hopper.GLUON_AVAILABLE:
                 (seqlen_q, seqlen_k, n_heads_q, group, scale_log2, scale, dq_rows, lse_sb, lse_sh, dk_sb, dk_ss,
                  dk_sh, dv_sb, dv_ss, dv_sh),
                 (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem), (kv_ready, q_ready, q_empty, ds_ready),
-                (gl.constexpr(CAUSAL), ))
+                (gl.constexpr(CAUSAL), gl.constexpr(LAST_FIRST)))
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -404,7 +421,8 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
         compiled = _attn_bwd_hopper_kernel[grid](
             _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_sum, BLOCK_M, d // 2), lse, delta, dk, dv, sq, sk, hq, group,
-            scale * 1.4426950408889634, scale, *scalars[4:], CAUSAL=bool(causal), STAGES=STAGES,
+            scale * 1.4426950408889634, scale, *scalars[4:], CAUSAL=bool(causal),
+            LAST_FIRST=bool(causal) in LAST_FIRST, STAGES=STAGES,
             CONSUMER_REGS=attention_hopper.CONSUMER_REGISTERS, PRODUCER_REGS=attention_hopper.PRODUCER_REGISTERS,
             num_warps=4, maxnreg=attention_hopper.MAX_REGISTERS,
         )
