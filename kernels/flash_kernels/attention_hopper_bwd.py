@@ -27,8 +27,9 @@ dim 128 non-causal, the backward alone 1698 / 3049 / 5961 us at S 2k / 4k / 8k a
 1908 / 3549 / 7101 and cuDNN's 1521 / 2660 / 5154; forward + backward 0.894-0.903x cuDNN's (the Triton backward:
 0.780-0.823x). Causal (session 31), each program walks its query tiles last-first (``_tile_index``): f+b 1387 /
 2381 / 4403 us at S 2k / 4k / 8k against the Triton backward's 1505 / 2678 / 4981 (first-first: 1608 / 2744 /
-5076). At head dim 64 it is level with the Triton backward, so ``attention`` takes it for head dim 128 only
-(``backward_unsupported``).
+5076), and the launch order starts each group of heads' longest key blocks first (``_key_block``). At head dim 64,
+and causal below 2048 keys, it is level with the Triton backward or slower, so ``attention`` takes it for head dim
+128 only, from ``MIN_KEYS`` (``backward_unsupported``).
 """
 
 from __future__ import annotations
@@ -62,13 +63,12 @@ logger = logging.getLogger(__name__)
 BLOCK_N = 128  # keys per program: 64 per consumer warpgroup
 BLOCK_M = 64  # query rows per tile
 STAGES = 2  # (Q, dO) tiles in flight: 196 KB of shared memory at head dim 128
-# Where ``attention`` takes this kernel: (head dim, causal) pairs measured faster than the Triton backward, and the
-# fewest keys. H100, session 30 (``scripts/profile/hopper_backward.py``): head dim 128 non-causal, the backward
-# alone 688 / 1020 / 1698 us at S 512 / 1k / 2k against the Triton backward's 703 / 1120 / 1908; below 512 keys
-# nothing was measured. Session 31: causal, with the query tiles last-first, f+b 1387 / 2381 / 4403 us at S 2k /
-# 4k / 8k against the Triton backward's 1505 / 2678 / 4981 (``.scratch`` A/B, graph-replayed).
-TAKEN = {(128, False), (128, True)}
-MIN_KEYS = 512
+# Where ``attention`` takes this kernel: the fewest keys for each (head dim, causal) pair measured faster than the
+# Triton backward. H100 (``scripts/profile/hopper_backward.py``, graph-replayed), head dim 128: non-causal (session
+# 30), the backward alone 688 / 1020 / 1698 us at S 512 / 1k / 2k against the Triton backward's 703 / 1120 / 1908
+# (below 512 keys nothing was measured); causal (session 31, query tiles last-first), 741 / 1099 / 1870 / 3368 us
+# at S 1k / 2k / 4k / 8k against 740 / 1222 / 2186 / 3988, and slower at 512 (f+b 678 against 613).
+MIN_KEYS = {(128, False): 512, (128, True): 2048}
 # The masks (causal or not) whose query tiles each program walks last-first (``_tile_index``).
 LAST_FIRST = {True}
 # The L2 share of one group of heads in the causal launch order (``_heads_per_group``): 8 heads of 2k queries at
@@ -100,10 +100,11 @@ def backward_unsupported(q, k, v, do, dk, dv, *, varlen: bool, causal: bool, loc
         return "varlen (packed sequences)"
     if deterministic or torch.are_deterministic_algorithms_enabled():
         return "a deterministic backward was asked for (this kernel sums dQ with atomic reductions)"
-    if (q.shape[-1], bool(causal)) not in TAKEN:
+    minimum = MIN_KEYS.get((q.shape[-1], bool(causal)))
+    if minimum is None:
         return "a head dim where the Triton backward is as fast (head dim 128 only)"
-    if k.shape[1] < MIN_KEYS:
-        return f"fewer than {MIN_KEYS} keys"
+    if k.shape[1] < minimum:
+        return f"fewer than {minimum} keys{' causal' if causal else ''}, where the Triton backward is as fast"
     if dk.stride(-1) != 1 or dv.stride(-1) != 1:
         return "gradient buffers whose last dim is not contiguous"
     # The forward's conditions: the Hopper GPU, Gluon, the dtype, the mask and the (B * S, H * D) layouts. Its

@@ -3,8 +3,8 @@ B * S = 16k, H * D = 2048 (``bench attention``'s training grid).
 
 Per shape: forward + backward us through ``flash_attn_func`` with the Gluon backward ("gluon") and with it off
 ("triton"), SDPA's cuDNN backend's forward + backward, and the forward alone of each (ours / cuDNN), so that the
-backward alone is f+b minus f. Rows the library does not send to the Gluon backward (causal, head dim 64, under
-``MIN_KEYS``) are timed with it forced on (``attention_hopper_bwd.TAKEN``), to show why.
+backward alone is f+b minus f. Rows the library does not send to the Gluon backward (head dim 64, under
+``MIN_KEYS``) are timed with it forced on (``attention_hopper_bwd.MIN_KEYS``), to show why.
 
     PYTHONPATH=.:kernels python scripts/profile/hopper_backward.py [--causal] [--hdim64]   # on a Hopper GPU
 """
@@ -51,18 +51,16 @@ def time_shape(s: int, d: int, causal: bool) -> dict:
         torch.autograd.grad(out, (qt, kt, vt), dout_t)
 
     row = {"ours_f": best_us(ours_fwd), "cudnn_f": best_us(cudnn_fwd), "cudnn_fb": best_us(cudnn_fb)}
-    taken = set(attention_hopper_bwd.TAKEN)
-    attention_hopper_bwd.TAKEN.add((d, causal))
-    minimum, attention_hopper_bwd.MIN_KEYS = attention_hopper_bwd.MIN_KEYS, 0
+    taken = dict(attention_hopper_bwd.MIN_KEYS)
+    attention_hopper_bwd.MIN_KEYS[(d, causal)] = 0
     try:
         row["gluon_fb"] = best_us(ours_fb)
         previous = attention_hopper_bwd.use_hopper_backward(False)
         row["triton_fb"] = best_us(ours_fb)
         attention_hopper_bwd.use_hopper_backward(previous)
     finally:
-        attention_hopper_bwd.TAKEN.clear()
-        attention_hopper_bwd.TAKEN.update(taken)
-        attention_hopper_bwd.MIN_KEYS = minimum
+        attention_hopper_bwd.MIN_KEYS.clear()
+        attention_hopper_bwd.MIN_KEYS.update(taken)
     return row
 
 

@@ -56,6 +56,7 @@ def test_reasons_name_what_keeps_the_triton_backward():
     assert "head dim 128 only" in _reason(q[..., :64])
     assert "head dim 128 only" in _reason(q[..., :64], causal=True)
     assert "fewer than 512 keys" in _reason(q, q[:, :500])
+    assert "fewer than 2048 keys causal" in _reason(q, causal=True)
     assert "Hopper" in _reason(q) or "Gluon" in _reason(q)  # the CPU (or another GPU)
     previous = bwd.use_hopper_backward(False)
     try:
@@ -65,7 +66,7 @@ def test_reasons_name_what_keeps_the_triton_backward():
     if HOPPER:
         g = q.cuda()
         assert _reason(g) is None
-        assert _reason(g, causal=True) is None
+        assert _reason(g, torch.cat([g, g], 1), causal=True) is None
         assert "window" in _reason(g, local=True)
         assert "last dim" in bwd.backward_unsupported(g, g, g, g, g.transpose(2, 3), g, **PLAIN)
 
@@ -244,9 +245,10 @@ def test_gpu_the_kernel_matches_the_reference(b, sq, sk, hq, hkv, d, dtype, caus
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_attention_takes_it_where_it_should(backward_calls):
-    """flash_attn_func's backward runs here at head dim 128, causal or not, from 512 keys (a GQA call with a
-    partial last key block and a packed qkv's strided slices among them), and matches the reference; head dim 64
-    and deterministic calls keep the Triton backward."""
+    """flash_attn_func's backward runs here at head dim 128 from 512 keys, causal from 2048 (a GQA call with a
+    partial last key block, a packed qkv's strided slices and a causal call with Sq < Sk among them), and
+    matches the reference; head dim 64, deterministic and causal calls with fewer keys keep the Triton
+    backward."""
     torch.manual_seed(33)
     dtype = torch.bfloat16
     q, k, v = (t.requires_grad_() for t in _qkv(2, 333, 1100, 8, 2, 128, dtype))
@@ -263,14 +265,20 @@ def test_gpu_attention_takes_it_where_it_should(backward_calls):
     ref = flash_attn_qkvpacked_func(qkv, backend="reference")
     assert_close(dqkv, torch.autograd.grad(ref, qkv, torch.ones_like(ref))[0], dtype, scale=GRAD_SCALE, name="dqkv")
     assert len(backward_calls) == 2
-    out = flash_attn_func(q, k, v, backend="triton", causal=True)
-    torch.autograd.grad(out, (q, k, v), dout)
-    assert len(backward_calls) == 3
-    out = flash_attn_func(q, k, v, backend="triton", deterministic=True)
-    torch.autograd.grad(out, (q, k, v), dout)
+    for kwargs in (dict(causal=True), dict(deterministic=True)):  # causal: fewer than 2048 keys
+        out = flash_attn_func(q, k, v, backend="triton", **kwargs)
+        torch.autograd.grad(out, (q, k, v), dout)
     small = [t[..., :64].detach().contiguous().requires_grad_() for t in (q, k, v)]
     torch.autograd.grad(flash_attn_func(*small, backend="triton").sum(), small)
-    assert len(backward_calls) == 3
+    assert len(backward_calls) == 2
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 200, 2100, 4, 2, 128, dtype))
+    out = flash_attn_func(q, k, v, backend="triton", causal=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = flash_attn_func(q, k, v, backend="reference", causal=True)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, (q, k, v), dout)):
+        assert_close(g, r, dtype, scale=GRAD_SCALE, name=name)
+    assert backward_calls[2:] == [(1, 200, 4, 128)]
 
 
 @pytest.mark.gpu
