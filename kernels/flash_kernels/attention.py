@@ -36,8 +36,8 @@ max_seqlen); outside a CUDA graph's capture, 2^35 FLOPs of work or more) runs in
 Gluon kernel (FlashAttention-3's schedule, which Triton's ``tl.dot`` cannot express); its output and
 log-sum-exp are this module's, so either backward takes them.
 
-On a Hopper GPU the backward of dense (not varlen) fp16/bf16 attention at head dim 128 without a causal mask,
-from 512 keys, with no window, softcap, ALiBi or dropout (outside a capture, 2^35 FLOPs or more), runs on
+On a Hopper GPU the backward of dense (not varlen) fp16/bf16 attention at head dim 128, from 512 keys (causal:
+2048), with no window, softcap, ALiBi or dropout (outside a capture, 2^35 FLOPs or more), runs on
 ``attention_hopper_bwd``'s Gluon kernel (FA3's single-pass backward, dQ summed with TMA reduce-adds), unless
 ``deterministic=True`` or torch's deterministic algorithms ask for a reproducible dQ.
 
@@ -780,7 +780,7 @@ def flash_attn_func(
 
     See the module docstring for masking, softcap, ALiBi and dropout semantics. ``deterministic=True`` (or
     ``torch.use_deterministic_algorithms``) keeps the backward bitwise reproducible: the Hopper backward
-    (``attention_hopper_bwd``, head dim 128 without a causal mask) sums dQ with atomic reductions, so then the
+    (``attention_hopper_bwd``, head dim 128) sums dQ with atomic reductions, so then the
     atomics-free Triton backward runs instead.
     """
     op = "flash_attn_func"
