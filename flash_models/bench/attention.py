@@ -283,6 +283,12 @@ def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
         dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE = defaults
 
 
+def _not_measured(ax, part):
+    """An empty panel that says so (a run with --skip-decode), rather than bare axes and a legend warning."""
+    ax.axis("off")
+    ax.text(0.5, 0.5, f"{part}: not measured in this run", ha="center", va="center", transform=ax.transAxes)
+
+
 def _plot(train, decode, path):
     try:
         import matplotlib
@@ -309,14 +315,19 @@ def _plot(train, decode, path):
             ax.set_ylabel("TFLOP/s")
             ax.legend(fontsize=7)
     ax = axes[0][-1]
-    for i, b in enumerate(sorted({r["batch"] for r in decode.rows})):
-        rows = [r for r in decode.rows if r["batch"] == b]
-        ax.plot([r["kv_len"] for r in rows], [r["ours_GBs"] for r in rows], f"C{i}", marker="o", label=f"ours B={b}")
-        ax.plot([r["kv_len"] for r in rows], [r["best_sdpa_GBs"] for r in rows], f"C{i}", ls=":", label=f"SDPA best B={b}")
-    ax.set_xscale("log", base=2)
-    ax.set_title("decode: KV bytes read, GB/s")
-    ax.set_xlabel("KV length")
-    ax.legend(fontsize=7)
+    if decode.rows:
+        for i, b in enumerate(sorted({r["batch"] for r in decode.rows})):
+            rows = [r for r in decode.rows if r["batch"] == b]
+            ax.plot([r["kv_len"] for r in rows], [r["ours_GBs"] for r in rows], f"C{i}", marker="o",
+                    label=f"ours B={b}")
+            ax.plot([r["kv_len"] for r in rows], [r["best_sdpa_GBs"] for r in rows], f"C{i}", ls=":",
+                    label=f"SDPA best B={b}")
+        ax.set_xscale("log", base=2)
+        ax.set_title("decode: KV bytes read, GB/s")
+        ax.set_xlabel("KV length")
+        ax.legend(fontsize=7)
+    else:
+        _not_measured(ax, "decode")
     axes[1][-1].axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
