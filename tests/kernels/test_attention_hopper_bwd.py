@@ -195,12 +195,14 @@ def test_small_eager_calls_go_to_the_triton_backward_once_this_kernel_is_loaded(
 
 
 @needs_gluon
-def test_the_kernel_compiles_for_hopper_with_this_triton():
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_kernel_compiles_for_hopper_with_this_triton(causal):
     """The backward builds for sm_90 with the installed Triton (Triton 3.6 through the PTX rewrite, 3.7+ with
-    Gluon's TMA reduce-add), sums dQ with a TMA reduce-add, and fits a Hopper SM's 227 KB of shared memory."""
+    Gluon's TMA reduce-add), sums dQ with a TMA reduce-add, and fits a Hopper SM's 227 KB of shared memory; the
+    causal variant too (its own code: query tiles walked last-first, heads launched in groups)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "tests.kernels.hopper_offline_compile", "128", "0", "bwd"]
+    command = [sys.executable, "-m", "tests.kernels.hopper_offline_compile", "128", str(int(causal)), "bwd"]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("reduce-add True"), done.stdout

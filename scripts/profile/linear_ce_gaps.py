@@ -1,0 +1,59 @@
+"""Fused linear + cross-entropy timed as ``bench ops`` times it (calls back to back, no synchronize between
+them), with the GPU's idle gaps inside the steps: where ours loses time against torch.compile of the unfused
+loss when its kernels alone add up to less.
+
+Why: by kernel time ours was ahead (73.5 against 74.8 ms, session 22), by bench ops' wall time behind (77.2
+against 74.6, session 30). The difference is GPU time that no kernel uses (a host stall, a synchronizing
+allocation) or kernels that ran slower in the timed steps than in the profiled ones; this script prints both:
+per side, the wall time of back-to-back steps, the kernel time in a profiled run of the same steps, and the
+largest idle gaps with the kernels around them.
+
+    PYTHONPATH=.:kernels:scripts/profile python scripts/profile/linear_ce_gaps.py   # on a CUDA GPU
+"""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from flash_models.bench.harness import time_cuda
+from flash_models.bench.ops import _fwd_bwd_step, linear_cross_entropy_cases
+
+STEPS = 5
+GAP_US = 30.0
+
+
+def idle_gaps(prof) -> tuple[float, list[tuple[float, str, str]]]:
+    """(kernel-busy us, [(gap us, kernel before, kernel after)]) over the profiled run's CUDA kernels, one
+    stream: gaps between one kernel's end and the next one's start."""
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy, gaps, prev = 0.0, [], None
+    for e in events:
+        start, end = e.time_range.start, e.time_range.end
+        busy += end - start
+        if prev is not None and start - prev[0] > GAP_US:
+            gaps.append((start - prev[0], prev[1][:50], e.name[:50]))
+        prev = (max(end, prev[0]) if prev else end, e.name)
+    return busy, gaps
+
+
+def main():
+    print(torch.cuda.get_device_name())
+    (case,) = linear_cross_entropy_cases(compile_peer=True)
+    sides = {name: _fwd_bwd_step(fn, case.inputs) for name, fn in case.impls.items() if name != "torch eager"}
+    for rnd in range(2):
+        for name, step in (sides.items() if rnd == 0 else reversed(sides.items())):
+            timing = time_cuda(step, repeats=STEPS, back_to_back=True)
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(STEPS):
+                    step()
+                torch.cuda.synchronize()
+            busy, gaps = idle_gaps(prof)
+            gap_total = sum(g for g, _, _ in gaps)
+            print(f"\nround {rnd} {name}: back-to-back median {timing.median_ms:.2f} ms (min {timing.min_ms:.2f}); "
+                  f"profiled: kernels {busy / 1e3 / STEPS:.2f} ms per step, {len(gaps) / STEPS:.1f} gaps > "
+                  f"{GAP_US:.0f} us per step totalling {gap_total / 1e3 / STEPS:.2f} ms")
+            for gap, before, after in sorted(gaps, reverse=True)[:8]:
+                print(f"  {gap:9.1f} us idle  after {before}  before {after}")
+
+
+if __name__ == "__main__":
+    main()
