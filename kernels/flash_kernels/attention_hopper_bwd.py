@@ -4,8 +4,10 @@ reduce-adds.
 Why: the Triton backward (``attention_bwd``) runs dK/dV and dQ as two kernels, so S = Q K^T and dP = dO V^T are
 computed twice, and each ``tl.dot`` waits for its wgmma right after issuing it. Here one program per (128-key
 block, batch, kv head) computes them once: a TMA producer warp loads the key block once and a ring of 64-row
-(Q, dO) tiles (of every query head of the kv head's group); two consumer warpgroups own 64 keys each and keep
-dK and dV in registers. Per query tile, transposed so that keys are the wgmma M dimension:
+(Q, dO) tiles (of every query head of the kv head's group), with each tile's log-sum-exp and delta rows (by
+cp.async into shared memory: the consumers read them where they use them, so no register holds them through the
+tile); two consumer warpgroups own 64 keys each and keep dK and dV in registers. Per query tile, transposed so
+that keys are the wgmma M dimension:
     S^T = K Q^T,  P^T = exp2(S^T * scale * log2e - lse * log2e),  dP^T = V dO^T,  dS^T = P^T (dP^T - delta),
     dV += P^T dO,  dK += dS^T Q,  dQ_tile = scale * dS K.
 Both warpgroups' dS^T go through shared memory, and each computes one half of dQ_tile's columns from all 128
@@ -27,9 +29,12 @@ dim 128 non-causal, the backward alone 1698 / 3049 / 5961 us at S 2k / 4k / 8k a
 1908 / 3549 / 7101 and cuDNN's 1521 / 2660 / 5154; forward + backward 0.894-0.903x cuDNN's (the Triton backward:
 0.780-0.823x). Causal (session 31), each program walks its query tiles last-first (``_tile_index``): f+b 1387 /
 2381 / 4403 us at S 2k / 4k / 8k against the Triton backward's 1505 / 2678 / 4981 (first-first: 1608 / 2744 /
-5076), and the launch order starts each group of heads' longest key blocks first (``_key_block``). At head dim 64,
-and causal below 2048 keys, it is level with the Triton backward or slower, so ``attention`` takes it for head dim
-128 only, from ``MIN_KEYS`` (``backward_unsupported``).
+5076), and the launch order starts each group of heads' longest key blocks first (``_key_block``). Session 32 moved
+the log-sum-exp and delta rows from registers to shared memory (ptxas's spills: 504 -> 96 bytes non-causal, 432 ->
+132 causal): the backward alone 5-7% faster, f+b 0.934-0.958x cuDNN non-causal and 0.929-0.932x causal at S 2k-8k
+(graph-replayed; the code before, in the same call: 0.880-0.903x). At head dim 64, and causal below 2048 keys, it
+was level with the Triton backward or slower before that change, so ``attention`` takes it for head dim 128 only,
+from ``MIN_KEYS`` (``backward_unsupported``).
 """
 
 from __future__ import annotations
@@ -49,8 +54,12 @@ if attention_hopper.GLUON_AVAILABLE:
     from triton.compiler.errors import CompilationError
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                                   warpgroup_mma, warpgroup_mma_wait)
+
+    # cp.async of a pointer tensor into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, ``async_load``
+    # from 3.8 on.
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
     # The TMA reduce-add of a staged dQ tile; before Triton 3.7, a TMA store that ``_ptx_reduce_hook`` rewrites.
     _tma_reduce_add = getattr(tma, "async_atomic_add", None)
@@ -156,11 +165,13 @@ if attention_hopper.GLUON_AVAILABLE:
 
     @gluon.jit
     def _producer(args):
-        descs, _ptrs, sizes, bufs, bars, flags = args
+        descs, ptrs, sizes, bufs, bars, flags = args
         q_desc, k_desc, v_desc, do_desc, _dq_desc = descs
-        k_smem, v_smem, q_smem, do_smem, _ds_smem, _dq_smem = bufs
+        LSE, Delta, _DK, _DV = ptrs
+        k_smem, v_smem, q_smem, do_smem, _ds_smem, _dq_smem, stat_smem = bufs
         kv_ready, q_ready, q_empty, _ds_ready = bars
         seqlen_q, seqlen_k, n_heads_q, group, heads_per_group = sizes[:5]
+        lse_sb, lse_sh = sizes[8:10]
         CAUSAL, LAST_FIRST = flags
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
@@ -171,13 +182,24 @@ if attention_hopper.GLUON_AVAILABLE:
         tma.async_copy_global_to_shared(k_desc, [b * seqlen_k + n0, hk * HEAD_DIM], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [b * seqlen_k + n0, hk * HEAD_DIM], kv_ready, v_smem)
         first, end = _query_tiles(n0, seqlen_q, seqlen_k, BLOCK_M, CAUSAL)
+        stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         it = 0
         for g in range(group):
             hq = hk * group + g
+            lse_base = (b * lse_sb + hq * lse_sh).to(gl.int64)
             for t in range(first, end):
                 i = _tile_index(t, first, end, LAST_FIRST)
                 slot = it % STAGES
                 mbarrier.wait(q_empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                # The tile's log-sum-exp and delta rows into shared memory by cp.async, which arrives on the
+                # slot's barrier when done (counted in, so the barrier's count stays one): the consumers read them
+                # where they use them, instead of holding 32 registers of them through the tile (ptxas spilled
+                # 504 bytes that way, 96 this way).
+                cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=stat_layout)
+                col_ok = cols < seqlen_q
+                _async_load(stat_smem.index(2 * slot), LSE + lse_base + cols, mask=col_ok)
+                _async_load(stat_smem.index(2 * slot + 1), Delta + lse_base + cols, mask=col_ok)
+                async_copy.mbarrier_arrive(q_ready.index(slot))
                 mbarrier.expect(q_ready.index(slot), 2 * q_desc.block_type.nbytes)
                 row = b * seqlen_q + i * BLOCK_M
                 tma.async_copy_global_to_shared(q_desc, [row, hq * HEAD_DIM], q_ready.index(slot), q_smem.index(slot))
@@ -191,10 +213,10 @@ if attention_hopper.GLUON_AVAILABLE:
         the head dim)."""
         descs, ptrs, sizes, bufs, bars, flags = args
         q_desc, k_desc, _v_desc, _do_desc, dq_desc = descs
-        LSE, Delta, DK, DV = ptrs
-        (seqlen_q, seqlen_k, n_heads_q, group, heads_per_group, scale_log2, scale, dq_rows, lse_sb, lse_sh, dk_sb,
+        _LSE, _Delta, DK, DV = ptrs
+        (seqlen_q, seqlen_k, n_heads_q, group, heads_per_group, scale_log2, scale, dq_rows, _lse_sb, _lse_sh, dk_sb,
          dk_ss, dk_sh, dv_sb, dv_ss, dv_sh) = sizes
-        k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem = bufs
+        k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stat_smem = bufs
         kv_ready, q_ready, q_empty, ds_ready = bars
         CAUSAL, LAST_FIRST = flags
         HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
@@ -226,7 +248,6 @@ if attention_hopper.GLUON_AVAILABLE:
         it = 0
         for g in range(group):
             hq = hk * group + g
-            lse_base = (b * lse_sb + hq * lse_sh).to(gl.int64)
             for t in range(first, end):
                 i = _tile_index(t, first, end, LAST_FIRST)
                 slot = it % STAGES
@@ -238,9 +259,8 @@ if attention_hopper.GLUON_AVAILABLE:
                 dpt = warpgroup_mma(v_w, do_buf.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 cols = q0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
                 col_ok = cols < seqlen_q
-                lse = gl.load(LSE + lse_base + cols, mask=col_ok, other=0.0) * 1.4426950408889634
-                delta = gl.load(Delta + lse_base + cols, mask=col_ok, other=0.0)
                 st = warpgroup_mma_wait(1, deps=(st, ))
+                lse = stat_smem.index(2 * slot).load(gl.SliceLayout(0, st_layout)) * 1.4426950408889634
                 pt = gl.exp2(st * scale_log2 - gl.expand_dims(lse, 0))
                 # Masks only where a tile needs them: query rows past the end (TMA read the next batch's rows or
                 # zeros there), keys past the end (the last key block), and causal tiles that cross the diagonal.
@@ -251,6 +271,7 @@ if attention_hopper.GLUON_AVAILABLE:
                         pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0) + diagonal, pt, 0.0)
                 dv = warpgroup_mma(gl.convert_layout(pt.to(q_desc.dtype), a_layout), do_buf, dv, is_async=True)
                 dpt = warpgroup_mma_wait(1, deps=(dpt, ))
+                delta = stat_smem.index(2 * slot + 1).load(gl.SliceLayout(0, st_layout))
                 dst = (pt * (dpt - gl.expand_dims(delta, 0))).to(q_desc.dtype)
                 dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_buf, dk, is_async=True)
                 # Both warpgroups' dS^T into shared memory (two buffers: a warpgroup reaches tile it + 2 only
@@ -307,6 +328,8 @@ if attention_hopper.GLUON_AVAILABLE:
         ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
         # One staged dQ half-tile per warpgroup, in the descriptor's layout: TMA reads it.
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+        # Each (Q, dO) slot's log-sum-exp and delta rows (the producer's cp.async writes them).
+        stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -321,7 +344,7 @@ if attention_hopper.GLUON_AVAILABLE:
         args = ((q_desc, k_desc, v_desc, do_desc, dq_desc), (LSE, Delta, DK, DV),
                 (seqlen_q, seqlen_k, n_heads_q, group, heads_per_group, scale_log2, scale, dq_rows, lse_sb, lse_sh,
                  dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh),
-                (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem), (kv_ready, q_ready, q_empty, ds_ready),
+                (k_smem, v_smem, q_smem, do_smem, ds_smem, dq_smem, stat_smem), (kv_ready, q_ready, q_empty, ds_ready),
                 (gl.constexpr(CAUSAL), gl.constexpr(LAST_FIRST)))
         gl.warp_specialize([(_consumer0, (args, )), (_consumer1, (args, )), (_producer, (args, ))], [4, 1],
                            [CONSUMER_REGS, PRODUCER_REGS])
