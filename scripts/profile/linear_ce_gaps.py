@@ -2,7 +2,7 @@
 them), with the GPU's idle gaps inside the steps: where ours loses time against torch.compile of the unfused
 loss when its kernels alone add up to less.
 
-Why: by kernel time ours was ahead (73.5 against 74.8 ms, session 22), by bench ops' wall time behind (77.2
+Why: by kernel time the two were level (0.994x, session 21), by bench ops' wall time ours was behind (77.2
 against 74.6, session 30). The difference is GPU time that no kernel uses (a host stall, a synchronizing
 allocation) or kernels that ran slower in the timed steps than in the profiled ones; this script prints both:
 per side, the wall time of back-to-back steps, the kernel time in a profiled run of the same steps, and the
