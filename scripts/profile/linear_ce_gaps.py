@@ -12,6 +12,7 @@ largest idle gaps with the kernels around them.
 """
 
 import torch
+from kernel_table import critical_path_per_step  # this folder's sibling script
 from torch.profiler import ProfilerActivity, profile
 
 from flash_models.bench.harness import time_cuda
@@ -23,15 +24,12 @@ GAP_US = 30.0
 
 def idle_gaps(prof) -> tuple[float, list[tuple[float, str, str]]]:
     """(kernel-busy us, [(gap us, kernel before, kernel after)]) over the profiled run's CUDA kernels, one
-    stream: gaps between one kernel's end and the next one's start."""
-    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    busy, gaps, prev = 0.0, [], None
-    for e in events:
-        start, end = e.time_range.start, e.time_range.end
-        busy += end - start
-        if prev is not None and start - prev[0] > GAP_US:
-            gaps.append((start - prev[0], prev[1][:50], e.name[:50]))
-        prev = (max(end, prev[0]) if prev else end, e.name)
+    stream: from ``critical_path_per_step``'s timeline, where a kernel's added time beyond its own duration is
+    the idle gap before it."""
+    _, timeline = critical_path_per_step(prof, steps=1)
+    busy = sum(duration for _, _, duration, _ in timeline)
+    gaps = [(added - duration, before[0][:50], name[:50])
+            for before, (name, _, duration, added) in zip(timeline, timeline[1:]) if added - duration > GAP_US]
     return busy, gaps
 
 
