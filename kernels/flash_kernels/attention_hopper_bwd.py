@@ -32,9 +32,9 @@ dim 128 non-causal, the backward alone 1698 / 3049 / 5961 us at S 2k / 4k / 8k a
 5076), and the launch order starts each group of heads' longest key blocks first (``_key_block``). Session 32 moved
 the log-sum-exp and delta rows from registers to shared memory (ptxas's spills: 504 -> 96 bytes non-causal, 432 ->
 132 causal): the backward alone 5-7% faster, f+b 0.934-0.958x cuDNN non-causal and 0.929-0.932x causal at S 2k-8k
-(graph-replayed; the code before, in the same call: 0.880-0.903x). At head dim 64, and causal below 2048 keys, it
-was level with the Triton backward or slower before that change, so ``attention`` takes it for head dim 128 only,
-from ``MIN_KEYS`` (``backward_unsupported``).
+(graph-replayed; the code before, in the same call: 0.880-0.903x). That change also made it faster than the Triton
+backward at head dim 64 and at shorter causal lengths (session 33), where it had been level or slower: ``attention``
+takes it from ``MIN_KEYS`` keys (``backward_unsupported``).
 """
 
 from __future__ import annotations
@@ -71,13 +71,17 @@ logger = logging.getLogger(__name__)
 
 BLOCK_N = 128  # keys per program: 64 per consumer warpgroup
 BLOCK_M = 64  # query rows per tile
-STAGES = 2  # (Q, dO) tiles in flight: 196 KB of shared memory at head dim 128
+# (Q, dO) tiles in flight per (head dim, causal). Head dim 128 has room for two (198 KB of shared memory); head dim
+# 64 non-causal runs 2-3% faster with four (150 KB) than with two, causal 1-2% slower (H100, session 33,
+# graph-replayed f+b: 1424 / 2571 / 4810 / 9307 us at S 1k / 2k / 4k / 8k against 1450 / 2604 / 4925 / 9614).
+STAGES = {(128, False): 2, (128, True): 2, (64, False): 4, (64, True): 2}
 # Where ``attention`` takes this kernel: the fewest keys for each (head dim, causal) pair measured faster than the
-# Triton backward. H100 (``scripts/profile/hopper_backward.py``, graph-replayed), head dim 128: non-causal (session
-# 30), the backward alone 688 / 1020 / 1698 us at S 512 / 1k / 2k against the Triton backward's 703 / 1120 / 1908
-# (below 512 keys nothing was measured); causal (session 31, query tiles last-first), 741 / 1099 / 1870 / 3368 us
-# at S 1k / 2k / 4k / 8k against 740 / 1222 / 2186 / 3988, and slower at 512 (f+b 678 against 613).
-MIN_KEYS = {(128, False): 512, (128, True): 2048}
+# Triton backward (H100, ``scripts/profile/hopper_backward.py`` and session 33's stage sweep, graph-replayed f+b,
+# us). Head dim 128 non-causal: 748 against 827 at S 512 (below 512 nothing was measured). Head dim 128 causal:
+# 844 against 899 at 1k, slower at 512 (534 against 497, backward alone). Head dim 64 non-causal: 1424 against
+# 1542 at 1k, level at 512 (890 against 881). Head dim 64 causal: 1572 against 1656 at 2k, level at 1k (1013
+# against 999), slower at 512 (764 against 664).
+MIN_KEYS = {(128, False): 512, (128, True): 1024, (64, False): 1024, (64, True): 2048}
 # The masks (causal or not) whose query tiles each program walks last-first (``_tile_index``).
 LAST_FIRST = {True}
 # The L2 share of one group of heads in the causal launch order (``_heads_per_group``): 8 heads of 2k queries at
@@ -111,7 +115,7 @@ def backward_unsupported(q, k, v, do, dk, dv, *, varlen: bool, causal: bool, loc
         return "a deterministic backward was asked for (this kernel sums dQ with atomic reductions)"
     minimum = MIN_KEYS.get((q.shape[-1], bool(causal)))
     if minimum is None:
-        return "a head dim where the Triton backward is as fast (head dim 128 only)"
+        return f"head dim {q.shape[-1]} (this kernel has head dims 64 and 128)"
     if k.shape[1] < minimum:
         return f"fewer than {minimum} keys{' causal' if causal else ''}, where the Triton backward is as fast"
     if dk.stride(-1) != 1 or dv.stride(-1) != 1:
@@ -470,7 +474,7 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
             _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_sum, BLOCK_M, d // 2), lse, delta, dk, dv, sq, sk, hq, group,
             _heads_per_group(sq, d, group, causal), scale * 1.4426950408889634, scale, *scalars[4:],
-            CAUSAL=bool(causal), LAST_FIRST=bool(causal) in LAST_FIRST, STAGES=STAGES,
+            CAUSAL=bool(causal), LAST_FIRST=bool(causal) in LAST_FIRST, STAGES=STAGES[d, bool(causal)],
             CONSUMER_REGS=attention_hopper.CONSUMER_REGISTERS, PRODUCER_REGS=attention_hopper.PRODUCER_REGISTERS,
             num_warps=4, maxnreg=attention_hopper.MAX_REGISTERS,
         )

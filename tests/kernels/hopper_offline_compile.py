@@ -51,7 +51,8 @@ def compile_backward(d: int, causal: bool):
     rewrite hook, which it installs)."""
     kernel = hopper_bwd._attn_bwd_hopper_kernel
     kernel = getattr(kernel, "jit", kernel)
-    constexprs = dict(CAUSAL=causal, LAST_FIRST=causal in hopper_bwd.LAST_FIRST, STAGES=hopper_bwd.STAGES,
+    constexprs = dict(CAUSAL=causal, LAST_FIRST=causal in hopper_bwd.LAST_FIRST,
+                      STAGES=hopper_bwd.STAGES[d, causal],
                       CONSUMER_REGS=hopper.CONSUMER_REGISTERS, PRODUCER_REGS=hopper.PRODUCER_REGISTERS)
 
     def descriptor(rows: int, cols: int, dtype: torch.dtype) -> str:

@@ -53,10 +53,11 @@ def test_reasons_name_what_keeps_the_triton_backward():
         assert "deterministic" in _reason(q)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert "head dim 128 only" in _reason(q[..., :64])
-    assert "head dim 128 only" in _reason(q[..., :64], causal=True)
+    assert "head dim 96 (this kernel has head dims 64 and 128)" in _reason(q[..., :96])
     assert "fewer than 512 keys" in _reason(q, q[:, :500])
-    assert "fewer than 2048 keys causal" in _reason(q, causal=True)
+    assert "fewer than 1024 keys causal" in _reason(q[:, :1000], causal=True)
+    assert "fewer than 1024 keys" in _reason(q[..., :64], q[:, :1000, :, :64])
+    assert "fewer than 2048 keys causal" in _reason(q[..., :64], causal=True)
     assert "Hopper" in _reason(q) or "Gluon" in _reason(q)  # the CPU (or another GPU)
     previous = bwd.use_hopper_backward(False)
     try:
@@ -66,7 +67,10 @@ def test_reasons_name_what_keeps_the_triton_backward():
     if HOPPER:
         g = q.cuda()
         assert _reason(g) is None
-        assert _reason(g, torch.cat([g, g], 1), causal=True) is None
+        assert _reason(g, causal=True) is None
+        g64 = g[..., :64].contiguous()
+        assert _reason(g64) is None
+        assert _reason(g64, torch.cat([g64, g64], 1), causal=True) is None
         assert "window" in _reason(g, local=True)
         assert "last dim" in bwd.backward_unsupported(g, g, g, g, g.transpose(2, 3), g, **PLAIN)
 
@@ -195,14 +199,16 @@ def test_small_eager_calls_go_to_the_triton_backward_once_this_kernel_is_loaded(
 
 
 @needs_gluon
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_kernel_compiles_for_hopper_with_this_triton(causal):
+def test_the_kernel_compiles_for_hopper_with_this_triton(head_dim, causal):
     """The backward builds for sm_90 with the installed Triton (Triton 3.6 through the PTX rewrite, 3.7+ with
-    Gluon's TMA reduce-add), sums dQ with a TMA reduce-add, and fits a Hopper SM's 227 KB of shared memory; the
-    causal variant too (its own code: query tiles walked last-first, heads launched in groups)."""
+    Gluon's TMA reduce-add), sums dQ with a TMA reduce-add, and fits a Hopper SM's 227 KB of shared memory, at
+    each head dim with its own number of stages; the causal variant too (its own code: query tiles walked
+    last-first, heads launched in groups)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "tests.kernels.hopper_offline_compile", "128", str(int(causal)), "bwd"]
+    command = [sys.executable, "-m", "tests.kernels.hopper_offline_compile", str(head_dim), str(int(causal)), "bwd"]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("reduce-add True"), done.stdout
@@ -247,19 +253,22 @@ def test_gpu_the_kernel_matches_the_reference(b, sq, sk, hq, hkv, d, dtype, caus
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_attention_takes_it_where_it_should(backward_calls):
-    """flash_attn_func's backward runs here at head dim 128 from 512 keys, causal from 2048 (a GQA call with a
-    partial last key block, a packed qkv's strided slices and a causal call with Sq < Sk among them), and
-    matches the reference; head dim 64, deterministic and causal calls with fewer keys keep the Triton
-    backward."""
+    """flash_attn_func's backward runs here from ``MIN_KEYS`` keys: head dim 128 (a GQA call with a partial last
+    key block, a packed qkv's strided slices, a causal call with Sq < Sk) and head dim 64, matching the
+    reference; deterministic calls, and causal or head dim 64 calls with fewer keys, keep the Triton backward."""
     torch.manual_seed(33)
     dtype = torch.bfloat16
+
+    def check(q, k, v, **kwargs):
+        out = flash_attn_func(q, k, v, backend="triton", **kwargs)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref = flash_attn_func(q, k, v, backend="reference", **kwargs)
+        for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, (q, k, v), dout)):
+            assert_close(g, r, dtype, scale=GRAD_SCALE, name=name)
+
     q, k, v = (t.requires_grad_() for t in _qkv(2, 333, 1100, 8, 2, 128, dtype))
-    out = flash_attn_func(q, k, v, backend="triton")
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref = flash_attn_func(q, k, v, backend="reference")
-    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, (q, k, v), dout)):
-        assert_close(g, r, dtype, scale=GRAD_SCALE, name=name)
+    check(q, k, v)
     assert backward_calls == [(2, 333, 8, 128)]
     qkv = torch.randn(1, 1024, 3, 4, 128, dtype=dtype, device="cuda", requires_grad=True)
     out = flash_attn_qkvpacked_func(qkv, backend="triton")
@@ -267,20 +276,17 @@ def test_gpu_attention_takes_it_where_it_should(backward_calls):
     ref = flash_attn_qkvpacked_func(qkv, backend="reference")
     assert_close(dqkv, torch.autograd.grad(ref, qkv, torch.ones_like(ref))[0], dtype, scale=GRAD_SCALE, name="dqkv")
     assert len(backward_calls) == 2
-    for kwargs in (dict(causal=True), dict(deterministic=True)):  # causal: fewer than 2048 keys
-        out = flash_attn_func(q, k, v, backend="triton", **kwargs)
-        torch.autograd.grad(out, (q, k, v), dout)
+    check(*(t[..., :64].detach().contiguous().requires_grad_() for t in (q, k, v)))  # head dim 64, 1100 keys
+    assert backward_calls[2:] == [(2, 333, 8, 64)]
+    check(*(t.requires_grad_() for t in _qkv(1, 200, 2100, 4, 2, 128, dtype)), causal=True)
+    assert backward_calls[3:] == [(1, 200, 4, 128)]
+    # Kept by the Triton backward: deterministic, causal under 1024 keys, head dim 64 causal under 2048.
+    torch.autograd.grad(flash_attn_func(q, k, v, backend="triton", deterministic=True).sum(), (q, k, v))
+    short = [t.requires_grad_() for t in _qkv(1, 200, 1000, 4, 2, 128, dtype)]
+    torch.autograd.grad(flash_attn_func(*short, backend="triton", causal=True).sum(), short)
     small = [t[..., :64].detach().contiguous().requires_grad_() for t in (q, k, v)]
-    torch.autograd.grad(flash_attn_func(*small, backend="triton").sum(), small)
-    assert len(backward_calls) == 2
-    q, k, v = (t.requires_grad_() for t in _qkv(1, 200, 2100, 4, 2, 128, dtype))
-    out = flash_attn_func(q, k, v, backend="triton", causal=True)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    ref = flash_attn_func(q, k, v, backend="reference", causal=True)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(ref, (q, k, v), dout)):
-        assert_close(g, r, dtype, scale=GRAD_SCALE, name=name)
-    assert backward_calls[2:] == [(1, 200, 4, 128)]
+    torch.autograd.grad(flash_attn_func(*small, backend="triton", causal=True).sum(), small)
+    assert len(backward_calls) == 4
 
 
 @pytest.mark.gpu
