@@ -36,8 +36,9 @@ max_seqlen); outside a CUDA graph's capture, 2^35 FLOPs of work or more) runs in
 Gluon kernel (FlashAttention-3's schedule, which Triton's ``tl.dot`` cannot express); its output and
 log-sum-exp are this module's, so either backward takes them.
 
-On a Hopper GPU the backward of dense (not varlen) fp16/bf16 attention at head dim 128, from 512 keys (causal:
-2048), with no window, softcap, ALiBi or dropout (outside a capture, 2^35 FLOPs or more), runs on
+On a Hopper GPU the backward of dense (not varlen) fp16/bf16 attention at head dim 128 from 512 keys (causal:
+1024) or head dim 64 from 1024 keys (causal: 2048), with no window, softcap, ALiBi or dropout (outside a capture,
+2^35 FLOPs or more), runs on
 ``attention_hopper_bwd``'s Gluon kernel (FA3's single-pass backward, dQ summed with TMA reduce-adds), unless
 ``deterministic=True`` or torch's deterministic algorithms ask for a reproducible dQ.
 

@@ -3,11 +3,11 @@ reduce-adds.
 
 Why: the Triton backward (``attention_bwd``) runs dK/dV and dQ as two kernels, so S = Q K^T and dP = dO V^T are
 computed twice, and each ``tl.dot`` waits for its wgmma right after issuing it. Here one program per (128-key
-block, batch, kv head) computes them once: a TMA producer warp loads the key block once and a ring of 64-row
-(Q, dO) tiles (of every query head of the kv head's group), with each tile's log-sum-exp and delta rows (by
-cp.async into shared memory: the consumers read them where they use them, so no register holds them through the
-tile); two consumer warpgroups own 64 keys each and keep dK and dV in registers. Per query tile, transposed so
-that keys are the wgmma M dimension:
+block, batch, kv head) computes them once: a TMA producer warp loads the key block once and a ring of (Q, dO)
+tiles of 64 or 128 rows (``TILES``) of every query head of the kv head's group, with each tile's log-sum-exp and
+delta rows (by cp.async into shared memory: the consumers read them where they use them, so no register holds them
+through the tile); two consumer warpgroups own 64 keys each and keep dK and dV in registers. Per query tile,
+transposed so that keys are the wgmma M dimension:
     S^T = K Q^T,  P^T = exp2(S^T * scale * log2e - lse * log2e),  dP^T = V dO^T,  dS^T = P^T (dP^T - delta),
     dV += P^T dO,  dK += dS^T Q,  dQ_tile = scale * dS K.
 Both warpgroups' dS^T go through shared memory, and each computes one half of dQ_tile's columns from all 128
@@ -70,11 +70,12 @@ if attention_hopper.GLUON_AVAILABLE:
 logger = logging.getLogger(__name__)
 
 BLOCK_N = 128  # keys per program: 64 per consumer warpgroup
-BLOCK_M = 64  # query rows per tile
-# (Q, dO) tiles in flight per (head dim, causal). Head dim 128 has room for two (198 KB of shared memory); head dim
-# 64 non-causal runs 2-3% faster with four (150 KB) than with two, causal 1-2% slower (H100, session 33,
-# graph-replayed f+b: 1424 / 2571 / 4810 / 9307 us at S 1k / 2k / 4k / 8k against 1450 / 2604 / 4925 / 9614).
-STAGES = {(128, False): 2, (128, True): 2, (64, False): 4, (64, True): 2}
+# Per (head dim, causal): query rows per (Q, dO) tile, and tiles in flight. Head dim 128 has room for two 64-row
+# tiles only (198 KB of shared memory). Head dim 64 (H100, session 33, graph-replayed f+b, us): non-causal, two
+# 128-row tiles (199 KB; ptxas spills 224 bytes) ran 2406 / 8797 at S 2k / 8k, against 2507-2547 / 9075-9247 for
+# four 64-row tiles and 2604 / 9614 for two; causal, two 64-row tiles ran 1558 / 4838-5034, against 1610 / 4979
+# for 128-row tiles and 1-2% slower with four 64-row tiles.
+TILES = {(128, False): (64, 2), (128, True): (64, 2), (64, False): (128, 2), (64, True): (64, 2)}
 # Where ``attention`` takes this kernel: the fewest keys for each (head dim, causal) pair measured faster than the
 # Triton backward (H100, ``scripts/profile/hopper_backward.py`` and session 33's stage sweep, graph-replayed f+b,
 # us). Head dim 128 non-causal: 748 against 827 at S 512 (below 512 nothing was measured). Head dim 128 causal:
@@ -428,12 +429,12 @@ def _heads_per_group(sq: int, d: int, group: int, causal: bool) -> int:
     return max(1, GROUP_L2_BYTES // (8 * sq * d * group))
 
 
-def _launch_scalars(q, k, lse, dk, dv) -> tuple[int, ...]:
-    """The launch's integer arguments: lengths, heads, the query-head group, dQ's padded rows per batch, and the
-    strides of the log-sum-exp (delta shares its layout), dK and dV."""
+def _launch_scalars(q, k, lse, dk, dv, block_m: int) -> tuple[int, ...]:
+    """The launch's integer arguments: lengths, heads, the query-head group, dQ's rows per batch (padded to
+    whole ``block_m``-row tiles), and the strides of the log-sum-exp (delta shares its layout), dK and dV."""
     b, sq, hq, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    dq_rows = -(-sq // BLOCK_M) * BLOCK_M
+    dq_rows = -(-sq // block_m) * block_m
     return (sq, sk, hq, hq // hkv, dq_rows, lse.stride(0), lse.stride(1), *dk.stride()[:3], *dv.stride()[:3])
 
 
@@ -449,7 +450,8 @@ def leave_to_triton(q, k, lse, dk, dv, causal: bool) -> bool:
     load a kernel, then finds it loaded)."""
     if not attention_hopper.small_eager_call(q, k.shape[1], causal):
         return False
-    return _specialization(q, lse, dk, dv, causal, _launch_scalars(q, k, lse, dk, dv)) in _launched
+    scalars = _launch_scalars(q, k, lse, dk, dv, TILES[q.shape[-1], bool(causal)][0])
+    return _specialization(q, lse, dk, dv, causal, scalars) in _launched
 
 
 def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal: bool) -> bool:
@@ -463,7 +465,8 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
     process, with a warning, and the caller runs the Triton backward, which writes all three gradients."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    scalars = _launch_scalars(q, k, lse, dk, dv)
+    block_m, stages = TILES[d, bool(causal)]
+    scalars = _launch_scalars(q, k, lse, dk, dv, block_m)
     sq, sk, hq, group, dq_rows = scalars[:5]
     dq_sum = torch.zeros(b, dq_rows, hq, d, dtype=torch.float32, device=q.device)
     if PTX_REWRITE:
@@ -471,10 +474,10 @@ def attention_backward(q, k, v, do, lse, delta, dq, dk, dv, scale: float, causal
     grid = (-(-sk // BLOCK_N) * b * hkv, )
     try:
         compiled = _attn_bwd_hopper_kernel[grid](
-            _descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dq_sum, BLOCK_M, d // 2), lse, delta, dk, dv, sq, sk, hq, group,
+            _descriptor(q, block_m), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, block_m),
+            _descriptor(dq_sum, block_m, d // 2), lse, delta, dk, dv, sq, sk, hq, group,
             _heads_per_group(sq, d, group, causal), scale * 1.4426950408889634, scale, *scalars[4:],
-            CAUSAL=bool(causal), LAST_FIRST=bool(causal) in LAST_FIRST, STAGES=STAGES[d, bool(causal)],
+            CAUSAL=bool(causal), LAST_FIRST=bool(causal) in LAST_FIRST, STAGES=stages,
             CONSUMER_REGS=attention_hopper.CONSUMER_REGISTERS, PRODUCER_REGS=attention_hopper.PRODUCER_REGISTERS,
             num_warps=4, maxnreg=attention_hopper.MAX_REGISTERS,
         )

@@ -51,19 +51,18 @@ def compile_backward(d: int, causal: bool):
     rewrite hook, which it installs)."""
     kernel = hopper_bwd._attn_bwd_hopper_kernel
     kernel = getattr(kernel, "jit", kernel)
-    constexprs = dict(CAUSAL=causal, LAST_FIRST=causal in hopper_bwd.LAST_FIRST,
-                      STAGES=hopper_bwd.STAGES[d, causal],
+    block_m, stages = hopper_bwd.TILES[d, causal]
+    constexprs = dict(CAUSAL=causal, LAST_FIRST=causal in hopper_bwd.LAST_FIRST, STAGES=stages,
                       CONSUMER_REGS=hopper.CONSUMER_REGISTERS, PRODUCER_REGS=hopper.PRODUCER_REGISTERS)
 
     def descriptor(rows: int, cols: int, dtype: torch.dtype) -> str:
         name = "fp32" if dtype == torch.float32 else "bf16"
         return f"tensordesc<{name}[{rows}, {cols}],{hopper._box_layout(rows, cols, dtype)!r}>"
 
-    types = {"q_desc": descriptor(hopper_bwd.BLOCK_M, d, torch.bfloat16),
-             "do_desc": descriptor(hopper_bwd.BLOCK_M, d, torch.bfloat16),
+    types = {"q_desc": descriptor(block_m, d, torch.bfloat16), "do_desc": descriptor(block_m, d, torch.bfloat16),
              "k_desc": descriptor(hopper_bwd.BLOCK_N, d, torch.bfloat16),
              "v_desc": descriptor(hopper_bwd.BLOCK_N, d, torch.bfloat16),
-             "dq_desc": descriptor(hopper_bwd.BLOCK_M, d // 2, torch.float32),
+             "dq_desc": descriptor(block_m, d // 2, torch.float32),
              "LSE": "*fp32", "Delta": "*fp32", "DK": "*bf16", "DV": "*bf16", "scale_log2": "fp32", "scale": "fp32"}
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
     source = GluonASTSource(kernel, signature=signature,

@@ -190,7 +190,7 @@ def test_small_eager_calls_go_to_the_triton_backward_once_this_kernel_is_loaded(
     lse = torch.empty(1, 2, 1024)
     args = (q, q, lse, q, q)
     assert not bwd.leave_to_triton(*args, False)  # never launched: this kernel first
-    bwd._launched.add(bwd._specialization(q, lse, q, q, False, bwd._launch_scalars(*args)))
+    bwd._launched.add(bwd._specialization(q, lse, q, q, False, bwd._launch_scalars(*args, 64)))
     assert bwd.leave_to_triton(*args, False)
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # a 2-byte offset: not 16-aligned
     assert not bwd.leave_to_triton(q, q, lse, q, unaligned, False)  # another specialization, not loaded
