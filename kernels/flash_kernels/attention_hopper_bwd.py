@@ -80,8 +80,8 @@ TILES = {(128, False): (64, 2), (128, True): (64, 2), (64, False): (128, 2), (64
 # Triton backward (H100, ``scripts/profile/hopper_backward.py`` and session 33's stage sweep, graph-replayed f+b,
 # us). Head dim 128 non-causal: 748 against 827 at S 512 (below 512 nothing was measured). Head dim 128 causal:
 # 844 against 899 at 1k, slower at 512 (534 against 497, backward alone). Head dim 64 non-causal: 1378 against
-# 1561 at 1k (128-row tiles), level at 512 (890 against 881, four 64-row tiles). Head dim 64 causal: 1572 against 1656 at 2k, level at 1k (1013
-# against 999), slower at 512 (764 against 664).
+# 1561 at 1k (128-row tiles), level at 512 (890 against 881, four 64-row tiles). Head dim 64 causal: 1572 against
+# 1656 at 2k, level at 1k (1013 against 999), slower at 512 (764 against 664).
 MIN_KEYS = {(128, False): 512, (128, True): 1024, (64, False): 1024, (64, True): 2048}
 # The masks (causal or not) whose query tiles each program walks last-first (``_tile_index``).
 LAST_FIRST = {True}

@@ -204,7 +204,7 @@ def test_small_eager_calls_go_to_the_triton_backward_once_this_kernel_is_loaded(
 def test_the_kernel_compiles_for_hopper_with_this_triton(head_dim, causal):
     """The backward builds for sm_90 with the installed Triton (Triton 3.6 through the PTX rewrite, 3.7+ with
     Gluon's TMA reduce-add), sums dQ with a TMA reduce-add, and fits a Hopper SM's 227 KB of shared memory, at
-    each head dim with its own number of stages; the causal variant too (its own code: query tiles walked
+    each head dim with its own tiles; the causal variant too (its own code: query tiles walked
     last-first, heads launched in groups)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
