@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint
 import triton
 
-from flash_kernels import attention, flash_attn_func, flash_attn_varlen_func
+from flash_kernels import attention, attention_hopper, flash_attn_func, flash_attn_varlen_func
 from flash_kernels._testing import assert_close
 from flash_kernels.attention import dropout_keep_mask, flash_attn_func_ref, flash_attn_varlen_func_ref
 
@@ -35,8 +35,13 @@ def _on_tma_device():
 
 @pytest.fixture(autouse=True)
 def _forced_tma():
+    """TMA configs only, on the Triton forward: the Hopper (Gluon) forward switched off, since whether it takes
+    a call can depend on the calls before it (``attention_hopper.leave_to_triton``: the first eager call of a
+    specialization runs there), and a call it took would record no Triton config at all."""
     previous = attention.set_tma_loads("force")
+    hopper_before = attention_hopper.use_hopper_forward(False)
     yield
+    attention_hopper.use_hopper_forward(hopper_before)
     attention.set_tma_loads(previous)
 
 
