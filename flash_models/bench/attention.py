@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
-from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, measure_copy_bandwidth,
-                      time_cuda)
+from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, graph_replay,
+                      measure_copy_bandwidth, time_cuda)
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _prepare(make_fn, q, k, v, graphs=False):
                 torch.autograd.grad(make_fn(*leaves)(), leaves, dout)
 
         fwd_bwd()  # autotune outside any capture
-        fwd_call, both_call = (_graphed([fn]), _graphed([fwd_bwd])) if graphs else (fn, fwd_bwd)
+        fwd_call, both_call = (graph_replay([fn]), graph_replay([fwd_bwd])) if graphs else (fn, fwd_bwd)
         return fwd_call, both_call, out
     except RuntimeError as err:  # e.g. a SDPA backend that does not support this shape on this GPU
         log.warning("backend failed: %s", str(err).splitlines()[0])
@@ -144,22 +144,6 @@ def _short_row(row):
     return " ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
 
 
-def _graphed(fns):
-    """One CUDA graph that runs every fn once; returns its replay. Timing replays leaves out Python and launch
-    overhead, which otherwise dominates a batch-1 decode step. Each fn must have run once already (autotune)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    return graph.replay
-
-
 def _decode_inputs(b, kv, heads, kv_heads, d, copies):
     """``copies`` independent caches, so consecutive calls do not read K/V out of L2."""
     sets = []
@@ -194,7 +178,7 @@ def _time_decode(make_fn, sets, repeats, back_to_back=True):
         fn()
     eager = time_cuda(fns[0], repeats=repeats).median_ms
     cycles = _graph_cycles(len(fns), eager)
-    replay = _graphed(fns * cycles)
+    replay = graph_replay(fns * cycles)
     graphed = time_cuda(replay, repeats=repeats, back_to_back=back_to_back).median_ms / (len(fns) * cycles)
     return eager, graphed
 

@@ -49,6 +49,28 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, b
     return Timing(median_ms=statistics.median(times), min_ms=min(times), repeats=repeats)
 
 
+def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
+    """One CUDA graph that runs every fn once; returns its replay. Timing replays measures the GPU's work alone:
+    no Python, no launch costs (which dominate a batch-1 decode step, or an eager norm's step on a slow host).
+    Each fn must have run once already (autotuning and compiling cannot be captured). The fns run once more on a
+    side stream first, as a capture needs (torch's CUDA-graph notes: warm-up on a side stream). Memory cached
+    for other streams is released first (a capture cannot free it to make room), and the capture is thread-local:
+    another thread's CUDA calls (a compiler's workers) do not invalidate it."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for fn in fns:
+            fn()
+    return graph.replay
+
+
 def best_of_rounds(measures: dict[Hashable, Callable[[], float]], rounds: int, *,
                    keep_errors: bool = False) -> dict[Hashable, float | Exception]:
     """Run every measure (a callable returning one timing) once per round, the order reversed every other round,

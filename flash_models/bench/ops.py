@@ -8,7 +8,9 @@ Memory-bound rows report GB/s from a minimal byte count (every tensor read or wr
 fraction of the measured device copy bandwidth; CE and linear+CE report peak memory. Every side's backward
 runs on the calling thread, as the Trainer runs it. The sides of a case are timed in interleaved rounds
 (``--rounds``), each reporting its best round: see ``_time_sides``. Calls are timed back to back by default
-(``--timing``: see ``harness.time_cuda``).
+(``--timing``: see ``harness.time_cuda``); ``--graphs`` times CUDA-graph replays instead, the GPU's work alone:
+an eager norm's forward + backward costs about as much host time as GPU time, so on a slow host its eager
+wall time measures the host (docs/benchmarks.md, Fused ops, sessions 13-22).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
-from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, measure_copy_bandwidth,
-                      peak_memory_bytes, time_cuda)
+from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, graph_replay,
+                      measure_copy_bandwidth, peak_memory_bytes, time_cuda)
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +70,12 @@ def _fwd_bwd_step(fn, inputs):
     return step
 
 
-def _time_sides(case: Case, rounds: int, back_to_back: bool = True) -> dict[str, dict]:
+def _time_sides(case: Case, rounds: int, back_to_back: bool = True, graphs: bool = False) -> dict[str, dict]:
     """Per side: fwd and fwd+bwd ms, each the best over ``rounds`` interleaved rounds (``harness.best_of_rounds``:
     these ops take 0.1-0.5 ms, about as much as their host work) of a median of ``case.repeats`` calls
-    (``time_cuda``), and peak memory where the case asks; or the error of a side that failed."""
+    (``time_cuda``), and peak memory where the case asks; or the error of a side that failed. ``graphs``: the
+    calls replay a CUDA graph of each side's forward and of its forward + backward (``harness.graph_replay``),
+    so that what is timed is the GPU's work alone, whatever the host's speed."""
     steps, errors = {}, {}
     for name, fn in case.impls.items():
         try:
@@ -82,7 +86,10 @@ def _time_sides(case: Case, rounds: int, back_to_back: bool = True) -> dict[str,
     def timing(fn, grad: bool):
         def measure():
             with torch.set_grad_enabled(grad):
-                return time_cuda(fn, repeats=case.repeats, back_to_back=back_to_back).median_ms
+                # A graph per measurement, dropped after it: one side's memory pool at a time (linear + CE's
+                # unfused peers hold ~24 GB a step). A call that cannot be captured fails its side here.
+                call = graph_replay([fn]) if graphs else fn
+                return time_cuda(call, repeats=case.repeats, back_to_back=back_to_back).median_ms
         return measure
 
     measures = {}
@@ -345,11 +352,14 @@ def main(argv=None):
     parser.add_argument("--out", default="out/bench_ops.json", help="JSON output path")
     add_rounds_argument(parser, "case")
     add_timing_argument(parser)
+    parser.add_argument("--graphs", action="store_true",
+                        help="time CUDA-graph replays of each side's forward and forward + backward (the GPU's work "
+                             "alone, no host or launch cost) instead of eager calls")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     result = BenchResult(area="ops")
-    result.env["timing"] = args.timing
+    result.env["timing"] = ("CUDA-graph replays" if args.graphs else "eager calls") + f", {args.timing}"
     copy_bw = measure_copy_bandwidth()
     result.env["copy_bandwidth_GBs"] = copy_bw / 1e9
     print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
@@ -357,7 +367,7 @@ def main(argv=None):
         cases = GROUPS[group](not args.no_compile)
         for case in cases:
             first = len(result.rows)
-            _add_rows(case, _time_sides(case, args.rounds, args.timing == "back-to-back"), result, copy_bw)
+            _add_rows(case, _time_sides(case, args.rounds, args.timing == "back-to-back", args.graphs), result, copy_bw)
             _add_speedups(result, first)
         del cases
         torch.cuda.empty_cache()

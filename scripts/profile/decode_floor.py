@@ -11,8 +11,8 @@ import triton
 import triton.language as tl
 from flash_kernels import flash_attn_with_kvcache, programmatic_launch
 
-from flash_models.bench.attention import _decode_inputs, _graphed
-from flash_models.bench.harness import measure_copy_bandwidth, time_cuda
+from flash_models.bench.attention import _decode_inputs
+from flash_models.bench.harness import graph_replay, measure_copy_bandwidth, time_cuda
 
 
 @triton.jit
@@ -45,7 +45,7 @@ def _stream_heads(K, V, Out, keys_per_prog, H: tl.constexpr, D: tl.constexpr, BL
 def per_call_us(fns):
     for f in fns:
         f()
-    replay = _graphed(fns)
+    replay = graph_replay(fns)
     return time_cuda(replay, repeats=30, back_to_back=True).median_ms * 1e3 / len(fns)
 
 

@@ -65,7 +65,7 @@ def test_decode_graph_cycles_the_copies_and_reports_per_call(monkeypatch):
         ran = len(calls) - before
         return Timing(median_ms=eager_ms if ran == 1 else 0.5 * ran, min_ms=0.0, repeats=repeats)
 
-    monkeypatch.setattr(attention, "_graphed", fake_graphed)
+    monkeypatch.setattr(attention, "graph_replay", fake_graphed)
     monkeypatch.setattr(attention, "time_cuda", fake_time_cuda)
     make = lambda tag: (lambda: calls.append(tag))  # noqa: E731
 

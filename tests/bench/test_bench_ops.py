@@ -43,3 +43,48 @@ def test_sides_are_timed_in_interleaved_rounds_and_report_their_best(monkeypatch
     # After each side's one call that draws its output gradients, a round times every side (forward, then
     # forward + backward) before the next round starts, every other round in reverse order.
     assert order[2:] == ["a", "a", "b", "b"] + ["b", "b", "a", "a"] + ["a", "a", "b", "b"]
+
+
+def test_graphs_time_replays_of_each_sides_forward_and_step(monkeypatch):
+    """``--graphs``: every measurement captures the side's forward (autograd off) or forward + backward and times
+    the replays; a side whose call cannot be captured is reported with its error, the others still run."""
+    x = torch.randn(4, 8, requires_grad=True)
+    captured, replayed = [], []
+    capturing = False
+
+    def side(name):
+        def fn():
+            if name == "syncs" and capturing:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return x * 2
+
+        return fn
+
+    def fake_graph_replay(fns):
+        nonlocal capturing
+        (fn,) = fns
+        capturing = True
+        try:
+            out = fn()
+        finally:
+            capturing = False
+        kind = "step" if out is None else "fwd"  # the step returns nothing
+        assert torch.is_grad_enabled() == (kind == "step")
+        if kind == "fwd":
+            assert not out.requires_grad, "the forward must be captured with autograd off"
+        captured.append(kind)
+        return lambda: replayed.append(kind)
+
+    def fake_time_cuda(fn, repeats, back_to_back):
+        before = len(replayed)
+        fn()
+        assert len(replayed) == before + 1, "a timed call must be a replay"
+        return Timing(median_ms={"fwd": 1.0, "step": 3.0}[replayed[-1]], min_ms=0.0, repeats=repeats)
+
+    monkeypatch.setattr(ops, "graph_replay", fake_graph_replay)
+    monkeypatch.setattr(ops, "time_cuda", fake_time_cuda)
+    case = ops.Case("op", "4x8", {"ours": side("ours"), "syncs": side("syncs")}, [x])
+    results = ops._time_sides(case, rounds=2, graphs=True)
+    assert results["ours"] == {"fwd_ms": 1.0, "fwd_bwd_ms": 3.0}
+    assert "not permitted when stream is capturing" in str(results["syncs"]["error"])
+    assert captured == ["fwd", "step", "step", "fwd"]  # ours, once a round (the second reversed); the other side raised
