@@ -242,8 +242,10 @@ def activation_cases(compile_peer: bool) -> list[Case]:
         def make():
             module = importlib.import_module(f"liger_kernel.ops.{name}")
             cls = getattr(module, "LigerSiLUMulFunction" if name == "swiglu" else "LigerGELUMulFunction")
-            gate, up = gate_up[:, :f], gate_up[:, f:]
-            return lambda: cls.apply(gate, up)
+            # Sliced per call, as ours chunks gate_up per call: views kept across calls would hold gate_up's
+            # gradient accumulator alive from outside any capture, tied to the stream it was made on, and every
+            # side's CUDA-graph capture of a backward to gate_up would then wait on that stream and fail.
+            return lambda: cls.apply(gate_up[:, :f], gate_up[:, f:])
 
         return make
 

@@ -97,7 +97,7 @@ def test_graphs_time_replays_of_each_sides_forward_and_step(monkeypatch):
 def test_gpu_graphs_capture_every_side_of_the_bench_cases(group):
     """``--graphs`` on the bench's own cases, every peer included (torch.compile; liger where installed): each
     side's forward and forward + backward is captured and replayed without error. (Session 34: the SwiGLU and
-    GeGLU cases' captures failed for every side in an earlier form of the option; cause not found.)"""
+    GeGLU cases' captures failed for every side, likely through liger's views of gate_up kept across calls.)"""
     for case in ops.GROUPS[group](True):
         case.repeats = 3
         results = ops._time_sides(case, rounds=1, graphs=True)
