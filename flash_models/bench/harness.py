@@ -54,8 +54,7 @@ def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
     no Python, no launch costs (which dominate a batch-1 decode step, or an eager norm's step on a slow host).
     Each fn must have run once already (autotuning and compiling cannot be captured). The fns run once more on a
     side stream first, as a capture needs (torch's CUDA-graph notes: warm-up on a side stream). Memory cached
-    for other streams is released first (a capture cannot free it to make room), and the capture is thread-local:
-    another thread's CUDA calls (a compiler's workers) do not invalidate it."""
+    for other streams is released first: a capture cannot free it to make room."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
@@ -65,7 +64,7 @@ def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph):
         for fn in fns:
             fn()
     return graph.replay
