@@ -21,6 +21,14 @@ The launch key holds everything Triton's own specialization reads, never less:
 - every keyword argument's name and value (our constexprs and launch options: ``num_warps``, ``BLOCK``...);
 - the current CUDA device (a compiled kernel is loaded per device).
 It may be finer than Triton's (one compiled kernel under several keys), which costs only a first launch each.
+
+A kept kernel is launched by ``CompiledLaunch``: the compiled kernel's launcher called as Triton's runner
+(``CompiledKernel.__getitem__``) calls it, less the runner's per-launch Python (the device and stream lookups
+through Triton's driver proxy, a dict of launch metadata and two calls of empty hook chains), which only the
+launch hooks of a profiler such as proton read: while one is registered, the runner launches instead. A
+``Relaunch`` on that launcher passes its tensors as their addresses, which the launcher takes as they are;
+a tensor costs it a ``data_ptr`` call and a driver query (``cuPointerGetAttribute``) that checks the address
+is a device's (a plan's tensors are CUDA tensors by its key).
 An argument of any other type (``triton.tools``' host descriptor, a custom object) or a tensor passed by
 keyword takes Triton's own path at every launch. A grid given as a function is called as Triton calls it.
 Triton's global knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not
@@ -36,6 +44,7 @@ the kernel unchanged.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 
@@ -51,6 +60,22 @@ try:  # Triton 3.6+ (Gluon's Hopper descriptor); without it no argument is one
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
 except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
     _GluonDescriptor = ()
+
+
+try:  # Triton 3.5+: launch hooks are chains, empty unless a profiler registers one
+    from triton.knobs import HookChain as _HookChain
+    from triton.knobs import runtime as _runtime_knobs
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    _HookChain, _runtime_knobs = (), None
+
+# The current device's index and its current stream's handle, without torch.cuda.current_device's lazy-init
+# check (a launch's tensors are CUDA tensors: CUDA is initialized) or Triton's driver proxy.
+_device_index = getattr(torch._C, "_cuda_getDevice", None)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+# The parameters Triton's runner passes the compiled kernel's launcher first (Triton 3.4-3.8): only a
+# launcher taking these is called directly.
+_LAUNCHER_PARAMETERS = ("gridX", "gridY", "gridZ", "stream", "function")
 
 
 class _Unkeyable(Exception):
@@ -114,37 +139,29 @@ class LeanKernel:
 
     def launch(self, grid, args: tuple, kwargs: dict):
         try:
-            key = (torch.cuda.current_device(), *self.launch_key(args, kwargs))
+            key = (_device_index(), *self.launch_key(args, kwargs))
             entry = self.compiled.get(key)
         except (_Unkeyable, TypeError):  # TypeError: an unhashable keyword argument
             return self.jit[grid](*args, **kwargs)
         if entry is None:
             return self._first_launch(key, grid, args, kwargs)
-        compiled, rest = entry
-        if callable(grid):  # as Triton calls it: with every parameter by name (autotuned block sizes included)
-            grid = grid(dict(zip(self.arg_names, (*args, *rest))))
-        # The compiled kernel's own launcher takes every parameter in order, constexprs included (it skips
-        # them), and a three-dimensional grid.
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        compiled[grid3](*args, *rest)
-        return compiled
+        launcher, rest = entry
+        launcher.launch(_grid3(grid, self.arg_names, args, rest), (*args, *rest))
+        return launcher.compiled
 
     def bind(self, grid, args: tuple, kwargs: dict, slots: tuple[int, ...]) -> "Relaunch | None":
         """The compiled kernel, grid and arguments of an earlier launch with exactly these arguments, as a
         ``Relaunch`` taking new tensors at the positional indices ``slots``; None where no compiled kernel is
         kept for them (not launched yet, or launched through Triton's own path)."""
         try:
-            key = (torch.cuda.current_device(), *self.launch_key(args, kwargs))
+            key = (_device_index(), *self.launch_key(args, kwargs))
         except (_Unkeyable, TypeError):
             return None
         entry = self.compiled.get(key)
         if entry is None:
             return None
-        compiled, rest = entry
-        if callable(grid):
-            grid = grid(dict(zip(self.arg_names, (*args, *rest))))
-        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        return Relaunch(compiled[grid3], (*args, *rest), slots)
+        launcher, rest = entry
+        return Relaunch(launcher, _grid3(grid, self.arg_names, args, rest), (*args, *rest), slots)
 
     def _first_launch(self, key: tuple, grid, args: tuple, kwargs: dict):
         compiled = self.jit.run(*args, grid=grid, warmup=False, **kwargs)
@@ -156,8 +173,81 @@ class LeanKernel:
             rest = tuple(kwargs[name] if name in kwargs else self.defaults[name] for name in self.arg_names[len(args):])
         except KeyError:
             return compiled
-        self.compiled[key] = (compiled, rest)
+        self.compiled[key] = (CompiledLaunch.of(compiled, key[0]), rest)
         return compiled
+
+
+def _grid3(grid, arg_names: list[str], args: tuple, rest: tuple) -> tuple[int, int, int]:
+    """The launch's three-dimensional grid. A grid function is called as Triton calls it: with every parameter
+    by name (autotuned block sizes included)."""
+    if callable(grid):
+        grid = grid(dict(zip(arg_names, (*args, *rest))))
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+
+
+def _no_hook(hook) -> bool:
+    return hook is None or (isinstance(hook, _HookChain) and not hook.calls)
+
+
+def launch_hooks_idle() -> bool:
+    """Whether no launch hook is registered (a profiler such as proton registers one)."""
+    return _no_hook(_runtime_knobs.launch_enter_hook) and _no_hook(_runtime_knobs.launch_exit_hook)
+
+
+class _RunnerLaunch:
+    """Launches through the compiled kernel's own runner (``compiled[grid](*args)``): a kernel whose launcher
+    ``CompiledLaunch`` does not know, and a stand-in compiled kernel in the tests."""
+
+    __slots__ = ("compiled",)
+    takes_addresses = False
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def launch(self, grid3: tuple[int, int, int], args) -> None:
+        self.compiled[grid3](*args)
+
+
+class CompiledLaunch:
+    """Launches one compiled kernel on one device by calling its launcher as Triton's runner does, less the
+    runner's per-launch Python (module docstring); while a launch hook is registered, the runner launches."""
+
+    __slots__ = ("compiled", "run", "function", "metadata", "device")
+    takes_addresses = True  # a tensor argument may be passed as its address (a plain int)
+
+    def __init__(self, compiled, device: int):
+        self.compiled = compiled
+        self.run = compiled.run  # (Triton's property loads the kernel's module and function on first use)
+        self.function, self.metadata = compiled.function, compiled.packed_metadata
+        self.device = device
+
+    @staticmethod
+    def of(compiled, device: int) -> "CompiledLaunch | _RunnerLaunch":
+        """The direct launcher where this Triton's launcher takes the runner's arguments, else the runner's."""
+        if _runtime_knobs is None or _raw_stream is None or not all(
+                hasattr(compiled, name) for name in ("run", "function", "packed_metadata")):
+            return _RunnerLaunch(compiled)
+        if _launcher_parameters(type(compiled.run)) != _LAUNCHER_PARAMETERS:
+            return _RunnerLaunch(compiled)
+        return CompiledLaunch(compiled, device)
+
+    def launch(self, grid3: tuple[int, int, int], args) -> None:
+        if not launch_hooks_idle():
+            self.compiled[grid3](*args)
+            return
+        # The runner's call, with no launch metadata and no hooks: the launcher skips both where they are None.
+        self.run(grid3[0], grid3[1], grid3[2], _raw_stream(self.device), self.function, self.metadata,
+                 None, None, None, *args)
+
+
+@functools.cache
+def _launcher_parameters(launcher_type: type) -> tuple[str, ...]:
+    """The first parameters of a compiled kernel's launcher, after self (the runner's positional order)."""
+    try:
+        names = list(inspect.signature(launcher_type.__call__).parameters)
+    except (TypeError, ValueError):
+        return ()
+    return tuple(names[1:1 + len(_LAUNCHER_PARAMETERS)])
 
 
 class Relaunch:
@@ -166,21 +256,31 @@ class Relaunch:
     Made by ``LeanKernel.bind`` (or ``CachedAutotune.bind``) right after a launch; the caller owns the promise
     that makes reuse valid: its own key covers every value the arguments were computed from, and the new
     tensors specialize as the old ones did (same dtypes, 16-byte aligned where those were). The tensors at
-    ``slots`` are not kept (a kept launch must not hold on to a caller's memory).
+    ``slots`` are not kept (a kept launch must not hold on to a caller's memory). On a ``CompiledLaunch`` every
+    tensor goes to the kernel as its address (module docstring); the template's own tensors (dummy pointers)
+    are kept alive by ``kept``.
     """
 
-    __slots__ = ("runner", "template", "slots")
+    __slots__ = ("launcher", "grid", "template", "slots", "addresses", "kept")
 
-    def __init__(self, runner, args: tuple, slots: tuple[int, ...]):
-        self.runner = runner  # the compiled kernel's launcher for one grid; it reads the current stream per call
+    def __init__(self, launcher, grid3: tuple[int, int, int], args: tuple, slots: tuple[int, ...]):
+        self.launcher, self.grid = launcher, grid3
+        self.addresses = launcher.takes_addresses
         template = list(args)
         for i in slots:
             template[i] = None
+        self.kept = tuple(a for a in template if isinstance(a, torch.Tensor))
+        if self.addresses:
+            template = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in template]
         self.template = template
         self.slots = slots
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self.template.copy()
-        for i, t in zip(self.slots, tensors):
-            args[i] = t
-        self.runner(*args)
+        if self.addresses:
+            for i, t in zip(self.slots, tensors):
+                args[i] = t.data_ptr()
+        else:
+            for i, t in zip(self.slots, tensors):
+                args[i] = t
+        self.launcher.launch(self.grid, args)

@@ -8,7 +8,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from flash_kernels._launch import ENV_VAR, LeanKernel, _Unkeyable, lean_launch
+from flash_kernels import _launch
+from flash_kernels._launch import ENV_VAR, CompiledLaunch, LeanKernel, _RunnerLaunch, _Unkeyable, lean_launch
 
 
 def _copy_scaled(X, Y, n, scale, stride, BLOCK: tl.constexpr, SCALE_IT: tl.constexpr):
@@ -92,6 +93,63 @@ def test_parameters_key_like_tensors_and_unknown_arguments_are_refused():
         lean.launch_key((x, x, [48], 1.5, 2), kw)
 
 
+class _Launcher:
+    """Stands for a compiled kernel's launcher (Triton's ``CudaLauncher``): records what it is called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        self.calls.append((gridX, gridY, gridZ, stream, function, *args))
+
+
+class _OtherLauncher:
+    def __call__(self, grid, stream, *args):  # a launcher of another layout: never called directly
+        raise AssertionError("called a launcher of unknown layout directly")
+
+
+class _Compiled:
+    """Stands for a compiled kernel: its launcher, function handle and packed metadata, and the runner."""
+
+    def __init__(self, launcher):
+        self.run, self.function, self.packed_metadata = launcher, 0xF00, (4, 1, 0)
+        self.runner_launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.runner_launches.append((grid, args))
+
+
+class _Hooks:
+    def __init__(self, enter):
+        self.launch_enter_hook, self.launch_exit_hook = enter, _launch._HookChain()
+
+
+@pytest.mark.skipif(_launch._runtime_knobs is None, reason="this Triton has no launch hook chains (before 3.5)")
+def test_a_compiled_launch_calls_the_launcher_as_the_runner_does_unless_a_hook_is_registered(monkeypatch):
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 1000 + device)
+    compiled = _Compiled(_Launcher())
+    launcher = CompiledLaunch.of(compiled, 2)
+    assert isinstance(launcher, CompiledLaunch)
+    launcher.launch((3, 2, 1), (7, "x"))
+    # Grid, the device's current stream, the function and metadata, then no launch metadata and no hooks.
+    assert compiled.run.calls == [(3, 2, 1, 1002, 0xF00, (4, 1, 0), None, None, None, 7, "x")]
+    assert not compiled.runner_launches
+
+    hooks = _launch._HookChain()
+    hooks.add(lambda metadata: None)  # a profiler's hook: it must see every launch, so the runner launches
+    monkeypatch.setattr(_launch, "_runtime_knobs", _Hooks(hooks))
+    launcher.launch((3, 2, 1), (7, "x"))
+    assert compiled.runner_launches == [((3, 2, 1), (7, "x"))] and len(compiled.run.calls) == 1
+
+
+def test_a_launcher_of_unknown_layout_launches_through_the_runner():
+    compiled = _Compiled(_OtherLauncher())
+    launcher = CompiledLaunch.of(compiled, 0)
+    assert isinstance(launcher, _RunnerLaunch) and not launcher.takes_addresses
+    launcher.launch((1, 1, 1), (5,))
+    assert compiled.runner_launches == [((1, 1, 1), (5,))]
+
+
 @pytest.mark.gpu
 def test_gpu_lean_launches_match_and_skip_tritons_path(monkeypatch):
     kernel = LeanKernel(_copy_scaled_jit)
@@ -105,6 +163,8 @@ def test_gpu_lean_launches_match_and_skip_tritons_path(monkeypatch):
         kernel[(triton.cdiv(n, 128),)](x, y, n, 0.5, stride, BLOCK=128, SCALE_IT=True)
         torch.testing.assert_close(y, x[: n * stride : stride] * 0.5, rtol=0, atol=0)
     assert len(kernel.compiled) == len(cases)
+    # This Triton's launcher is one CompiledLaunch calls directly (else every launch pays the runner's Python).
+    assert all(isinstance(launcher, CompiledLaunch) for launcher, _ in kernel.compiled.values())
 
     # Once a key is known, Triton's per-launch path is not taken again.
     def refuse(*args, **kwargs):
@@ -115,6 +175,18 @@ def test_gpu_lean_launches_match_and_skip_tritons_path(monkeypatch):
     y = torch.empty(n, device="cuda", dtype=torch.float16)
     kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, y, n, 2.0, stride, BLOCK=128, SCALE_IT=True)
     torch.testing.assert_close(y, x[:n] * 2.0, rtol=0, atol=0)
+
+    # A registered launch hook (a profiler's) sees the launches of a known key too.
+    if _launch._runtime_knobs is not None:
+        seen = []
+        hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+        _launch._runtime_knobs.launch_enter_hook.add(hook)
+        try:
+            kernel[(triton.cdiv(n, 128),)](x, y, n, 3.0, stride, BLOCK=128, SCALE_IT=True)
+        finally:
+            _launch._runtime_knobs.launch_enter_hook.remove(hook)
+        torch.testing.assert_close(y, x[:n] * 3.0, rtol=0, atol=0)
+        assert seen == ["_copy_scaled"]
 
 
 def test_launch_key_of_a_gluon_descriptor_holds_what_triton_specializes():

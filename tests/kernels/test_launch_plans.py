@@ -11,7 +11,8 @@ from triton.runtime.jit import JITFunction
 
 import flash_kernels as fk
 from flash_kernels import attention
-from flash_kernels._launch import LeanKernel, Relaunch
+from flash_kernels import _launch
+from flash_kernels._launch import CompiledLaunch, LeanKernel, Relaunch
 from flash_kernels._launch_plans import LaunchPlans, all_aligned, present_slots
 from flash_kernels._testing import assert_close
 
@@ -49,17 +50,43 @@ def test_the_table_empties_at_its_limit():
     assert plans.get("a") is None and plans.seen == {"c"}
 
 
+class _RecordingLauncher:
+    """Stands for a kernel's launcher: records each launch's grid and arguments."""
+
+    def __init__(self, takes_addresses: bool):
+        self.takes_addresses = takes_addresses
+        self.launches = []
+
+    def launch(self, grid3, args):
+        self.launches.append((grid3, tuple(args)))
+
+
 def test_a_relaunch_takes_new_tensors_and_keeps_none_of_the_old():
-    calls = []
     old = (torch.zeros(2), torch.ones(3))
-    relaunch = Relaunch(lambda *args: calls.append(args), (old[0], 7, old[1], 2.5, None), slots=(0, 2))
-    assert relaunch.template == [None, 7, None, 2.5, None]
+    dummy = torch.empty(1)
+    launcher = _RecordingLauncher(takes_addresses=False)
+    relaunch = Relaunch(launcher, (4, 1, 1), (old[0], 7, old[1], 2.5, None, dummy), slots=(0, 2))
+    assert relaunch.template == [None, 7, None, 2.5, None, dummy] and relaunch.kept == (dummy,)
     new = (torch.full((2,), 4.0), torch.full((3,), 5.0))
     relaunch(*new)
     relaunch(*new)
-    assert len(calls) == 2
-    got = calls[0]
-    assert got[0] is new[0] and got[2] is new[1] and got[1:2] + got[3:] == (7, 2.5, None)
+    assert len(launcher.launches) == 2
+    grid3, got = launcher.launches[0]
+    assert grid3 == (4, 1, 1)
+    assert got[0] is new[0] and got[2] is new[1] and got[1:2] + got[3:] == (7, 2.5, None, dummy)
+
+
+def test_a_relaunch_on_a_launcher_taking_addresses_passes_every_tensor_as_its_address():
+    """A ``CompiledLaunch`` takes addresses (a tensor would cost its launcher a driver query): the new tensors
+    and the template's own ones (a dummy pointer, kept alive by the Relaunch) both go as ints."""
+    old, dummy = torch.zeros(2), torch.empty(1)
+    launcher = _RecordingLauncher(takes_addresses=True)
+    relaunch = Relaunch(launcher, (1, 1, 1), (old, 3, None, dummy), slots=(0,))
+    assert relaunch.kept == (dummy,)
+    new = torch.ones(5)[1:]
+    relaunch(new)
+    (_, got), = launcher.launches
+    assert got == (new.data_ptr(), 3, None, dummy.data_ptr())
 
 
 def _copy(X, Y, n, BLOCK):  # signature only: bind never compiles
@@ -77,14 +104,14 @@ class _FakeCompiled:
 
 
 def test_bind_relaunches_the_kept_compiled_kernel_with_the_grid_of_its_arguments(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_device_index", lambda: 0)
     lean = LeanKernel(JITFunction(_copy))
     x, y = torch.zeros(32), torch.zeros(32)
     args, kwargs = (x, y, 32), {"BLOCK": 16}
     grid = lambda meta: (meta["n"] // meta["BLOCK"],)  # noqa: E731
     assert lean.bind(grid, args, kwargs, (0, 1)) is None  # never launched: nothing to bind
     compiled = _FakeCompiled()
-    lean.compiled[(0, *lean.launch_key(args, kwargs))] = (compiled, (16,))
+    lean.compiled[(0, *lean.launch_key(args, kwargs))] = (CompiledLaunch.of(compiled, 0), (16,))
     relaunch = lean.bind(grid, args, kwargs, (0, 1))
     x2, y2 = torch.ones(32), torch.ones(32)
     relaunch(x2, y2)
