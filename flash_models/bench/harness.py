@@ -3,6 +3,7 @@ JSON and table output. Every bench area measures ours and its peers in the same 
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import statistics
@@ -54,8 +55,10 @@ def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
     no Python, no launch costs (which dominate a batch-1 decode step, or an eager norm's step on a slow host).
     Each fn must have run once already (autotuning and compiling cannot be captured). The fns run once more on a
     side stream first, as a capture needs (torch's CUDA-graph notes: warm-up on a side stream). Memory cached
-    for other streams is released first: a capture cannot free it to make room."""
+    for other streams is released before the warm-up and before the capture: a capture cannot free it to make
+    room (linear + CE's unfused peers take ~24 GB a step)."""
     torch.cuda.synchronize()
+    gc.collect()  # a graph dropped in a reference cycle still holds its memory pool until collected
     torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -63,6 +66,8 @@ def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
         for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # and what the warm-up cached for the side stream
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for fn in fns:
@@ -92,8 +97,20 @@ def best_of_rounds(measures: dict[Hashable, Callable[[], float]], rounds: int, *
             except Exception as err:
                 if not keep_errors:
                     raise
-                best[key] = err
+                best[key] = without_tracebacks(err)
     return best
+
+
+def without_tracebacks(err: BaseException) -> BaseException:
+    """err, its tracebacks dropped along its chain of causes and contexts. A kept error must not hold the frames
+    of the measurement that raised it: they hold what it made (a CUDA graph and its memory pool, a step's
+    tensors), which would stay allocated through the next measurements."""
+    seen, link = set(), err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return err
 
 
 def add_rounds_argument(parser, per: str) -> None:

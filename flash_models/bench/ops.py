@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..backward import backward_on_this_thread
 from .harness import (BenchResult, add_rounds_argument, add_timing_argument, best_of_rounds, graph_replay,
-                      measure_copy_bandwidth, peak_memory_bytes, time_cuda)
+                      measure_copy_bandwidth, peak_memory_bytes, time_cuda, without_tracebacks)
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,16 @@ def _time_sides(case: Case, rounds: int, back_to_back: bool = True, graphs: bool
     (``time_cuda``), and peak memory where the case asks; or the error of a side that failed. ``graphs``: the
     calls replay a CUDA graph of each side's forward and of its forward + backward (``harness.graph_replay``),
     so that what is timed is the GPU's work alone, whatever the host's speed."""
-    steps, errors = {}, {}
+    steps, errors, peaks = {}, {}, {}
     for name, fn in case.impls.items():
         try:
             steps[name] = _fwd_bwd_step(fn, case.inputs)
+            if case.memory:  # eager, after a warm-up step, and before any graph's memory pool exists
+                steps[name]()
+                peaks[name] = peak_memory_bytes(steps[name]) / 2**30
         except Exception as err:  # a peer that rejects this input must not stop the other measurements
-            errors[name] = err
+            steps.pop(name, None)
+            errors[name] = without_tracebacks(err)
 
     def timing(fn, grad: bool):
         def measure():
@@ -104,10 +108,8 @@ def _time_sides(case: Case, rounds: int, back_to_back: bool = True, graphs: bool
         fwd, both = best[name, "fwd"], best[name, "both"]
         failed = next((t for t in (fwd, both) if isinstance(t, Exception)), None)
         results[name] = {"error": failed} if failed is not None else {"fwd_ms": fwd, "fwd_bwd_ms": both}
-    if case.memory:
-        for name, step in steps.items():
-            if "error" not in results[name]:
-                results[name]["peak_GiB"] = peak_memory_bytes(step) / 2**30
+        if name in peaks:
+            results[name]["peak_GiB"] = peaks[name]
     return results
 
 

@@ -92,6 +92,42 @@ def test_graphs_time_replays_of_each_sides_forward_and_step(monkeypatch):
     assert captured == ["fwd", "step", "step", "fwd"]  # ours, once a round (the second reversed); the other side raised
 
 
+def test_peak_memory_is_measured_eagerly_before_any_capture(monkeypatch):
+    """A memory case's peak is each side's eager step, measured before the first graph is captured (a graph's
+    pool would count, and crowd the step: session 35's linear + CE ran out of memory there); a side whose step
+    fails there is reported with its error and not timed."""
+    x = torch.randn(4, 8, requires_grad=True)
+    events = []
+
+    def fake_peak(step):
+        step()
+        if events[-1] == "ooms":
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        events.append("peak")
+        return 2**30
+
+    def side(name):
+        def fn():
+            events.append(name)
+            return x * 2
+        return fn
+
+    def fake_graph_replay(fns):
+        events.append("capture")
+        fns[0]()
+        return lambda: None
+
+    monkeypatch.setattr(ops, "peak_memory_bytes", fake_peak)
+    monkeypatch.setattr(ops, "graph_replay", fake_graph_replay)
+    monkeypatch.setattr(ops, "time_cuda", lambda fn, repeats, back_to_back: Timing(2.0, 1.0, repeats))
+    case = ops.Case("op", "4x8", {"ours": side("ours"), "ooms": side("ooms")}, [x], memory=True)
+    results = ops._time_sides(case, rounds=1, graphs=True)
+    assert results["ours"] == {"fwd_ms": 2.0, "fwd_bwd_ms": 2.0, "peak_GiB": 1.0}
+    assert "out of memory" in str(results["ooms"]["error"])
+    first_capture = events.index("capture")
+    assert "peak" in events[:first_capture] and "ooms" not in events[first_capture:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("group", ["norms", "activations"])
 def test_gpu_graphs_capture_every_side_of_the_bench_cases(group):

@@ -3,6 +3,9 @@ before the next call starts; back-to-back calls are queued and synchronized once
 the median of each call's own start-to-end event time. best_of_rounds with scripted measures: interleaved
 rounds, each measure's lowest value, errors kept or raised."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -96,3 +99,26 @@ def test_best_of_rounds_keeps_an_error_and_stops_measuring_it_or_raises():
     assert isinstance(best["broken"], RuntimeError) and calls == ["broken"]
     with pytest.raises(RuntimeError, match="rejects"):
         harness.best_of_rounds({"broken": broken}, rounds=2)
+
+
+def test_a_kept_error_frees_what_the_failed_measurement_made():
+    """The error is kept without its traceback, whose frames would keep the measurement's objects (a CUDA graph
+    and its memory pool in ``bench ops --graphs``) alive for the rest of the run."""
+    made = []
+
+    class Pool:  # stands for what a measurement allocates
+        pass
+
+    def fails_after_making_something():
+        pool = Pool()
+        made.append(weakref.ref(pool))
+        try:
+            raise ValueError("operation not permitted when stream is capturing")
+        except ValueError:  # raised while handling another error: the first one's frames count too
+            raise RuntimeError("capture invalidated")
+
+    best = harness.best_of_rounds({"side": fails_after_making_something}, rounds=2, keep_errors=True)
+    assert isinstance(best["side"], RuntimeError) and best["side"].__traceback__ is None
+    assert isinstance(best["side"].__context__, ValueError)
+    gc.collect()
+    assert made[0]() is None
