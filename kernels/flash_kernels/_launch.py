@@ -21,6 +21,10 @@ The launch key holds everything Triton's own specialization reads, never less:
 - every keyword argument's name and value (our constexprs and launch options: ``num_warps``, ``BLOCK``...);
 - the current CUDA device (a compiled kernel is loaded per device).
 It may be finer than Triton's (one compiled kernel under several keys), which costs only a first launch each.
+An argument of any other type (``triton.tools``' host descriptor, a custom object) or a tensor passed by
+keyword takes Triton's own path at every launch. A grid given as a function is called as Triton calls it.
+Triton's global knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not
+seen here.
 
 A kept kernel is launched by ``CompiledLaunch``: the compiled kernel's launcher called as Triton's runner
 (``CompiledKernel.__getitem__``) calls it, less the runner's per-launch Python (the device and stream lookups
@@ -28,11 +32,8 @@ through Triton's driver proxy, a dict of launch metadata and two calls of empty 
 launch hooks of a profiler such as proton read: while one is registered, the runner launches instead. A
 ``Relaunch`` on that launcher passes its tensors as their addresses, which the launcher takes as they are;
 a tensor costs it a ``data_ptr`` call and a driver query (``cuPointerGetAttribute``) that checks the address
-is a device's (a plan's tensors are CUDA tensors by its key).
-An argument of any other type (``triton.tools``' host descriptor, a custom object) or a tensor passed by
-keyword takes Triton's own path at every launch. A grid given as a function is called as Triton calls it.
-Triton's global knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not
-seen here.
+is a device's. The Relaunch checks instead that each tensor is on the kernel's device, which its own call
+costs less: a host address would reach the kernel unchecked.
 
 On by default since its GPU check (2026-11-23, H100: every kernel GPU test passed with it; a 33-argument
 launch cost 19.8 us against Triton's 26.3 in one process, 25.8 against 27.5 in another, on a noisy host;
@@ -278,7 +279,11 @@ class Relaunch:
     def __call__(self, *tensors: torch.Tensor) -> None:
         args = self.template.copy()
         if self.addresses:
+            device = self.launcher.device
             for i, t in zip(self.slots, tensors):
+                if t.get_device() != device:
+                    raise ValueError(f"flash_kernels: a kernel on cuda:{device} got a tensor on {t.device}; "
+                                     f"pass every input of the op on one CUDA device (tensor.to(device))")
                 args[i] = t.data_ptr()
         else:
             for i, t in zip(self.slots, tensors):

@@ -53,8 +53,8 @@ def test_the_table_empties_at_its_limit():
 class _RecordingLauncher:
     """Stands for a kernel's launcher: records each launch's grid and arguments."""
 
-    def __init__(self, takes_addresses: bool):
-        self.takes_addresses = takes_addresses
+    def __init__(self, takes_addresses: bool, device: int = -1):  # -1: what get_device() says of a CPU tensor
+        self.takes_addresses, self.device = takes_addresses, device
         self.launches = []
 
     def launch(self, grid3, args):
@@ -87,6 +87,16 @@ def test_a_relaunch_on_a_launcher_taking_addresses_passes_every_tensor_as_its_ad
     relaunch(new)
     (_, got), = launcher.launches
     assert got == (new.data_ptr(), 3, None, dummy.data_ptr())
+
+
+def test_a_relaunch_taking_addresses_refuses_a_tensor_on_another_device():
+    """An address is not checked by the kernel's launcher: a tensor not on the kernel's device (a CPU weight
+    beside CUDA activations) must raise, never reach the kernel as a host address."""
+    launcher = _RecordingLauncher(takes_addresses=True, device=0)
+    relaunch = Relaunch(launcher, (1, 1, 1), (None, 3), slots=(0,))
+    with pytest.raises(ValueError, match="got a tensor on cpu.*one CUDA device"):
+        relaunch(torch.zeros(4))
+    assert not launcher.launches
 
 
 def _copy(X, Y, n, BLOCK):  # signature only: bind never compiles
