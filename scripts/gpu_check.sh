@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
 #   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
 #   bash scripts/gpu_check.sh bench-vit      # bench vit (ours, ours+graphs, timm eager, timm compile)
+#   bash scripts/gpu_check.sh bench-ops      # bench ops, every group, eager (liger's side where its wheel is installed)
+#   bash scripts/gpu_check.sh bench-ops-graphs  # bench ops, every group, timed by CUDA-graph replays
 #   bash scripts/gpu_check.sh gemv           # batch-1 projections: cuBLAS vs our gemv kernel (scripts/profile/gemv_sweep.py)
 #   bash scripts/gpu_check.sh gemv-chain     # every gemv config in a PDL chain with the block's fusions (gemv_chain_sweep.py)
 #   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
@@ -18,7 +20,7 @@
 #   bash scripts/gpu_check.sh triton-launch  # kernel GPU tests on Triton's launch path (FLASH_KERNELS_LEAN_LAUNCH=0), launch costs both ways
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.:kernels
+export PYTHONPATH=.:kernels${PYTHONPATH:+:$PYTHONPATH}  # a caller's path kept: liger's wheel installed to a target folder
 OUT=${OUT:-gpu-check}
 mkdir -p "$OUT"
 # A slow test prints its stack after 60 s instead of silently eating the call; -v names each test as it ends.
@@ -42,6 +44,11 @@ case "${1:-}" in
             | tee "$OUT/bench-generate.log" | grep "^|" ;;
     bench-vit)
         timeout 560 python -m flash_models bench vit --out "$OUT" 2>&1 | tee "$OUT/bench-vit.log" | grep "^|" ;;
+    bench-ops)
+        timeout 560 python -m flash_models bench ops --out "$OUT/ops.json" 2>&1 | tee "$OUT/bench-ops.log" | grep "^|" ;;
+    bench-ops-graphs)
+        timeout 560 python -m flash_models bench ops --graphs --out "$OUT/ops-graphs.json" 2>&1 \
+            | tee "$OUT/bench-ops-graphs.log" | grep "^|" ;;
     gemv)
         pytest_gpu tests/kernels/test_gemv.py 2>&1 | tee "$OUT/tests-gemv.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 200 python scripts/profile/gemv_sweep.py 2>&1 | tee "$OUT/gemv-sweep.log" | grep "^|" ;;
@@ -69,6 +76,6 @@ case "${1:-}" in
         timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-lean.log" | grep "^|"
         FLASH_KERNELS_LEAN_LAUNCH=0 timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-triton.log" | grep "^|" ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|gemv|gemm-rows|linear-act|activations|decode-pdl|triton-launch}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemm-rows|linear-act|activations|decode-pdl|triton-launch}" >&2
         exit 2 ;;
 esac
