@@ -3,29 +3,20 @@ tensors passed as addresses) or through Triton's runner (``_RunnerLaunch``, tens
 before session 35). One side per process, so that each process's kernels are kept under one path only:
 
     for side in runner direct runner direct; do
-        PYTHONPATH=.:kernels python scripts/profile/launch_direct_ab.py $side
+        PYTHONPATH=.:kernels:scripts/profile python scripts/profile/launch_direct_ab.py $side
     done
 
 Per side, three rounds of: a tiny step (64 x 4096, where the GPU idles: host time alone), then the issue time of
-bench ops' norm steps (16384 x 4096; 20 steps queued without a sync, the GPU queue never full).
+bench ops' norm steps (16384 x 4096; 20 steps queued without a sync, the GPU queue never full), each
+after 20 more warm-up steps (``host_cost.host_us``).
 """
 
 import sys
-import time
 
 import torch
 
 from flash_kernels import _launch
-
-
-def issue_us(step, n: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        step()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / n * 1e6
+from host_cost import host_us  # this folder's sibling script
 
 
 def main(side: str):
@@ -45,9 +36,9 @@ def main(side: str):
         for _ in range(5):  # compiles, then keeps each launch (a plan is made the second time a key is seen)
             step()
     for round_ in range(3):
-        print(f"{side} round {round_} | rms_norm 64x4096 (host alone) | {issue_us(tiny, 2000):.1f} us", flush=True)
+        print(f"{side} round {round_} | rms_norm 64x4096 (host alone) | {host_us(tiny, n=2000):.1f} us", flush=True)
         for name, step in steps.items():
-            print(f"{side} round {round_} | {name} | {issue_us(step, 20):.0f} us", flush=True)
+            print(f"{side} round {round_} | {name} | {host_us(step, n=20):.0f} us", flush=True)
 
 
 if __name__ == "__main__":
