@@ -33,7 +33,10 @@ launch hooks of a profiler such as proton read: while one is registered, the run
 ``Relaunch`` on that launcher passes its tensors as their addresses, which the launcher takes as they are;
 a tensor costs it a ``data_ptr`` call and a driver query (``cuPointerGetAttribute``) that checks the address
 is a device's. The Relaunch checks instead that each tensor is on the kernel's device, which its own call
-costs less: a host address would reach the kernel unchecked.
+costs less: a host address would reach the kernel unchecked. On the lent H100's host (session 35) this took an
+eager norm forward + backward step 12-32% less host time by the best of three rounds; in one of two
+``bench ops`` calls the eager norms then ran at their graph-replayed speed (``scripts/profile/launch_direct_ab.py``,
+docs/benchmarks.md).
 
 On by default since its GPU check (2026-11-23, H100: every kernel GPU test passed with it; a 33-argument
 launch cost 19.8 us against Triton's 26.3 in one process, 25.8 against 27.5 in another, on a noisy host;
