@@ -285,8 +285,10 @@ class Relaunch:
             device = self.launcher.device
             for i, t in zip(self.slots, tensors):
                 if t.get_device() != device:
-                    raise ValueError(f"flash_kernels: a kernel on cuda:{device} got a tensor on {t.device}; "
-                                     f"pass every input of the op on one CUDA device (tensor.to(device))")
+                    raise ValueError(
+                        f"flash_kernels: a kernel launched on cuda:{device} (the current device) got a tensor on "
+                        f"{t.device}: pass the op its inputs on the current CUDA device (tensor.to('cuda:{device}'), "
+                        f"or make theirs current with torch.cuda.set_device)")
                 args[i] = t.data_ptr()
         else:
             for i, t in zip(self.slots, tensors):

@@ -94,7 +94,7 @@ def test_a_relaunch_taking_addresses_refuses_a_tensor_on_another_device():
     beside CUDA activations) must raise, never reach the kernel as a host address."""
     launcher = _RecordingLauncher(takes_addresses=True, device=0)
     relaunch = Relaunch(launcher, (1, 1, 1), (None, 3), slots=(0,))
-    with pytest.raises(ValueError, match="got a tensor on cpu.*one CUDA device"):
+    with pytest.raises(ValueError, match="got a tensor on cpu: pass the op its inputs on the current CUDA device"):
         relaunch(torch.zeros(4))
     assert not launcher.launches
 
