@@ -119,13 +119,25 @@ class _Compiled:
         return lambda *args: self.runner_launches.append((grid, args))
 
 
+class _HookChain:
+    """Stands for Triton's launch-hook chain (``triton.knobs.HookChain``): the hooks registered, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+
 class _Hooks:
-    def __init__(self, enter):
-        self.launch_enter_hook, self.launch_exit_hook = enter, _launch._HookChain()
+    """Stands for ``triton.knobs.runtime``: the enter and exit hook chains."""
+
+    def __init__(self):
+        self.launch_enter_hook, self.launch_exit_hook = _HookChain(), _HookChain()
 
 
-@pytest.mark.skipif(_launch._runtime_knobs is None, reason="this Triton has no launch hook chains (before 3.5)")
 def test_a_compiled_launch_calls_the_launcher_as_the_runner_does_unless_a_hook_is_registered(monkeypatch):
+    # Triton's hook chains faked: the test does not depend on the installed Triton's knobs.
+    hooks = _Hooks()
+    monkeypatch.setattr(_launch, "_HookChain", _HookChain)
+    monkeypatch.setattr(_launch, "_runtime_knobs", hooks)
     monkeypatch.setattr(_launch, "_raw_stream", lambda device: 1000 + device)
     compiled = _Compiled(_Launcher())
     launcher = CompiledLaunch.of(compiled, 2)
@@ -135,9 +147,7 @@ def test_a_compiled_launch_calls_the_launcher_as_the_runner_does_unless_a_hook_i
     assert compiled.run.calls == [(3, 2, 1, 1002, 0xF00, (4, 1, 0), None, None, None, 7, "x")]
     assert not compiled.runner_launches
 
-    hooks = _launch._HookChain()
-    hooks.add(lambda metadata: None)  # a profiler's hook: it must see every launch, so the runner launches
-    monkeypatch.setattr(_launch, "_runtime_knobs", _Hooks(hooks))
+    hooks.launch_enter_hook.calls.append(lambda metadata: None)  # a profiler's: it must see every launch
     launcher.launch((3, 2, 1), (7, "x"))
     assert compiled.runner_launches == [((3, 2, 1), (7, "x"))] and len(compiled.run.calls) == 1
 
