@@ -3,6 +3,7 @@ JSON and table output. Every bench area measures ours and its peers in the same 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import platform
@@ -56,13 +57,14 @@ def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
     Each fn must have run once already (autotuning and compiling cannot be captured). The fns run once more on a
     side stream first, as a capture needs (torch's CUDA-graph notes: warm-up on a side stream). Memory cached
     for other streams is released before the warm-up and before the capture: a capture cannot free it to make
-    room (linear + CE's unfused peers take ~24 GB a step)."""
+    room (linear + CE's unfused peers take ~24 GB a step). A fn that synchronizes with the host fails in that
+    warm-up, before any capture starts: see ``_refusing_host_syncs``."""
     torch.cuda.synchronize()
     gc.collect()  # a graph dropped in a reference cycle still holds its memory pool until collected
     torch.cuda.empty_cache()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), _refusing_host_syncs():
         for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
@@ -73,6 +75,29 @@ def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
         for fn in fns:
             fn()
     return graph.replay
+
+
+class HostSyncError(RuntimeError):
+    """A call that cannot be captured in a CUDA graph because it waits for the GPU (``.item()``, a blocking copy)."""
+
+
+@contextlib.contextmanager
+def _refusing_host_syncs():
+    """Raise HostSyncError at a host synchronization instead of letting it happen (torch's sync debug mode).
+
+    Why before the capture: a synchronization inside one invalidates it, and the failed capture kept its memory
+    pool reserved. In session 36 liger's cross-entropy (its ``.item()`` on the count of valid labels) failed its
+    capture that way, and the next cases found 69 GiB reserved and unusable: every later side ran out of memory."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as err:
+        if "synchronizing" not in str(err):
+            raise
+        raise HostSyncError(f"cannot be captured in a CUDA graph: it synchronizes with the host ({err})") from None
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def best_of_rounds(measures: dict[Hashable, Callable[[], float]], rounds: int, *,

@@ -5,7 +5,7 @@ replays of captured calls. On a GPU: the graphs of the bench's own cases, every 
 import pytest
 import torch
 
-from flash_models.bench import ops
+from flash_models.bench import harness, ops
 from flash_models.bench.harness import Timing
 
 
@@ -129,14 +129,17 @@ def test_peak_memory_is_measured_eagerly_before_any_capture(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("group", ["norms", "activations"])
+@pytest.mark.parametrize("group", ["norms", "activations", "cross_entropy"])
 def test_gpu_graphs_capture_every_side_of_the_bench_cases(group):
     """``--graphs`` on the bench's own cases, every peer included (torch.compile; liger where installed): each
     side's forward and forward + backward is captured and replayed without error. (Session 34: the SwiGLU and
-    GeGLU cases' captures failed for every side, likely through liger's views of gate_up kept across calls.)"""
+    GeGLU cases' captures failed for every side, likely through liger's views of gate_up kept across calls.)
+    The one failure allowed is a peer that synchronizes with the host (liger's cross-entropy), refused before
+    its capture; the sides after it must still run (session 36: its invalidated capture left them no memory)."""
     for case in ops.GROUPS[group](True):
         case.repeats = 3
         results = ops._time_sides(case, rounds=1, graphs=True)
-        failed = {name: str(r["error"])[:200] for name, r in results.items() if "error" in r}
+        failed = {name: str(r["error"])[:200] for name, r in results.items()
+                  if "error" in r and not (name == "liger" and isinstance(r["error"], harness.HostSyncError))}
         assert not failed, f"{case.op}: {failed}"
         assert all(r["fwd_bwd_ms"] > 0 for r in results.values())

@@ -122,3 +122,25 @@ def test_a_kept_error_frees_what_the_failed_measurement_made():
     assert isinstance(best["side"].__context__, ValueError)
     gc.collect()
     assert made[0]() is None
+
+
+@pytest.mark.gpu
+def test_gpu_a_call_that_waits_for_the_gpu_fails_before_any_capture():
+    """A call with a host synchronization (liger's cross-entropy calls ``.item()``) fails in graph_replay's
+    warm-up with HostSyncError, before a capture begins: an invalidated capture kept its memory pool reserved,
+    and in session 36's ``bench ops --graphs`` every later case ran out of memory."""
+    x = torch.ones(1 << 20, device="cuda")
+    reserved = torch.cuda.memory_reserved()
+    with pytest.raises(harness.HostSyncError, match="synchronizes with the host"):
+        harness.graph_replay([lambda: x.mul(2), lambda: x.sum().item()])
+    assert torch.cuda.get_sync_debug_mode() == 0  # the process's own mode is back
+    x.sum().item()
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= reserved
+    out = torch.zeros_like(x)
+    replay = harness.graph_replay([lambda: out.copy_(x * 3)])  # capturing still works afterwards
+    out.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert bool((out == 3).all())
