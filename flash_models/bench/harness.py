@@ -54,11 +54,15 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, repeats: int = 20, b
 def graph_replay(fns: list[Callable[[], object]]) -> Callable[[], None]:
     """One CUDA graph that runs every fn once; returns its replay. Timing replays measures the GPU's work alone:
     no Python, no launch costs (which dominate a batch-1 decode step, or an eager norm's step on a slow host).
-    Each fn must have run once already (autotuning and compiling cannot be captured). The fns run once more on a
-    side stream first, as a capture needs (torch's CUDA-graph notes: warm-up on a side stream). Memory cached
-    for other streams is released before the warm-up and before the capture: a capture cannot free it to make
-    room (linear + CE's unfused peers take ~24 GB a step). A fn that synchronizes with the host fails in that
-    warm-up, before any capture starts: see ``_refusing_host_syncs``."""
+    Each fn first runs once as it would eagerly: a first call may autotune or compile, which cannot be captured
+    and may wait for the GPU (inductor benchmarking a reduction's configs, torch.compile's first call under
+    no_grad). The fns then run once more on a side stream, as a capture needs (torch's CUDA-graph notes: warm-up
+    on a side stream), with host synchronizations refused: a fn that still synchronizes then fails there, before
+    any capture starts (``_refusing_host_syncs``). Memory cached for other streams is released before the
+    warm-up and before the capture: a capture cannot free it to make room (linear + CE's unfused peers take
+    ~24 GB a step)."""
+    for fn in dict.fromkeys(fns):  # a fn listed several times (decode cycles) needs one first call
+        fn()
     torch.cuda.synchronize()
     gc.collect()  # a graph dropped in a reference cycle still holds its memory pool until collected
     torch.cuda.empty_cache()

@@ -144,3 +144,22 @@ def test_gpu_a_call_that_waits_for_the_gpu_fails_before_any_capture():
     replay()
     torch.cuda.synchronize()
     assert bool((out == 3).all())
+
+
+@pytest.mark.gpu
+def test_gpu_a_first_call_may_synchronize_and_still_be_captured():
+    """Only the warm-up after the first call refuses host synchronizations: a first call that compiles or
+    autotunes waits for the GPU (torch.compile's cross-entropy peer did, in session 36), and is still captured."""
+    x, out, calls = torch.ones(1 << 20, device="cuda"), torch.zeros(1 << 20, device="cuda"), []
+
+    def syncs_on_its_first_call_only():
+        if not calls:
+            x.sum().item()
+        calls.append(None)
+        out.copy_(x * 3)
+
+    replay = harness.graph_replay([syncs_on_its_first_call_only])
+    out.zero_()
+    replay()
+    torch.cuda.synchronize()
+    assert bool((out == 3).all()) and len(calls) == 3  # first call, warm-up, capture; replays run no Python
