@@ -142,4 +142,4 @@ def test_gpu_graphs_capture_every_side_of_the_bench_cases(group):
         failed = {name: str(r["error"])[:200] for name, r in results.items()
                   if "error" in r and not (name == "liger" and isinstance(r["error"], harness.HostSyncError))}
         assert not failed, f"{case.op}: {failed}"
-        assert all(r["fwd_bwd_ms"] > 0 for r in results.values())
+        assert all(r["fwd_bwd_ms"] > 0 for r in results.values() if "error" not in r)  # every side but liger's
