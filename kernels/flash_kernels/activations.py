@@ -52,7 +52,7 @@ def gelu_ref(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_BLOCK = 2048
+_BLOCK = 2048  # the backward by rows (see _launch_grid)
 # A plain (non-gated) activation on contiguous memory runs as one flat row: no per-row tail block half
 # masked (11008 = 5 x 2048 + 768), and blocks of its own, (BLOCK, warps) per direction. 32 elements a thread
 # in the forward and 16 in the backward (which reads two tensors) keep the most loads in flight: H200, bf16,
@@ -61,6 +61,11 @@ _BLOCK = 2048
 # 66.6 / 88.0 / 117.4), backward 84.3 / 111.7 / 147.7 against 90.0 / 119.6 / 159.0 (torch's 88.8 / 117.2 /
 # 156.5); tanh alike.
 _FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
+# The forward by rows (the gated activations: gate and up halves of one row) takes 1024-element blocks of 4
+# warps. H200, 8192 rows, graph-replayed (session 37, docs/benchmarks.md Fused ops): GeGLU's forward at 11008
+# 125.3-127.2 us against 129.8-130.9 with _BLOCK's rule (2048 x 8 warps: 6 blocks a row, the last 3/8 full),
+# every other case (SwiGLU and GeGLU at widths 3072-14336) within 1% of it.
+_ROW_BLOCK_FWD = 1024
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 # The GELU kernels' exp2 (and, until session 20, a reciprocal) are ``_ptx_math``'s single instructions on the
 # GPU. H200, erf GELU, 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15, the
@@ -174,13 +179,18 @@ def _act_bwd_kernel(
 
 
 def _launch_grid(rows: int, f_out: int, direction: str) -> tuple[tuple[int], int, int]:
-    """Grid, block and warps. A single (flat) row takes the direction's _FLAT block. Otherwise _BLOCK, or half of
-    it when that divides the row and _BLOCK does not (GPT-2's 3072 takes 1024 rather than 2048 with its second
-    block half masked): smaller blocks would cost more in per-program overhead than the masked lanes they save."""
+    """Grid, block and warps. A single (flat) row takes the direction's _FLAT block. Otherwise the forward takes
+    _ROW_BLOCK_FWD (never halved: 512 at LLaMA-1.1B's 5632 ran 9-15% slower), and the backward _BLOCK, or half
+    of it when that divides the row and _BLOCK does not (GPT-2's 3072 takes 1024 rather than 2048 with its
+    second block half masked): smaller blocks would cost more in per-program overhead than the masked lanes
+    they save."""
     if rows == 1:
         flat_block, flat_warps = _FLAT[direction]
         block = min(flat_block, next_power_of_2(f_out))
         return (cdiv(f_out, block),), block, flat_warps if block == flat_block else 4
+    if direction == "fwd":
+        block = min(_ROW_BLOCK_FWD, next_power_of_2(f_out))
+        return (rows * cdiv(f_out, block),), block, 4
     block = min(_BLOCK, next_power_of_2(f_out))
     if f_out % _BLOCK and f_out % (_BLOCK // 2) == 0:
         block = _BLOCK // 2
