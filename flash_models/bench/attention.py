@@ -255,16 +255,17 @@ def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
         nbytes = 2 * b * kv * kv_heads * d * 2
         sets = _decode_inputs(b, kv, heads, kv_heads, d, max(1, min(8, -(-4 * l2 // nbytes))))
         seqlens = torch.full((b,), kv, dtype=torch.int32, device="cuda")
-        defaults = dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE
+        defaults = dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE, dec.DECODE_TILE_WAIT_IN_LOOP
         for per_sm, tile, pdl in itertools.product((1, 2, 3, 4), tiles, (False, True)):
-            dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE = per_sm, tile
+            # The tile of every chunk length (the early trigger's long chunks take their own otherwise).
+            dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE, dec.DECODE_TILE_WAIT_IN_LOOP = per_sm, tile, tile
             with programmatic_launch(pdl, early_trigger=b == 1):
                 _, graphed = _time_decode(
                     lambda q, kc, vc: lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"),
                     sets, repeats)
             print(f"sweep B={b} kv={kv} per_sm={per_sm} tile={tile} pdl={pdl} "
                   f"{graphed * 1e3:.1f} us {nbytes / (graphed * 1e-3) / copy_bw:.3f} of copy bw", flush=True)
-        dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE = defaults
+        dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE, dec.DECODE_TILE_WAIT_IN_LOOP = defaults
 
 
 def _not_measured(ax, part):

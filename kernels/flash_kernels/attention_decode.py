@@ -113,6 +113,28 @@ DECODE_TILE = (64, 4, 3)
 # shorter chunks (1 x 8192, 512 keys: 0.80 -> 0.78 with PDL; 4 x 8192, 2048 keys: 0.955 -> 0.932 with PDL) and
 # on paged caches (8 x 8192: 0.94 -> 0.89), whose rows come through the block table.
 PREFETCH_NEXT_MIN_CHUNK = 4096
+# Under programmatic launch with the early trigger (batch 1) the split kernel reads the start of its chunk
+# before it waits for the kernel before it (``_prefetch_kv``), in one of two ways (``_prefetch_mode``):
+# - PREFETCH_REGISTERS: the first key tiles into registers, PREFETCH_TILES_HEAD_DIM_64 of them at head dims up to
+#   64, one above (two 128-wide tiles, 64 KB of registers a program, spill: 0.56-0.57 of copy bandwidth at batch
+#   1 / 8k keys / 16 heads against 0.78);
+# - WAIT_IN_LOOP: the wait moves into the pipelined key loop's first step, so the tiles the pipeliner loads ahead
+#   of the loop (its first stages, in shared memory) go out before it: head dim 65-128, contiguous cache, with
+#   four stages (DECODE_TILE_WAIT_IN_LOOP, one program a SM) on chunks of WAIT_IN_LOOP_LONG_CHUNK keys or more.
+# H200 (2026-11-28, session 38, .scratch one-offs, decode alone graph-replayed as `bench attention` times it,
+# fraction of copy bandwidth, two rounds): 16 heads, head dim 128, batch 1: 8k keys (512-key chunks) 0.811-0.812
+# waiting in the loop with four stages against 0.763-0.764 for one register tile (0.757-0.771 with three
+# stages); 16k 0.927 against 0.889-0.890; 32k 0.983-0.984 against 0.967-0.968; 2k (128-key chunks) 0.498 with
+# three stages (four: 0.440) against 0.455; 32 q / 8 kv heads, 8k (256-key chunks) 0.665-0.667 with three
+# (four: 0.573-0.574) against 0.604-0.605. Head dim 64 prefers registers: GPT-2's shape (12 heads, 4k keys)
+# 0.370-0.373 with two register tiles, 0.318-0.320 with one, 0.329-0.335 waiting in the loop; GPT-2 124M's
+# batch-1 step 0.330-0.338 ms with two tiles against 0.349-0.366 with one and 0.351-0.380 in the loop,
+# LLaMA-1.1B's (32 q / 4 kv heads) level (0.83-0.90 ms, noisy). Paged caches and head dim 256 keep the
+# register tile (not measured in the loop).
+PREFETCH_REGISTERS, WAIT_IN_LOOP = 1, 2
+PREFETCH_TILES_HEAD_DIM_64 = 2
+WAIT_IN_LOOP_LONG_CHUNK = 512
+DECODE_TILE_WAIT_IN_LOOP = (64, 4, 4)
 DECODE_TILE_PREFETCH_NEXT = (64, 4, 1)
 
 # The merge kernel is one program per query row and head, a latency chain (load, reduce over the splits, store)
@@ -151,6 +173,20 @@ def _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_k
 
 
 @triton.jit
+def _with_fresh_rows(k, v, K, V, BlockTable, b64, hk, offs_n, hi, fresh_from, offs_d, stride_btb, stride_kb,
+                     stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM: tl.constexpr,
+                     PAGED: tl.constexpr):
+    """Tiles k, v (read before the wait, zeros in rows ``fresh_from`` on) with those rows (below ``hi``) read now."""
+    fresh = (offs_n >= fresh_from) & (offs_n < hi)
+    k_rows, v_rows = _kv_rows(BlockTable, b64, offs_n, fresh, stride_btb, stride_kb, stride_ks, stride_vb, stride_vs,
+                              page_size, PAGED)
+    mask = fresh[:, None] & (offs_d[None, :] < HEAD_DIM)
+    k = tl.where(fresh[:, None], tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=mask, other=0.0), k)
+    v = tl.where(fresh[:, None], tl.load(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], mask=mask, other=0.0), v)
+    return k, v
+
+
+@triton.jit
 def _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right, scale_log2, softcap,
                  SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
     """The online softmax over one key tile: (m_i, l_i, acc) updated."""
@@ -176,20 +212,21 @@ def _decode_split_kernel(
     seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_TILES: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
 ):
     """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
     With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed.
-    PREFETCH_KV: the chunk's first key tile is read before the wait for the kernel before (see
-    ``_prefetch_kv``), all but the newest keys, which that kernel may still be writing. PREFETCH_NEXT: the key
-    loop loads tile n+1 into registers before tile n's dots (see PREFETCH_NEXT_MIN_CHUNK)."""
+    PREFETCH_KV (PREFETCH_REGISTERS: PREFETCH_TILES tiles; WAIT_IN_LOOP: the pipeliner's first stages): the start
+    of the chunk is read before the wait for the kernel before (see ``_prefetch_kv``), all but the newest keys,
+    which that kernel may still be writing. PREFETCH_NEXT: the key loop loads tile n+1 into registers before tile
+    n's dots (see PREFETCH_NEXT_MIN_CHUNK)."""
     split = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
     hk = pid_bh % n_kv_heads
     b64 = b.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    if not PREFETCH_KV:
+    if PREFETCH_KV == 0:
         wait_for_predecessor(PDL)  # inside flash_kernels.programmatic_launch(): see _pdl
     len_k = tl.load(Seqlens + b) + n_new
     # Keys any row may see, intersected with this split's chunk.
@@ -197,35 +234,69 @@ def _decode_split_kernel(
     lo = tl.maximum(split * chunk, tl.maximum(off - left, 0) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(tl.minimum((split + 1) * chunk, len_k), seqlen_q - 1 + off + right + 1)
     start = lo
-    if PREFETCH_KV:
+    fresh_from = len_k - tl.maximum(seqlen_q, n_new)  # the keys the kernel before may be appending
+    if PREFETCH_KV == 1:  # PREFETCH_REGISTERS: the first key tiles into registers, all but their fresh rows
         first = lo + tl.arange(0, BLOCK_N)
-        fresh_from = len_k - tl.maximum(seqlen_q, n_new)  # the keys the kernel before may be appending
-        k_rows, v_rows = _kv_rows(BlockTable, b64, first, first < hi, stride_btb, stride_kb, stride_ks, stride_vb,
-                                  stride_vs, page_size, PAGED)
-        k_ptrs = K + k_rows[:, None] + hk * stride_kh + offs_d[None, :]
-        v_ptrs = V + v_rows[:, None] + hk * stride_vh + offs_d[None, :]
-        k_first = _load_rows(k_ptrs, first, tl.minimum(hi, fresh_from), offs_d, HEAD_DIM, BLOCK_D, True)
-        v_first = _load_rows(v_ptrs, first, tl.minimum(hi, fresh_from), offs_d, HEAD_DIM, BLOCK_D, True)
+        k0, v0 = _kv_tile(K, V, BlockTable, b64, hk, first, tl.minimum(hi, fresh_from), offs_d, stride_btb, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
+        if PREFETCH_TILES == 2:
+            k1, v1 = _kv_tile(K, V, BlockTable, b64, hk, first + BLOCK_N, tl.minimum(hi, fresh_from), offs_d,
+                              stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size,
+                              HEAD_DIM, BLOCK_D, PAGED)
         wait_for_predecessor(PDL)
-        # Now the newest keys of that tile (rows masked above load nothing now, and vice versa).
-        fresh = ((first >= fresh_from) & (first < hi))[:, None]
-        k_first = tl.where(fresh, tl.load(k_ptrs, mask=fresh & (offs_d[None, :] < HEAD_DIM), other=0.0), k_first)
-        v_first = tl.where(fresh, tl.load(v_ptrs, mask=fresh & (offs_d[None, :] < HEAD_DIM), other=0.0), v_first)
+        k0, v0 = _with_fresh_rows(k0, v0, K, V, BlockTable, b64, hk, first, hi, fresh_from, offs_d, stride_btb,
+                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM,
+                                  PAGED)
+        if PREFETCH_TILES == 2:
+            k1, v1 = _with_fresh_rows(k1, v1, K, V, BlockTable, b64, hk, first + BLOCK_N, hi, fresh_from, offs_d,
+                                      stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                      page_size, HEAD_DIM, PAGED)
     offs_r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_r < group * seqlen_q
     g = offs_r // seqlen_q
     i = offs_r % seqlen_q
     h = hk * group + g
-    q = _load_rows(Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :],
-                   offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)  # (M, D)
+    q_ptrs = Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if PREFETCH_KV:
-        if lo < hi:
-            m_i, l_i, acc = _attend_tile(q, k_first, v_first, m_i, l_i, acc, i, first, seqlen_q, len_k, left, right,
+    if PREFETCH_KV == 2:  # WAIT_IN_LOOP
+        # The wait sits in the key loop's first step, so the loads the pipeliner issues ahead of the loop (its
+        # first stages) go out before it. Only tiles without a fresh key take that loop; the rest follow it.
+        stale_hi = tl.maximum(tl.minimum(hi, fresh_from // BLOCK_N * BLOCK_N), lo)
+        q = tl.zeros([BLOCK_M, BLOCK_D], dtype=Q.dtype.element_ty)
+        for start_n in range(lo, stale_hi, BLOCK_N):
+            if start_n == lo:
+                wait_for_predecessor(PDL)
+                q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
                                          scale_log2, softcap, SOFTCAP, DOT_F32)
-        start = lo + BLOCK_N
+        if stale_hi == lo:
+            wait_for_predecessor(PDL)
+            q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        for start_n in tl.range(stale_hi, hi, BLOCK_N, num_stages=1):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
+                            stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
+            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+        start = hi
+    else:
+        q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)  # (M, D)
+    if PREFETCH_KV == 1:
+        # Tiles start BLOCK_N-aligned and a chunk ends on a multiple of BLOCK_N: a tile starting before ``hi``
+        # holds no key of the next chunk.
+        if lo < hi:
+            m_i, l_i, acc = _attend_tile(q, k0, v0, m_i, l_i, acc, i, first, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+        if PREFETCH_TILES == 2:  # noqa: SIM102 (a compile-time branch: k1 and v1 exist only in it)
+            if lo + BLOCK_N < hi:
+                m_i, l_i, acc = _attend_tile(q, k1, v1, m_i, l_i, acc, i, first + BLOCK_N, seqlen_q, len_k, left,
+                                             right, scale_log2, softcap, SOFTCAP, DOT_F32)
+        start = lo + PREFETCH_TILES * BLOCK_N
     if PREFETCH_NEXT:
         k_next, v_next = _kv_tile(K, V, BlockTable, b64, hk, start + tl.arange(0, BLOCK_N), hi, offs_d, stride_btb,
                                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size,
@@ -285,15 +356,28 @@ def _decode_combine_kernel(Opart, Lpart, O, num_splits, n_heads, seqlen_q,
 
 
 def _prefetch_kv(device: torch.device) -> bool:
-    """Whether the split kernel reads its first key tile before waiting for the kernel before it: in the
-    early-trigger mode of programmatic dependent launch (``programmatic_launch(early_trigger=True)``, the decode
-    step at batch 1), where that wait is most of a short decode step's attention. It relies on the chain's
+    """Whether the split kernel reads the start of its chunk before waiting for the kernel before it (how:
+    ``_prefetch_mode``): in the early-trigger mode of programmatic dependent launch
+    (``programmatic_launch(early_trigger=True)``, the decode step at batch 1), where that wait is most of a
+    short decode step's attention. It relies on the chain's
     contract (see ``flash_attn_with_kvcache``): the kernel before writes no key but the newest. On an H100
     (2026-11-25, scripts/profile/decode_prefetch_ab.py) with the early trigger it took LLaMA-1.1B's batch-1 step
     from 1.08-1.12 to 1.03-1.04 ms and GPT-2's from 0.358 to 0.345-0.348; at batch 16, with the trigger after
     the wait, it cost 1-8% (GPT-2 0.47-0.49 vs 0.51-0.53 ms, LLaMA 1.46-1.48 vs 1.49-1.50). A function so that
     the interpreter tests can turn the reordered path on without PDL."""
     return programmatic_launch_enabled(device) == TRIGGER_BEFORE_WAIT
+
+
+def _prefetch_mode(block_d: int, paged: bool, prefetch_next: bool) -> int:
+    """How the split kernel reads ahead of its wait when it does (``_prefetch_kv``): PREFETCH_REGISTERS or
+    WAIT_IN_LOOP (see there). The register-prefetch key loop (``PREFETCH_NEXT``) keeps its register tile."""
+    return WAIT_IN_LOOP if block_d == 128 and not paged and not prefetch_next else PREFETCH_REGISTERS
+
+
+def _prefetch_tiles(block_d: int) -> int:
+    """How many key tiles PREFETCH_REGISTERS reads (see PREFETCH_TILES_HEAD_DIM_64). A function so that the
+    interpreter tests can take two at any head dim."""
+    return PREFETCH_TILES_HEAD_DIM_64 if block_d <= 64 else 1
 
 
 def _prefetch_next(chunk: int, paged: bool, head_dim: int) -> bool:
@@ -351,7 +435,13 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     prefetch_next = _prefetch_next(chunk, paged, d)
-    tile = DECODE_TILE_PREFETCH_NEXT if prefetch_next else DECODE_TILE
+    prefetch = _prefetch_mode(bd, paged, prefetch_next) if _prefetch_kv(q.device) else 0
+    if prefetch_next:
+        tile = DECODE_TILE_PREFETCH_NEXT
+    elif prefetch == WAIT_IN_LOOP and chunk >= WAIT_IN_LOOP_LONG_CHUNK:
+        tile = DECODE_TILE_WAIT_IN_LOOP
+    else:
+        tile = DECODE_TILE
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else tile
     pdl = programmatic_launch_enabled(q.device)
     launch = launch_options(pdl)
@@ -363,7 +453,8 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
         out.stride(0), out.stride(1), out.stride(2),
         seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
-        SINGLE_SPLIT=single, PDL=pdl, PREFETCH_KV=_prefetch_kv(q.device), PREFETCH_NEXT=prefetch_next,
+        SINGLE_SPLIT=single, PDL=pdl, PREFETCH_KV=prefetch, PREFETCH_TILES=_prefetch_tiles(bd),
+        PREFETCH_NEXT=prefetch_next,
         num_warps=num_warps, num_stages=num_stages,
         **launch,
     )

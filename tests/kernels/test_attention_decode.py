@@ -40,20 +40,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("splits", ["planned", "single", "planned+prefetch", "single+prefetch", "planned+next",
-                                    "single+prefetch+next"])
+@pytest.mark.parametrize("splits", ["planned", "single", "planned+prefetch", "single+prefetch", "planned+prefetch2",
+                                    "planned+inloop", "single+inloop", "planned+next", "single+prefetch+next"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
     """The planned split-KV schedule (several splits and the merge, under the interpreter) and one split that
     writes the output itself (what short caches at a large batch get on the GPU); each also with the first key
-    tile read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys after;
-    and with the key loop that loads the next tile before the current one's dots ("next": what long chunks
+    tiles read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys after:
+    as the rule picks, two register tiles at any head dim ("prefetch2"), and the wait inside the pipelined key
+    loop at any head dim ("inloop"); and with the key loop that loads the next tile before the current one's dots ("next": what long chunks
     of a contiguous cache get on the GPU; here paged caches too, which the kernel takes as well)."""
     if splits.startswith("single"):
         monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other: (capacity, 1))
-    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: "prefetch" in splits)
+    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: "prefetch" in splits or "inloop" in splits)
     monkeypatch.setattr(dec, "_prefetch_next", lambda chunk, paged, head_dim: splits.endswith("next"))
+    if splits.endswith("prefetch2"):
+        monkeypatch.setattr(dec, "_prefetch_mode", lambda block_d, paged, prefetch_next: dec.PREFETCH_REGISTERS)
+        monkeypatch.setattr(dec, "_prefetch_tiles", lambda block_d: 2)
+    if splits.endswith("inloop"):
+        monkeypatch.setattr(dec, "_prefetch_mode", lambda block_d, paged, prefetch_next: dec.WAIT_IN_LOOP)
     torch.manual_seed(0)
     bsz, sq, hq, hkv, d, capacity, s_new, page, causal, window, softcap = case
     q = torch.randn(bsz, sq, hq, d, dtype=dtype, device=DEVICE)
@@ -94,6 +100,17 @@ def test_split_count_stays_within_one_wave(capacity, n_prog_other, expected):
     assert splits == expected
     assert splits == 1 or splits * n_prog_other <= dec.DECODE_PROGRAMS_PER_SM * sms
     assert splits <= -(-capacity // dec.DECODE_MIN_CHUNK)  # no more chunks than DECODE_MIN_CHUNK-key pieces
+
+
+def test_prefetch_rules():
+    """What the split kernel reads before its wait, where it was measured to win (attention_decode,
+    PREFETCH_REGISTERS / WAIT_IN_LOOP): the wait inside the key loop for 128-wide tiles of a contiguous cache;
+    register tiles otherwise, two at head dims up to 64, one above."""
+    assert dec._prefetch_mode(128, False, False) == dec.WAIT_IN_LOOP
+    assert dec._prefetch_mode(128, True, False) == dec.PREFETCH_REGISTERS  # paged
+    assert dec._prefetch_mode(128, False, True) == dec.PREFETCH_REGISTERS  # the register-prefetch key loop
+    assert dec._prefetch_mode(64, False, False) == dec._prefetch_mode(256, False, False) == dec.PREFETCH_REGISTERS
+    assert [dec._prefetch_tiles(bd) for bd in (32, 64, 128, 256)] == [2, 2, 1, 1]
 
 
 def test_prefetch_next_rule():
@@ -223,19 +240,21 @@ def test_gpu_decode_long_chunks_padded_head_dims(d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
 @pytest.mark.parametrize("bsz,capacity,page_size", [(1, 8192, None), (4, 4096, 256), (16, 512, None),
                                                      (32, 4096, None)])
-def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size, hkv):
+def test_gpu_programmatic_dependent_launch_changes_nothing(bsz, capacity, page_size, hkv, d):
     """Under programmatic_launch() (split and merge kernels launched early, each waiting for its predecessor
-    in-kernel; with the early trigger, also reading a key tile before that wait) the output is the plain
-    launches' bit for bit, called eagerly and replayed from a CUDA graph that chains several decode calls, each
-    appending into the cache the next one reads (a missed wait would read stale keys)."""
+    in-kernel; with the early trigger, also reading key tiles before that wait: two register tiles at head dim
+    64, the pipelined loop's first stages at 128 unpaged) the output is the plain launches' bit for bit, called
+    eagerly and replayed from a CUDA graph that chains several decode calls, each appending into the cache the
+    next one reads (a missed wait would read stale keys)."""
     torch.manual_seed(5)
     steps = 4
-    q = torch.randn(steps, bsz, 1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
-    k = torch.randn(steps, bsz, 1, hkv, 128, dtype=torch.bfloat16, device=DEVICE)
-    kc0, vc0, table = _cache(bsz, capacity, hkv, 128, torch.bfloat16, page_size)
+    q = torch.randn(steps, bsz, 1, 32, d, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(steps, bsz, 1, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+    kc0, vc0, table = _cache(bsz, capacity, hkv, d, torch.bfloat16, page_size)
     lens0 = torch.randint(capacity // 2, capacity - steps, (bsz,), dtype=torch.int32, device=DEVICE)
 
     def decode_steps(kc, vc):
