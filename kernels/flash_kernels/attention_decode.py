@@ -121,7 +121,7 @@ PREFETCH_NEXT_MIN_CHUNK = 4096
 # - WAIT_IN_LOOP: the wait moves into the pipelined key loop's first step, so the tiles the pipeliner loads ahead
 #   of the loop (its first stages, in shared memory) go out before it: head dim 65-128, contiguous cache, with
 #   four stages (DECODE_TILE_WAIT_IN_LOOP, one program a SM) on chunks of WAIT_IN_LOOP_LONG_CHUNK keys or more.
-# H200 (2026-11-28, session 38, .scratch one-offs, decode alone graph-replayed as `bench attention` times it,
+# H200 (2026-11-29, session 38, .scratch one-offs, decode alone graph-replayed as `bench attention` times it,
 # fraction of copy bandwidth, two rounds): 16 heads, head dim 128, batch 1: 8k keys (512-key chunks) 0.811-0.812
 # waiting in the loop with four stages against 0.763-0.764 for one register tile (0.757-0.771 with three
 # stages); 16k 0.927 against 0.889-0.890; 32k 0.983-0.984 against 0.967-0.968; 2k (128-key chunks) 0.498 with
