@@ -46,11 +46,12 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
     """The planned split-KV schedule (several splits and the merge, under the interpreter) and one split that
-    writes the output itself (what short caches at a large batch get on the GPU); each also with the first key
-    tiles read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys after:
-    as the rule picks, two register tiles at any head dim ("prefetch2"), and the wait inside the pipelined key
-    loop at any head dim ("inloop"); and with the key loop that loads the next tile before the current one's dots ("next": what long chunks
-    of a contiguous cache get on the GPU; here paged caches too, which the kernel takes as well)."""
+    writes the output itself (what short caches at a large batch get on the GPU); each also with the start of
+    the chunk read ahead of the wait for the kernel before (what programmatic launch runs), its newest keys
+    after: as the rule picks ("prefetch"), two register tiles at any head dim ("prefetch2"), and the wait inside
+    the pipelined key loop at any head dim ("inloop"); and with the key loop that loads the next tile before the
+    current one's dots ("next": what long chunks of a contiguous cache get on the GPU; here paged caches too,
+    which the kernel takes as well)."""
     if splits.startswith("single"):
         monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other: (capacity, 1))
     monkeypatch.setattr(dec, "_prefetch_kv", lambda device: "prefetch" in splits or "inloop" in splits)
