@@ -116,8 +116,8 @@ PREFETCH_NEXT_MIN_CHUNK = 4096
 # Under programmatic launch with the early trigger (batch 1) the split kernel reads the start of its chunk
 # before it waits for the kernel before it (``_prefetch_kv``), in one of two ways (``_prefetch_mode``):
 # - PREFETCH_REGISTERS: the first key tiles into registers, PREFETCH_TILES_HEAD_DIM_64 of them at head dims up to
-#   64, one above (two 128-wide tiles, 64 KB of registers a program, spill: 0.56-0.57 of copy bandwidth at batch
-#   1 / 8k keys / 16 heads against 0.78);
+#   64, one above (at head dim 128 two tiles, 64 KB of registers a program, spill: 0.56-0.57 of copy bandwidth at
+#   batch 1 / 8k keys / 16 heads against 0.78, measured as one 128-key dot);
 # - WAIT_IN_LOOP: the wait moves into the pipelined key loop's first step, so the tiles the pipeliner loads ahead
 #   of the loop (its first stages, in shared memory) go out before it: head dim 65-128, contiguous cache, with
 #   four stages (DECODE_TILE_WAIT_IN_LOOP, one program a SM) on chunks of WAIT_IN_LOOP_LONG_CHUNK keys or more.
@@ -126,11 +126,14 @@ PREFETCH_NEXT_MIN_CHUNK = 4096
 # waiting in the loop with four stages against 0.763-0.764 for one register tile (0.757-0.771 with three
 # stages); 16k 0.927 against 0.889-0.890; 32k 0.983-0.984 against 0.967-0.968; 2k (128-key chunks) 0.498 with
 # three stages (four: 0.440) against 0.455; 32 q / 8 kv heads, 8k (256-key chunks) 0.665-0.667 with three
-# (four: 0.573-0.574) against 0.604-0.605. Head dim 64 prefers registers: GPT-2's shape (12 heads, 4k keys)
-# 0.370-0.373 with two register tiles, 0.318-0.320 with one, 0.329-0.335 waiting in the loop; GPT-2 124M's
-# batch-1 step 0.330-0.338 ms with two tiles against 0.349-0.366 with one and 0.351-0.380 in the loop,
-# LLaMA-1.1B's (32 q / 4 kv heads) level (0.83-0.90 ms, noisy). Paged caches and head dim 256 keep the
-# register tile (not measured in the loop).
+# (four: 0.573-0.574) against 0.604-0.605. Head dim 64 prefers registers. Read as one 128-key dot (a first
+# form): GPT-2's shape (12 heads, 4k keys) 0.370-0.373 with two register tiles, 0.318-0.320 with one, 0.329-0.335
+# waiting in the loop; GPT-2 124M's batch-1 step 0.330-0.338 ms, 0.349-0.366 with one tile, 0.351-0.380 in the
+# loop. The shipped form attends the two tiles as two 64-key dots, the same arithmetic as plain launches (bit
+# for bit): GPT-2's step 0.337-0.341 ms against 0.352-0.355 with one tile, LLaMA-1.1B's (32 q / 4 kv heads)
+# 0.855-0.894 against 0.866-0.907 (level); `bench attention` at 12 heads, batch 1, 2k / 8k / 32k keys 0.278 /
+# 0.532 / 0.809 (the one-dot form 0.304 / 0.559 / 0.833 in an earlier call). Paged caches and head dim 256 keep
+# the register tile (not measured in the loop).
 PREFETCH_REGISTERS, WAIT_IN_LOOP = 1, 2
 PREFETCH_TILES_HEAD_DIM_64 = 2
 WAIT_IN_LOOP_LONG_CHUNK = 512
@@ -277,6 +280,7 @@ def _decode_split_kernel(
         if stale_hi == lo:
             wait_for_predecessor(PDL)
             q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
+        # Unpipelined, as measured: only the tile holding the fresh keys runs here (in the last split).
         for start_n in tl.range(stale_hi, hi, BLOCK_N, num_stages=1):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
