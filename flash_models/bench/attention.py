@@ -28,6 +28,10 @@ from .harness import (BenchResult, add_rounds_argument, add_timing_argument, bes
 log = logging.getLogger(__name__)
 
 PEERS = ("flash", "cudnn", "efficient")
+TRAIN_COLUMNS = ["hdim", "S", "causal", "ours_fwd", "flash_fwd", "cudnn_fwd", "efficient_fwd", "x_fa2_fwd", "x_cudnn_fwd",
+                 "ours_fwdbwd", "flash_fwdbwd", "cudnn_fwdbwd", "efficient_fwdbwd", "x_fa2_fwdbwd", "x_cudnn_fwdbwd"]
+DECODE_COLUMNS = ["batch", "kv_len", "ours_us", "ours_graph_us", "ours_GBs", "flash_GBs", "cudnn_GBs", "efficient_GBs",
+                  "x_best_sdpa", "frac_copy_bw", "frac_copy_bw_pdl"]
 
 
 def _sdpa_backends():
@@ -274,7 +278,7 @@ def _not_measured(ax, part):
     ax.text(0.5, 0.5, f"{part}: not measured in this run", ha="center", va="center", transform=ax.transAxes)
 
 
-def _plot(train, decode, path):
+def plot(train, decode, path):
     try:
         import matplotlib
 
@@ -373,18 +377,15 @@ def main(argv=None):
         train.write_json(out_dir / "attention.json")
     if not args.skip_decode:
         decode.write_json(out_dir / "attention_decode.json")
-    _plot(train, decode, out_dir / "attention.png")
+    plot(train, decode, out_dir / "attention.png")
     print(f"\n{train.env}\n")
-    cols = ["hdim", "S", "causal", "ours_fwd", "flash_fwd", "cudnn_fwd", "efficient_fwd", "x_fa2_fwd", "x_cudnn_fwd",
-            "ours_fwdbwd", "flash_fwdbwd", "cudnn_fwdbwd", "efficient_fwdbwd", "x_fa2_fwdbwd", "x_cudnn_fwdbwd"]
     if train.rows:
         print("### Training shapes, TFLOP/s (bf16)\n")
-        print(train.markdown(cols))
+        print(train.markdown(TRAIN_COLUMNS))
     if decode.rows:
         print(f"\n### Decode, GB/s of KV read (copy bandwidth {decode.env['copy_bandwidth_GBs']:.0f} GB/s)\n")
         print("(GB/s from CUDA-graph replays over rotating caches; ours_us is one eager call, Python included)\n")
-        print(decode.markdown(["batch", "kv_len", "ours_us", "ours_graph_us", "ours_GBs", "flash_GBs", "cudnn_GBs",
-                               "efficient_GBs", "x_best_sdpa", "frac_copy_bw"]))
+        print(decode.markdown(DECODE_COLUMNS))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ from .utils import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
 
+COLUMNS = ["model", "seq", "batch", "padding", "mode", "impl", "ms", "useful_tok_s", "speedup", "peak_MiB", "max_diff"]
+
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128, vocab_size=512)
 
 
@@ -197,7 +199,7 @@ def main(argv=None):
           rounds=args.rounds)
     out = Path(args.out)
     result.write_json(out / "bert.json")
-    print(result.markdown(["model", "seq", "batch", "padding", "mode", "impl", "ms", "useful_tok_s", "speedup", "peak_MiB", "max_diff"]))
+    print(result.markdown(COLUMNS))
     print(f"\n{result.env}")
     return result
 

@@ -7,7 +7,10 @@ import contextlib
 import gc
 import json
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
@@ -173,6 +176,29 @@ def measure_copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * src.numel() / (t.median_ms * 1e-3)
 
 
+def command_line() -> str:
+    """How this process was started, as a command to rerun: ``flash-models bench ...`` for the CLI (and
+    ``python -m flash_models``), else the Python command."""
+    args = sys.argv[1:]
+    program = Path(sys.argv[0])
+    if args[:1] == ["bench"] and (program.name == "flash-models" or program.parent.name == "flash_models"):
+        return shlex.join(["flash-models", *args])
+    return shlex.join(["python", sys.argv[0], *args])
+
+
+def git_commit() -> str | None:
+    """The checkout's commit (with "+dirty" when tracked files differ from it), or None outside a git checkout."""
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+dirty" if dirty else "")
+
+
 def environment() -> dict:
     import transformers
     from flash_kernels._triton_compat import triton
@@ -184,6 +210,8 @@ def environment() -> dict:
         "triton": triton.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "commit": git_commit(),
+        "command": command_line(),
     }
 
 

@@ -25,6 +25,7 @@ from ..backward import backward_on_this_thread
 from .harness import BenchResult
 
 HIDDEN, HEADS, HEAD_DIM, TOKENS = 768, 12, 64, 64
+COLUMNS = ["op", "mode", "torch_us", "ours_us", "ours_over_torch"]
 
 
 def _sync(device: torch.device) -> None:
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
     result.env.update(dtype=str(dtype).removeprefix("torch."), dry_run=args.dry_run, tokens=TOKENS, hidden=HIDDEN)
     bench(result, device, dtype, calls)
     result.write_json(args.out / "overhead.json")
-    print(result.markdown(["op", "mode", "torch_us", "ours_us", "ours_over_torch"]))
+    print(result.markdown(COLUMNS))
     return result
 
 

@@ -29,6 +29,8 @@ from .utils import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
 
+COLUMNS = ["model", "batch", "mode", "impl", "ms", "img_s", "x_vs_timm_eager", "x_vs_timm_compile", "peak_MiB", "max_diff"]
+
 MODELS = {"vit-b16": "vit_base_patch16_224", "vit-l16": "vit_large_patch16_224"}
 TINY = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
 
@@ -153,8 +155,7 @@ def main(argv=None):
     bench(result, names=args.models.split(","), batch=batch, modes=args.modes.split(","), repeats=repeats, dtype=dtype,
           device=device, dry_run=args.dry_run, compile_peer=compile_peer, rounds=args.rounds)
     result.write_json(Path(args.out) / "vit.json")
-    columns = ["model", "batch", "mode", "impl", "ms", "img_s", "x_vs_timm_eager", "x_vs_timm_compile", "peak_MiB", "max_diff"]
-    print(result.markdown(columns))
+    print(result.markdown(COLUMNS))
     print(f"\n{result.env}")
     return result
 
