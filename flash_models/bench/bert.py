@@ -68,7 +68,7 @@ def _max_diff(ours, hf, ids, mask) -> float:
     return (ours_out - hf(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()).abs().max().item()
 
 
-def _step_fns(model, ids, mask, *, is_hf: bool):
+def step_fns(model, ids, mask, *, is_hf: bool):
     real = mask.bool()
 
     def forward():
@@ -94,7 +94,7 @@ def _packed_bucket(ids, mask, seq: int) -> dict:
     return {k: v.to(ids.device) for k, v in batch.items()}
 
 
-def _graphed_training(model, ids, mask, seq: int):
+def graphed_training(model, ids, mask, seq: int):
     """Our training step on the packed bucket, forward + backward of the eager step's loss replayed from CUDA
     graphs through the trainer's graphed loss (``train.graphs.GraphedLoss``); off CUDA, run eagerly."""
     batch, useful = _packed_bucket(ids, mask, seq), int(mask.sum())
@@ -125,9 +125,9 @@ def _sides(mode: str, hf, ours, graphed, ids, mask, seq: int) -> dict:
     graphed.use_cuda_graphs(not training)
     sides = {}
     for name, model in (("HF sdpa", hf), ("ours", ours), ("ours+graphs", graphed)):
-        inference_step, training_step = _step_fns(model, ids, mask, is_hf=model is hf)
+        inference_step, training_step = step_fns(model, ids, mask, is_hf=model is hf)
         if model is graphed and training:
-            training_step = _graphed_training(model, ids, mask, seq)
+            training_step = graphed_training(model, ids, mask, seq)
         sides[name] = (model, training_step if training else inference_step)
     return sides
 

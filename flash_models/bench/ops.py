@@ -59,7 +59,7 @@ def _outputs(out) -> list[torch.Tensor]:
     return [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
 
 
-def _fwd_bwd_step(fn, inputs):
+def fwd_bwd_step(fn, inputs):
     """A closure running forward + backward of fn w.r.t. inputs with fixed random output gradients."""
     grads = [torch.randn_like(o) for o in _outputs(fn())]
 
@@ -79,7 +79,7 @@ def _time_sides(case: Case, rounds: int, back_to_back: bool = True, graphs: bool
     steps, errors, peaks = {}, {}, {}
     for name, fn in case.impls.items():
         try:
-            steps[name] = _fwd_bwd_step(fn, case.inputs)
+            steps[name] = fwd_bwd_step(fn, case.inputs)
             if case.memory:  # eager, after a warm-up step, and before any graph's memory pool exists
                 steps[name]()
                 peaks[name] = peak_memory_bytes(steps[name]) / 2**30

@@ -51,7 +51,7 @@ def build_models(name: str, *, dtype, device, dry_run: bool, compile_peer: bool)
     return models
 
 
-def _step_fns(model, images, labels, *, impl: str):
+def step_fns(model, images, labels, *, impl: str):
     """(inference, training) step functions of one side. ours+graphs runs inference through
     ``VisionTransformer.use_cuda_graphs`` and training through the trainer's graphed loss
     (``train.graphs.GraphedLoss``, what ``train.cuda_graphs`` uses); off CUDA both stay eager."""
@@ -103,7 +103,7 @@ def bench(result: BenchResult, *, names, batch: int, modes, repeats: int, dtype,
             steps = {}
             for impl, model in models.items():
                 model.train(mode == "training")
-                inference, training = _step_fns(model, images, labels, impl=impl)
+                inference, training = step_fns(model, images, labels, impl=impl)
                 steps[impl] = inference if mode == "inference" else training
             warmup = 5 if cuda else 1
             times = best_of_rounds({impl: lambda fn=fn: time_fn(fn, device=device, warmup=warmup, repeats=repeats).median_ms

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from flash_models.bench.bert import _graphed_training, _step_fns, build_pair, make_batch
+from flash_models.bench.bert import graphed_training, step_fns, build_pair, make_batch
 from kernel_table import print_step, time_and_profile  # this folder's sibling module
 
 
@@ -30,9 +30,9 @@ def main():
         model_graphs = impl == "ours+graphs" and mode == "inference"
         if model_graphs:
             model.use_cuda_graphs(True)
-        inference, training = _step_fns(model, ids, mask, is_hf=model is hf)
+        inference, training = step_fns(model, ids, mask, is_hf=model is hf)
         if impl == "ours+graphs" and mode == "training":
-            training = _graphed_training(model, ids, mask, seq)
+            training = graphed_training(model, ids, mask, seq)
         print_step(f"{title}, {impl}", *time_and_profile(training if mode == "training" else inference))
         if model_graphs:
             model.use_cuda_graphs(False)

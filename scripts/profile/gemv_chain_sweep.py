@@ -7,9 +7,8 @@ and which one the rule picks (*).
 
     PYTHONPATH=.:kernels python scripts/profile/gemv_chain_sweep.py   # on a Hopper GPU, from the repo root
 
-First run: H100, 2026-11-25 (session 12; docs/benchmarks.md, Generation). The autotuner times each config
-as a lone launch; session 11's chained gate/up took 21-22 us a call, what 8 x 256 gives here (21.1) against
-18.2 for the best tiles (its pick then was not logged), so the chain's tiles are now set by rule.
+Why a rule and not the autotuner: the autotuner times each config as a lone launch, and a lone launch's
+ranking is not a chained one's (no predecessor to overlap with, no prefetch before the wait).
 """
 
 import importlib

@@ -11,7 +11,7 @@ import sys
 import torch
 from kernel_table import time_and_profile  # this folder's sibling script
 
-from flash_models.bench.ops import GROUPS, _fwd_bwd_step
+from flash_models.bench.ops import GROUPS, fwd_bwd_step
 
 
 def main(groups: list[str]):
@@ -23,7 +23,7 @@ def main(groups: list[str]):
                 try:
                     with torch.no_grad():
                         fwd_ms, fwd_kernels = time_and_profile(fn, steps=20)
-                    fb_ms, fb_kernels = time_and_profile(_fwd_bwd_step(fn, case.inputs), steps=20)
+                    fb_ms, fb_kernels = time_and_profile(fwd_bwd_step(fn, case.inputs), steps=20)
                 except Exception as err:  # a peer that rejects this input: report it, go on
                     print(f"| {case.op} | {case.shape} | {name} | {type(err).__name__}: {str(err)[:80]} |||||")
                     continue

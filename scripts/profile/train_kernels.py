@@ -1,36 +1,54 @@
-"""GPT-2 124M training step (eager, ours), kernel by kernel: each kernel attributed to the op that launched it.
+"""One eager training step, kernel by kernel, each kernel attributed to the op (and our code) that launched it:
+where a `bench train` step's GPU time goes.
 
-    PYTHONPATH=.:kernels python scripts/profile/train_kernels.py   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/train_kernels.py [gpt2|gpt2-medium|llama-1b] [ours|hf]   # CUDA GPU
 """
-import collections, torch
-from torch.profiler import profile, ProfilerActivity
+
+import collections
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
 from flash_models.bench.train import CASES, trainer_for
-case = CASES['gpt2']
-tr = trainer_for('ours', case, torch.device('cuda'))
-for _ in range(3): tr.train_step()
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as p:
-    tr.train_step(); torch.cuda.synchronize()
-evs = p.events()
-agg = collections.defaultdict(lambda: [0, 0.0])
-def frames(e):
-    st = [f for f in (e.stack or []) if 'flash_models' in f or 'flash_kernels' in f]
-    return ' < '.join(s.split('/')[-1] for s in st[:3])
-def owner(e):
-    # nearest ancestor that is not an aten:: op, to name the autograd node or module
-    a = e
-    while a is not None and a.name.startswith('aten::'):
-        a = a.cpu_parent
-    return a.name[:60] if a is not None else '-'
-total = 0.0
-for e in evs:
-    if e.device_type.name != 'CPU' or not e.kernels:
-        continue
-    for kk in e.kernels:
-        key = (kk.name[:70], e.name, str(e.input_shapes)[:80], owner(e), frames(e)[:200])
-        agg[key][0] += 1; agg[key][1] += kk.duration
-        total += kk.duration
-print(f"total kernel time {total/1000:.2f} ms")
-rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
-for (kn, op, shp, own, fr), (n, us) in rows[:70]:
-    print(f"{us/1000:7.3f} ms x{n:3d} | {kn} | {op} {shp} | {own} | {fr}")
+
+
+def _our_frames(event) -> str:
+    frames = [f for f in (event.stack or []) if "flash_models" in f or "flash_kernels" in f]
+    return " < ".join(f.split("/")[-1] for f in frames[:3])
+
+
+def _owner(event) -> str:
+    """The nearest ancestor that is not an aten:: op: the autograd node or module that launched the kernel."""
+    while event is not None and event.name.startswith("aten::"):
+        event = event.cpu_parent
+    return event.name[:60] if event is not None else "-"
+
+
+def main():
+    case = CASES[sys.argv[1] if len(sys.argv) > 1 else "gpt2"]
+    side = sys.argv[2] if len(sys.argv) > 2 else "ours"
+    trainer = trainer_for(side, case, torch.device("cuda"))
+    for _ in range(3):  # autotune, allocate the optimizer state
+        trainer.train_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
+        trainer.train_step()
+        torch.cuda.synchronize()
+    per_key = collections.defaultdict(lambda: [0, 0.0])
+    total = 0.0
+    for event in prof.events():
+        if event.device_type.name != "CPU" or not event.kernels:
+            continue
+        for kernel in event.kernels:
+            key = (kernel.name[:70], event.name, str(event.input_shapes)[:80], _owner(event), _our_frames(event)[:200])
+            per_key[key][0] += 1
+            per_key[key][1] += kernel.duration
+            total += kernel.duration
+    print(f"{case.preset} {side}: total kernel time {total / 1000:.2f} ms")
+    for (kernel, op, shapes, owner, frames), (count, us) in sorted(per_key.items(), key=lambda kv: -kv[1][1])[:70]:
+        print(f"{us / 1000:7.3f} ms x{count:3d} | {kernel} | {op} {shapes} | {owner} | {frames}")
+
+
+if __name__ == "__main__":
+    main()

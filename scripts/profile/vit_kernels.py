@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from flash_models.bench.vit import _step_fns, build_models
+from flash_models.bench.vit import step_fns, build_models
 from kernel_table import print_step, time_and_profile  # this folder's sibling module
 
 
@@ -24,7 +24,7 @@ def main():
     labels = torch.randint(0, 1000, (batch,), device=device)
     for impl, model in models.items():
         model.train(mode == "training")
-        inference, training = _step_fns(model, images, labels, impl=impl)
+        inference, training = step_fns(model, images, labels, impl=impl)
         print_step(f"{name} {mode} batch {batch}, {impl}", *time_and_profile(training if mode == "training" else inference))
 
 
