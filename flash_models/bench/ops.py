@@ -327,9 +327,9 @@ def fused_dense_cases(compile_peer: bool) -> list[Case]:
     def eager_linear_gelu():
         return F.gelu(F.linear(x, w1, b1), approximate="tanh")
 
-    mlp = _with_peers(eager_mlp, lambda: fused_dense_gelu_dense(x, w1, b1, w2, b2, backend="cuda"),
+    mlp = _with_peers(eager_mlp, lambda: fused_dense_gelu_dense(x, w1, b1, w2, b2, backend="triton"),
                       compile_peer=compile_peer)
-    dense = _with_peers(lambda: F.linear(x, w1, b1), lambda: fused_dense(x, w1, b1, backend="cuda"),
+    dense = _with_peers(lambda: F.linear(x, w1, b1), lambda: fused_dense(x, w1, b1, backend="triton"),
                         compile_peer=compile_peer)
     return [
         Case("MLP fc1+gelu(tanh)+fc2 (cuBLASLt)", f"{n}x{d}->{hidden}->{d}", mlp, [x, w1, b1, w2, b2]),

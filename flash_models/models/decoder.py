@@ -64,7 +64,7 @@ class DecoderLM(nn.Module):
 
     def _block(self, dc: DecoderConfig, i: int) -> nn.Module:
         """Block ``i`` of the kind the config names (see modules/block.py for each residual stream)."""
-        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl)
+        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl, kernel_backend=self.kernel_backend)
         mlp = build_mlp(dc.mlp, kernel_backend=self.kernel_backend)
         input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
         if dc.block == "pre_norm":
@@ -206,8 +206,8 @@ class DecoderLM(nn.Module):
         weight = self.output_embeddings()
         bias = self.lm_head.bias if self.lm_head is not None else None
         aligned = weight.shape[0] // 64 * 64
-        if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight):
-            return dense(hidden, weight, bias)  # our GEMV takes any width
+        if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight, self.kernel_backend):
+            return dense(hidden, weight, bias, backend=self.kernel_backend)  # our GEMV takes any width
         parts = [nn.functional.linear(hidden, weight[rows], bias[rows] if bias is not None else None)
                  for rows in (slice(0, aligned), slice(aligned, None))]
         return torch.cat(parts, dim=-1)

@@ -5,8 +5,12 @@ sliding windows, a KV cache, and explicit backends:
 - "sdpa": torch's scaled_dot_product_attention.
 - "flash": our Triton kernels (flash_kernels.flash_attn_func / flash_attn_varlen_func); padded batches are
   unpadded into packed sequences so no work is spent on padding.
-- "auto": "flash" for CUDA tensors in fp16/bf16 with a head dim the kernels support, else "sdpa". The check
-  is a cheap look at device/dtype at call time, so a model moved with ``.to("cuda")`` picks it up.
+- "auto": "flash" for CUDA tensors in fp16/bf16 with a head dim the kernels support, else "sdpa"; always "sdpa"
+  with the "reference" kernel backend. The check is a cheap look at device/dtype at call time, so a model
+  moved with ``.to("cuda")`` picks it up.
+
+``kernel_backend`` (the model's) goes to every other kernel the layer calls: rotary, the KV-cache writes, the
+decode-step GEMVs.
 """
 
 from __future__ import annotations
@@ -199,15 +203,18 @@ class Attention(nn.Module):
 
     def __init__(
         self, cfg: AttentionConfig, *, layer_idx: int, rope: RopeConfig | None = None, attn_impl: str = "auto",
+        kernel_backend: str = "auto",
     ):
         super().__init__()
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
+        check_choice("kernel_backend", kernel_backend, flash_kernels.BACKENDS)
         if attn_impl == "flash" and cfg.head_dim not in FLASH_HEAD_DIMS:
             raise ValueError(
                 f"attn_impl='flash' supports head dims {FLASH_HEAD_DIMS}, this model has {cfg.head_dim}; "
                 "use attn_impl='sdpa' or 'auto'"
             )
         self.cfg, self.layer_idx, self.rope, self.attn_impl = cfg, layer_idx, rope, attn_impl
+        self.kernel_backend = kernel_backend
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.out_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
@@ -222,13 +229,13 @@ class Attention(nn.Module):
         ``input_norm`` and ``residual`` are for a decode step in a programmatic-launch chain (PreNormBlock): x is
         then the residual stream, normalized in the qkv GEMV's prologue, and the output is the new stream, the
         out projection's GEMV adding ``residual``."""
-        cfg = self.cfg
+        cfg, backend = self.cfg, self.kernel_backend
         B, S, _ = x.shape
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
         if input_norm is not None:
             qkv = chained_linear(x, self.qkv, input_norm=input_norm)
         else:
-            qkv = linear(x, self.qkv, recompute_weight_cast=self.recompute_weight_casts)
+            qkv = linear(x, self.qkv, backend=backend, recompute_weight_cast=self.recompute_weight_casts)
         qkv = qkv.view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
         q_dim = hq * cfg.head_dim
         if kv_cache is None and mask.key_padding is None and self.backend_for(qkv) == "flash":
@@ -237,7 +244,7 @@ class Attention(nn.Module):
             if self.rope is not None:
                 cos, sin = rope_tables
                 qkv = flash_kernels.apply_rotary(qkv, cos, sin, interleaved=self.rope.interleaved,
-                                                 position_ids=position_ids, num_rotated_heads=hq + hkv)
+                                                 position_ids=position_ids, num_rotated_heads=hq + hkv, backend=backend)
             return self._out(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim))
         if kv_cache is not None and self.rope is not None and _decoding(mask):
             # A decode step: q and k rotate and k and v go into the cache in one launch, then attend over it.
@@ -246,13 +253,14 @@ class Attention(nn.Module):
             q = flash_kernels.rotary_kv_append(
                 qkv, cos, sin, position_ids=position_ids, k_cache=kv_cache.k[layer], v_cache=kv_cache.v[layer],
                 slots=mask.cache_slots, num_q_heads=hq, block_table=kv_cache.block_table,
-                interleaved=self.rope.interleaved,
+                interleaved=self.rope.interleaved, backend=backend,
             )
             return self._out(self.attend_cached(q, mask, kv_cache).reshape(B, S, q_dim), residual)
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
         if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
-            qk = flash_kernels.apply_rotary(qk, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids)
+            qk = flash_kernels.apply_rotary(qk, cos, sin, interleaved=self.rope.interleaved, position_ids=position_ids,
+                                            backend=backend)
         q, k = qk[:, :, :hq], qk[:, :, hq:]  # (B, S, Hq, D), (B, S, Hkv, D)
         if kv_cache is None:
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
@@ -263,11 +271,11 @@ class Attention(nn.Module):
     def _out(self, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if residual is not None:
             return chained_linear(out, self.out_proj, residual=residual)
-        return linear(out, self.out_proj, recompute_weight_cast=self.recompute_weight_casts)
+        return linear(out, self.out_proj, backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
 
     def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
         """Store the new keys/values in the cache and attend over everything cached so far."""
-        cache.write(self.layer_idx, k, v, mask.cache_slots, mask.query_real)
+        cache.write(self.layer_idx, k, v, mask.cache_slots, mask.query_real, backend=self.kernel_backend)
         if mask.cache_was_empty:  # prefill: the new tokens are all there is, attend among them directly
             return self.attend(q, k, v, mask)
         return self.attend_cached(q, mask, cache)
@@ -292,7 +300,8 @@ class Attention(nn.Module):
         """The backend for inputs on x's device and dtype (x: q, or the hidden states about to come in)."""
         if self.attn_impl != "auto":
             return self.attn_impl
-        flash_ok = x.is_cuda and x.dtype in FLASH_DTYPES and self.cfg.head_dim in FLASH_HEAD_DIMS
+        flash_ok = (self.kernel_backend != "reference" and x.is_cuda and x.dtype in FLASH_DTYPES
+                    and self.cfg.head_dim in FLASH_HEAD_DIMS)
         return "flash" if flash_ok else "sdpa"
 
     def dropout_p(self) -> float:

@@ -57,12 +57,13 @@ class PreNormBlock(nn.Module):
         as our GEMV (``gemv_in_chain``), through a LLaMA-style block: bias-free RMSNorms, the stream kept in the
         model's dtype, a gated MLP, plain projections. Then ``_chained`` runs it."""
         attn, mlp = self.attn, self.mlp
-        if self.training or not gemv_in_chain(hidden, attn.qkv.weight):  # cheap, and false off the chain
+        backend = attn.kernel_backend
+        if self.training or not gemv_in_chain(hidden, attn.qkv.weight, backend):  # cheap, and false off the chain
             return False
         layers = (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down) if isinstance(mlp, GatedMLP) else ()
         return (not self.residual_in_fp32 and bool(layers)
                 and all(norm.kind == "rms_norm" and norm.bias is None for norm in (self.norm1, self.norm2))
-                and all(plain_linear(layer) and gemv_in_chain(hidden, layer.weight) for layer in layers))
+                and all(plain_linear(layer) and gemv_in_chain(hidden, layer.weight, backend) for layer in layers))
 
     def _chained(self, stream: torch.Tensor, **attn_kwargs):
         """``forward`` for a decode step in a chain of programmatic launches, with the residual stream carried

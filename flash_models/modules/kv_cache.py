@@ -48,12 +48,14 @@ class KVCache:
             )
         self.upper_bound += new_tokens
 
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None) -> None:
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None,
+              *, backend: str) -> None:
         """Store k, v (B, S, Hkv, D) of the new tokens at their cache positions (B, S); skip padding (``real``
-        False). Positions are per row: seqlens[b] + index among the row's real new tokens."""
+        False). Positions are per row: seqlens[b] + index among the row's real new tokens. ``backend`` is the
+        model's kernel backend."""
         kc, vc = self.k[layer_idx], self.v[layer_idx]
         if real is None:  # every new token is real (decoding): one fused launch for k and v on CUDA
-            flash_kernels.kv_append(kc, vc, k, v, positions, block_table=self.block_table)
+            flash_kernels.kv_append(kc, vc, k, v, positions, block_table=self.block_table, backend=backend)
             return
         first, second = cache_locations(positions, self.block_table, kc.shape[1])
         kc[first[real], second[real]] = k[real].to(kc.dtype)

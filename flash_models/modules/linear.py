@@ -15,6 +15,7 @@ Only plain nn.Linear layers with plain tensors and no hooks take this path (``pl
 and every call under torch.compile, is the layer's own forward. Without grad mode a plain layer is ``dense``:
 ``F.linear``, or inside ``flash_kernels.programmatic_launch()`` (a decode step) for up to 16 half-precision
 rows, ``flash_kernels.gemv``, whose kernel takes part in the chain of programmatic launches that cuBLAS's do not.
+Every function that may launch our kernels takes the model's kernel backend: "reference" never takes the GEMV.
 """
 
 from __future__ import annotations
@@ -102,22 +103,24 @@ def plain_linear(layer: nn.Module) -> bool:
             and not hasattr(layer.weight, "full_tensor"))
 
 
-def linear(x: torch.Tensor, layer: nn.Module, *, recompute_weight_cast: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Module, *, backend: str, recompute_weight_cast: bool = False) -> torch.Tensor:
     """``layer(x)`` for an nn.Linear; with autograd recording, the leaner backward described above."""
     if torch.compiler.is_compiling() or not plain_linear(layer):
         return layer(x)
     if torch.is_grad_enabled():
         return _Linear.apply(x, layer.weight, layer.bias, recompute_weight_cast)
-    return dense(x, layer.weight, layer.bias)
+    return dense(x, layer.weight, layer.bias, backend=backend)
 
 
-def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for inference. Inside ``flash_kernels.programmatic_launch()`` on a GPU that
     supports it, up to 16 half-precision rows (a decode step up to batch 16; past one row, only for small
     weights: ``FEW_ROWS_MAX_WEIGHT``) go through ``flash_kernels.gemv`` instead: a programmatic launch only
     overlaps two kernels that both take part, and cuBLAS's do not, so every projection would otherwise break
     the chain twice."""
-    if gemv_in_chain(x, weight):
+    if gemv_in_chain(x, weight, backend):
+        # "triton", not the model's "auto": gemv_in_chain has checked the kernel runs here, and gemv's own "auto"
+        # keeps cuBLAS, which is faster outside a chain.
         return flash_kernels.gemv(x, weight, bias, static_weight=True, backend="triton")  # a parameter
     return F.linear(x, weight, bias)
 
@@ -127,7 +130,8 @@ def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module |
     """``layer(x)`` for a decode step in a chain of programmatic launches (``gemv_in_chain``) as one GEMV that also
     RMS-normalizes x with ``input_norm`` (a bias-free RMSNorm module) first, applies SwiGLU to a packed
     [gate; up] ``layer``'s output (``swiglu_output``) and/or adds ``residual`` to the result: the norm and
-    activation kernels and the residual add folded into the projection (see flash_kernels.gemv)."""
+    activation kernels and the residual add folded into the projection (see flash_kernels.gemv). Only a block
+    whose every projection passed ``gemv_in_chain`` with the model's backend calls it."""
     norm = {} if input_norm is None else dict(norm_weight=input_norm.weight, norm_eps=input_norm.eps)
     return flash_kernels.gemv(x, layer.weight, layer.bias, residual=residual, swiglu_output=swiglu_output,
                               static_weight=True, backend="triton", **norm)
@@ -140,10 +144,10 @@ def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module |
 FEW_ROWS_MAX_WEIGHT = 4 << 20
 
 
-def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there)."""
+def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor, backend: str) -> bool:
+    """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there): never with the "reference" backend."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return ((rows == 1 or (rows <= GEMV_MAX_ROWS and weight.numel() <= FEW_ROWS_MAX_WEIGHT))
+    return (backend != "reference" and (rows == 1 or (rows <= GEMV_MAX_ROWS and weight.numel() <= FEW_ROWS_MAX_WEIGHT))
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
             and programmatic_launch_enabled(x.device))

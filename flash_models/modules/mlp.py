@@ -54,24 +54,25 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._inference_fusable(x) and gemv_in_chain(x, self.fc1.weight):
+        backend = self.kernel_backend
+        if self._inference_fusable(x) and gemv_in_chain(x, self.fc1.weight, backend):
             # A decode step in a chain of programmatic launches (modules/linear.dense): our GEMVs and our
             # activation kernel take part in it, cuBLAS and torch's GELU would not.
-            pre = linear(x, self.fc1)
-            return linear(activation(pre, self.cfg.activation, backend="triton"), self.fc2)
+            pre = linear(x, self.fc1, backend=backend)
+            return linear(activation(pre, self.cfg.activation, backend=backend), self.fc2, backend=backend)
         if self._inference_fusable(x):
             # No backward to keep the pre-activation for: fc1, its bias and the activation in one kernel (one
             # write of the widest tensor instead of a write, a read and a write).
             act = flash_kernels.linear_act(x, self.fc1.weight, self.fc1.bias, activation=_LINEAR_ACT[self.cfg.activation],
-                                           backend=self.kernel_backend)
+                                           backend=backend)
             return self.fc2(act)
         if self._cublaslt_trainable(x):
             # fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the
             # fc2 dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense).
             h, *params = autocast_like(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
-            return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend="cuda")
-        pre = linear(x, self.fc1, recompute_weight_cast=self.recompute_weight_casts)
-        return activation_then_linear(pre, self._act, self.fc2, recompute=self.recompute_activation,
+            return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend=backend)
+        pre = linear(x, self.fc1, backend=backend, recompute_weight_cast=self.recompute_weight_casts)
+        return activation_then_linear(pre, self._act, self.fc2, backend=backend, recompute=self.recompute_activation,
                                       recompute_weight_cast=self.recompute_weight_casts)
 
     def _cublaslt_trainable(self, x: torch.Tensor) -> bool:
@@ -126,9 +127,10 @@ class GatedMLP(nn.Module):
         output, and the down projection's GEMV adds ``residual``, giving the new stream."""
         if residual is not None:
             return chained_linear(self._chained_gate_up(x, input_norm), self.down, residual=residual)
-        gate_up = linear(x, self.gate_up, recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
-        return activation_then_linear(gate_up, self._act, self.down, recompute=self.recompute_activation,
-                                      recompute_weight_cast=self.recompute_weight_casts)
+        gate_up = linear(x, self.gate_up, backend=self.kernel_backend,
+                         recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
+        return activation_then_linear(gate_up, self._act, self.down, backend=self.kernel_backend,
+                                      recompute=self.recompute_activation, recompute_weight_cast=self.recompute_weight_casts)
 
     def _chained_gate_up(self, x: torch.Tensor, input_norm: nn.Module | None) -> torch.Tensor:
         if self.cfg.activation == "silu":  # the GEMV's SwiGLU epilogue: no activation kernel

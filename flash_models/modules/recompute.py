@@ -49,14 +49,14 @@ class _ActivationThenLinear(torch.autograd.Function):
 
 
 def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], layer: nn.Module, *,
-                           recompute: bool = True, recompute_weight_cast: bool = False) -> torch.Tensor:
+                           backend: str, recompute: bool = True, recompute_weight_cast: bool = False) -> torch.Tensor:
     """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records and ``recompute`` is
     set (the weight is then always cast again in the backward; without recompute, ``recompute_weight_cast``
     says, see modules/linear.py). Under torch.compile the plain form is traced: the compiler makes its own
-    recompute choices."""
+    recompute choices. ``backend`` is the model's kernel backend, for ``linear``."""
     if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(layer):
         return _ActivationThenLinear.apply(pre, layer.weight, layer.bias, act)
-    return linear(act(pre), layer, recompute_weight_cast=recompute_weight_cast)
+    return linear(act(pre), layer, backend=backend, recompute_weight_cast=recompute_weight_cast)
 
 
 class _NormOutput:

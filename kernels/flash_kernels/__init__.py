@@ -4,7 +4,7 @@ No nn.Module lives here; ``flash_models.modules`` wraps these functions. See ``_
 backend is chosen.
 """
 
-from ._backend import BACKENDS, default_backend
+from ._backend import BACKENDS
 from ._pdl import programmatic_launch
 from .activations import gelu, geglu, swiglu
 from .attention import flash_attn_func, flash_attn_varlen_func
@@ -25,7 +25,6 @@ __all__ = [
     "BACKENDS",
     "apply_rotary",
     "cross_entropy",
-    "default_backend",
     "embedding_layer_norm",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",

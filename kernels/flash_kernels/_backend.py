@@ -1,11 +1,13 @@
 """Which implementation of an op runs: the plain PyTorch reference or our Triton kernels.
 
-Every public op takes ``backend=`` in {"reference", "triton", "auto"} (``None`` means the process default,
-read from ``FLASH_KERNELS_BACKEND``, itself defaulting to "auto").
+Every public op takes ``backend=`` in {"reference", "triton", "auto"} (``None`` is "auto"); a model takes the
+same vocabulary as ``kernel_backend=`` and passes its choice to every op it calls. Nothing here reads the
+environment: a backend is what the caller passed.
 
 - "reference": the PyTorch reference, on any device. It is the CPU path and the test oracle.
-- "triton": our kernels. They run on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
-  set before triton is imported), which is how CI tests them. If they cannot run here, a ValueError says why.
+- "triton": our kernels: Triton's, and for ``fused_dense`` our CUDA C++ extension. Triton's run on CUDA, or on
+  the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported), which is how CI
+  tests them. If they cannot run here, a ValueError says why.
 - "auto": our kernels on CUDA when the op supports the input, else the reference. Never the interpreter: it
   is a test tool, thousands of times slower than the reference.
 
@@ -15,6 +17,7 @@ The decision is an explicit check of device, dtype and shape, never a try/except
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Literal
 
 import torch
@@ -23,14 +26,14 @@ from ._triton_compat import TRITON_AVAILABLE
 
 KernelBackend = Literal["reference", "triton", "auto"]
 BACKENDS: tuple[str, ...] = ("reference", "triton", "auto")
-ENV_VAR = "FLASH_KERNELS_BACKEND"
-
-
-def default_backend() -> str:
-    backend = os.environ.get(ENV_VAR, "auto")
-    if backend not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={backend!r} is not a kernel backend; use one of {BACKENDS}")
-    return backend
+# A retired setting: the backend is an argument, never the environment, so that every kernel a model launches
+# follows the model's own choice. Whoever still sets it gets one warning that says what to pass instead.
+RETIRED_ENV_VAR = "FLASH_KERNELS_BACKEND"
+if os.environ.get(RETIRED_ENV_VAR):
+    warnings.warn(
+        f"{RETIRED_ENV_VAR} is no longer read; pass kernel_backend= to fm.from_pretrained / fm.create_model (or "
+        "backend= to a flash_kernels op) instead", FutureWarning, stacklevel=2,
+    )
 
 
 def triton_interpreter_enabled() -> bool:
@@ -38,8 +41,9 @@ def triton_interpreter_enabled() -> bool:
 
 
 def check_backend_name(backend: str | None) -> str:
+    """``backend`` checked against the vocabulary; None is "auto"."""
     if backend is None:
-        return default_backend()
+        return "auto"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not a kernel backend; use one of {BACKENDS}")
     return backend

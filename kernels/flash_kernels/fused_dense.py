@@ -8,9 +8,10 @@ The extension is built on first use by ``torch.utils.cpp_extension.load`` (JIT w
 under ``FLASH_KERNELS_BUILD_DIR`` or ~/.cache/flash_kernels), unless an ahead-of-time build is installed
 (``FLASH_KERNELS_BUILD_EXT=1 pip install --no-build-isolation .``). A default install never compiles.
 
-Backends: "reference" (torch), "cuda" (the extension; an error carrying the compiler's message if it cannot
-build), "auto" (the extension on CUDA for fp16/bf16 with dims that are multiples of 8 when nvcc or a prebuilt
-extension is there, else torch). cuBLASLt's GELU is the tanh approximation, so the extension serves
+Backends, the vocabulary of every op: "reference" (torch), "triton" (our kernels, here the extension; an error
+carrying the compiler's message if it cannot build), "auto" (the extension on CUDA for fp16/bf16 with dims that
+are multiples of 8 when nvcc or a prebuilt extension is there, else torch). "cuda", this module's own word for
+"triton", is still accepted with a FutureWarning. cuBLASLt's GELU is the tanh approximation, so the extension serves
 ``approximate="tanh"`` only.
 """
 
@@ -27,12 +28,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ._backend import default_backend
+from ._backend import check_backend_name
 from ._triton_utils import eager_function, pick
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("reference", "cuda", "auto")
 ENV_BUILD_DIR = "FLASH_KERNELS_BUILD_DIR"
 _PREBUILT = "flash_kernels._fused_dense_C"
 _CSRC = Path(__file__).parent / "csrc"
@@ -282,12 +282,11 @@ _mlp_eager = eager_function("FusedMLP", _mlp, _mlp_setup, _mlp_backward_with(_ml
 
 
 def _check_backend(backend: str | None) -> str:
-    if backend is None:
-        # The process default speaks of kernels in general: "triton" there means "our kernels", here CUDA C++.
-        backend = {"triton": "cuda"}.get(default_backend(), default_backend())
-    if backend not in BACKENDS:
-        raise ValueError(f"fused_dense: backend={backend!r}; use one of {BACKENDS}")
-    return backend
+    if backend == "cuda":
+        warnings.warn("fused_dense: backend='cuda' is spelled 'triton' (our kernels), as for every op; 'cuda' will "
+                      "stop working", FutureWarning, stacklevel=4)
+        return "triton"
+    return check_backend_name(backend)
 
 
 def gemm_unsupported(x: torch.Tensor, feature_dims, dtype: torch.dtype | None = None) -> str | None:
@@ -325,7 +324,7 @@ def _use_cuda(backend: str | None, x, params, *, approximate: str = "tanh", op: 
     if backend == "auto":
         return reason is None
     if reason is not None:
-        raise ValueError(f"{op}: backend='cuda' cannot run this input: {reason}. Use backend='auto'.")
+        raise ValueError(f"{op}: backend='triton' cannot run this input: {reason}. Use backend='auto'.")
     return True
 
 

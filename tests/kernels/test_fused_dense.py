@@ -23,15 +23,24 @@ def test_cpu_auto_uses_torch():
                  F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2), torch.float32)
 
 
-def test_explicit_cuda_backend_that_cannot_run_raises():
+def test_explicit_backend_that_cannot_run_raises():
     x = torch.randn(4, 16)
     w1, b1, w2, b2 = _mlp_params(16, 64, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="cannot run"):
-        fused_dense(x, w1, b1, backend="cuda")
+    with pytest.raises(ValueError, match="backend='triton' cannot run this input: device 'cpu'"):
+        fused_dense(x, w1, b1, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         fused_dense(x, w1, b1, backend="cublas")
     with pytest.raises(ValueError, match="do not chain"):
         fused_dense_gelu_dense(x, w1, b1, w1, b2)
+
+
+def test_the_old_cuda_spelling_still_means_our_kernels_with_a_warning():
+    """fused_dense shares every op's backend vocabulary; its former "cuda" still works, warning, as "triton"
+    (which on the CPU is the error an explicit "triton" gets)."""
+    x = torch.randn(5, 24)
+    w, b = torch.randn(40, 24), torch.randn(40)
+    with pytest.warns(FutureWarning, match="spelled 'triton'"), pytest.raises(ValueError, match="backend='triton'"):
+        fused_dense(x, w, b, backend="cuda")
 
 
 def test_bias_grad_by_ones_column_rule():
@@ -52,7 +61,7 @@ def test_gpu_extension_matches_torch(dtype, batch):
     assert bias_grad_by_ones_column(tokens, 768, 3072) == (batch == 32)
     x = torch.randn(batch, 512, 768, dtype=dtype, device="cuda", requires_grad=True)
     params = _mlp_params(768, 3072, dtype, "cuda")
-    out = fused_dense_gelu_dense(x, *params, backend="cuda")
+    out = fused_dense_gelu_dense(x, *params, backend="triton")
     ref = fused_dense_gelu_dense_ref(x.float(), *(p.float() for p in params), approximate="tanh")
     assert_close(out, ref, dtype, name="mlp out")
     g = torch.randn_like(out)
@@ -70,7 +79,7 @@ def test_gpu_extension_matches_torch(dtype, batch):
 def _check_dense(x, w, b, label):
     """fused_dense on the extension against float32 torch: output and the gradients of x, w and b."""
     dtype = x.dtype
-    out = fused_dense(x, w, b, backend="cuda")
+    out = fused_dense(x, w, b, backend="triton")
     ref = F.linear(x.float(), w.float(), b.float())
     assert_close(out, ref, dtype, name=f"{label} out")
     g = torch.randn_like(out)
@@ -95,8 +104,8 @@ def test_gpu_ones_column_odd_shape(dtype):
 def test_gpu_compile_fullgraph():
     x = torch.randn(256, 768, dtype=torch.bfloat16, device="cuda")
     params = _mlp_params(768, 3072, torch.bfloat16, "cuda")
-    fn = torch.compile(lambda x, *p: fused_dense_gelu_dense(x, *p, backend="cuda"), fullgraph=True)
-    assert_close(fn(x, *params), fused_dense_gelu_dense(x, *params, backend="cuda"), torch.bfloat16)
+    fn = torch.compile(lambda x, *p: fused_dense_gelu_dense(x, *p, backend="triton"), fullgraph=True)
+    assert_close(fn(x, *params), fused_dense_gelu_dense(x, *params, backend="triton"), torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -112,14 +121,14 @@ def test_gpu_first_call_inside_a_cuda_graph_capture():
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = fused_dense(x, w, b, backend="cuda")
+        captured = fused_dense(x, w, b, backend="triton")
     graph.replay()
     assert_close(captured, want, dtype, name="replayed")
-    assert_close(fused_dense(x, w, b, backend="cuda"), want, dtype, name="eager after capture")
+    assert_close(fused_dense(x, w, b, backend="triton"), want, dtype, name="eager after capture")
 
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
     dy = torch.randn(200, 264, dtype=dtype, device="cuda")
-    got = torch.autograd.grad(fused_dense(xg, wg, bg, backend="cuda"), (xg, wg, bg), dy)
+    got = torch.autograd.grad(fused_dense(xg, wg, bg, backend="triton"), (xg, wg, bg), dy)
     ref = torch.autograd.grad(F.linear(*(t.float() for t in (xg, wg, bg))), (xg, wg, bg), dy.float())
     for name, a, r in zip(("x", "w", "b"), got, ref):
         assert_close(a, r.to(dtype), dtype, scale=2, name=f"grad {name}")

@@ -14,7 +14,7 @@ def run(layer, x, *, ours: bool, autocast: bool = False, recompute_weight_cast=F
     for p in [x, *layer.parameters()]:
         p.grad = None
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-        out = linear(x, layer, recompute_weight_cast=recompute_weight_cast) if ours else layer(x)
+        out = linear(x, layer, backend="auto", recompute_weight_cast=recompute_weight_cast) if ours else layer(x)
     out.float().square().sum().backward()
     return [out.detach()] + [t.grad for t in [x, *layer.parameters()]]
 
@@ -56,7 +56,7 @@ def saved_weight_copies(layer, x, recompute_weight_cast=True) -> list[torch.dtyp
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        linear(x, layer, recompute_weight_cast=recompute_weight_cast)
+        linear(x, layer, backend="auto", recompute_weight_cast=recompute_weight_cast)
     return saved
 
 
@@ -78,11 +78,11 @@ def test_hooked_subclassed_and_no_grad_calls_run_the_layer():
     plain = nn.Linear(8, 3)
     doubling = Doubling(8, 3)
     doubling.load_state_dict(plain.state_dict())
-    torch.testing.assert_close(linear(x, doubling), 2 * plain(x))
+    torch.testing.assert_close(linear(x, doubling, backend="auto"), 2 * plain(x))
     plain.register_forward_hook(lambda module, args, out: out + 1)
-    torch.testing.assert_close(linear(x, plain), nn.functional.linear(x, plain.weight, plain.bias) + 1)
+    torch.testing.assert_close(linear(x, plain, backend="auto"), nn.functional.linear(x, plain.weight, plain.bias) + 1)
     with torch.no_grad():
-        assert linear(x, plain).grad_fn is None
+        assert linear(x, plain, backend="auto").grad_fn is None
 
 
 def test_ones_for_the_bias_gemv_are_cached_and_grown():

@@ -36,21 +36,23 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
     weight, bias = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     row = torch.randn(1, 1, 64).bfloat16()
     with torch.no_grad():
-        assert torch.equal(linear_module.dense(row, weight, bias), F.linear(row, weight, bias))  # outside: F.linear
+        assert torch.equal(linear_module.dense(row, weight, bias, backend="auto"), F.linear(row, weight, bias))  # outside
         assert gemv_calls == []
         with programmatic_launch():
-            out = linear_module.dense(row, weight, bias)
+            linear_module.dense(row, weight, bias, backend="reference")  # plain PyTorch, in a chain too
+            assert gemv_calls == []
+            out = linear_module.dense(row, weight, bias, backend="auto")
             assert gemv_calls == [((1, 1, 64), False, False, False)]
-            few = linear_module.dense(torch.randn(16, 64).bfloat16(), weight, bias)  # a batch-16 decode step's
+            few = linear_module.dense(torch.randn(16, 64).bfloat16(), weight, bias, backend="auto")  # a batch-16 decode step's
             assert len(gemv_calls) == 2 and few.shape == (16, 40)
-            linear_module.dense(torch.randn(17, 64).bfloat16(), weight, bias)  # more rows: a GEMM's job
+            linear_module.dense(torch.randn(17, 64).bfloat16(), weight, bias, backend="auto")  # more rows: a GEMM's job
             big = torch.zeros(linear_module.FEW_ROWS_MAX_WEIGHT // 64 + 1, 64).bfloat16()
-            linear_module.dense(torch.randn(16, 64).bfloat16(), big)  # a weight too big for the few-rows kernel
+            linear_module.dense(torch.randn(16, 64).bfloat16(), big, backend="auto")  # a weight too big for the few-rows kernel
             assert len(gemv_calls) == 2
-            linear_module.dense(row, big)  # one row takes the GEMV whatever the size
-            linear_module.dense(row.float(), weight.float(), bias.float())  # float32: cuBLAS, not TF32
+            linear_module.dense(row, big, backend="auto")  # one row takes the GEMV whatever the size
+            linear_module.dense(row.float(), weight.float(), bias.float(), backend="auto")  # float32: cuBLAS, not TF32
     with programmatic_launch():
-        linear_module.dense(row, weight, bias)  # grad mode: no backward in the GEMV
+        linear_module.dense(row, weight, bias, backend="auto")  # grad mode: no backward in the GEMV
     assert len(gemv_calls) == 3
     assert_close(out, F.linear(row.float(), weight.float(), bias.float()).bfloat16(), torch.bfloat16)
 
