@@ -17,7 +17,6 @@
 #   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
 #   bash scripts/gpu_check.sh activations    # GPU tests (the GELU's accuracy, linear_act), GELU kernels vs torch's, linear-act
 #   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, decode attention A/B, bench generate ours vs ours-pdl
-#   bash scripts/gpu_check.sh triton-launch  # kernel GPU tests on Triton's launch path (FLASH_KERNELS_LEAN_LAUNCH=0), launch costs both ways
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.:kernels${PYTHONPATH:+:$PYTHONPATH}  # a caller's path kept: liger's wheel installed to a target folder
@@ -71,11 +70,7 @@ case "${1:-}" in
             --peers ours-pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|"
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
-    triton-launch)
-        FLASH_KERNELS_LEAN_LAUNCH=0 pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-triton-launch.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-        timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-lean.log" | grep "^|"
-        FLASH_KERNELS_LEAN_LAUNCH=0 timeout 60 python scripts/profile/launch_cost.py 2>&1 | tee "$OUT/launch-cost-triton.log" | grep "^|" ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemm-rows|linear-act|activations|decode-pdl|triton-launch}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemm-rows|linear-act|activations|decode-pdl}" >&2
         exit 2 ;;
 esac

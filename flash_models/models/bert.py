@@ -120,7 +120,8 @@ class BertModel(BertPreTrainedModel):
         self.embed_norm = norm()
         mlp = MLPConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, activation=c.hidden_act)
         self.blocks = nn.ModuleList(
-            PostNormBlock(attn=Attention(c.attention(), layer_idx=i, attn_impl=attn_impl, kernel_backend=kernel_backend), norm1=norm(),
+            PostNormBlock(attn=Attention(c.attention(), layer_idx=i, attn_impl=attn_impl, kernel_backend=kernel_backend),
+                          norm1=norm(),
                           mlp=MLP(mlp, kernel_backend=kernel_backend), norm2=norm(),
                           input_dropout_p=0.0, residual_dropout_p=c.hidden_dropout_prob)
             for i in range(c.num_hidden_layers)

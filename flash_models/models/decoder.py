@@ -64,7 +64,8 @@ class DecoderLM(nn.Module):
 
     def _block(self, dc: DecoderConfig, i: int) -> nn.Module:
         """Block ``i`` of the kind the config names (see modules/block.py for each residual stream)."""
-        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl, kernel_backend=self.kernel_backend)
+        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl,
+                         kernel_backend=self.kernel_backend)
         mlp = build_mlp(dc.mlp, kernel_backend=self.kernel_backend)
         input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
         if dc.block == "pre_norm":

@@ -144,7 +144,8 @@ class VisionTransformer(PretrainedModel):
                                dropout_p=c.attention_probs_dropout_prob, causal=False)
         mlp = MLPConfig(hidden_size=d, intermediate_size=c.intermediate_size, activation=c.hidden_act)
         self.blocks = nn.ModuleList(
-            PreNormBlock(norm1=norm(), attn=Attention(attn, layer_idx=i, attn_impl=attn_impl, kernel_backend=kernel_backend), norm2=norm(),
+            PreNormBlock(norm1=norm(), attn=Attention(attn, layer_idx=i, attn_impl=attn_impl, kernel_backend=kernel_backend),
+                         norm2=norm(),
                          mlp=MLP(mlp, kernel_backend=kernel_backend), input_dropout_p=c.hidden_dropout_prob,
                          residual_dropout_p=c.hidden_dropout_prob)
             for i in range(c.num_hidden_layers)

@@ -38,25 +38,20 @@ eager norm forward + backward step 12-32% less host time by the best of three ro
 ``bench ops`` calls the eager norms then ran at their graph-replayed speed (``scripts/profile/launch_direct_ab.py``,
 docs/benchmarks.md).
 
-On by default since its GPU check (2026-11-23, H100: every kernel GPU test passed with it; a 33-argument
-launch cost 19.8 us against Triton's 26.3 in one process, 25.8 against 27.5 in another, on a noisy host;
-``scripts/profile/launch_cost.py``, docs/benchmarks.md). ``FLASH_KERNELS_LEAN_LAUNCH=0``,
-read when flash_kernels is imported, turns it off: every kernel then launches through Triton's own path. Under
-Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs the kernels) or without Triton, the decorator returns
-the kernel unchanged.
+Every kernel GPU test runs with it (H100: a 33-argument launch cost 19.8 us against Triton's 26.3 in one
+process, 25.8 against 27.5 in another, on a noisy host). Under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs the kernels) or without
+Triton, the decorator returns the kernel unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 
 from ._triton_compat import TRITON_AVAILABLE, triton
 
-ENV_VAR = "FLASH_KERNELS_LEAN_LAUNCH"
 _INT32 = range(-(2**31), 2**31)  # `in range` is a constant-time bounds check for an int
 _Tensor = torch.Tensor
 
@@ -112,9 +107,8 @@ def arguments_key(args: tuple) -> list:
 
 def lean_launch(kernel):
     """Decorator over ``@triton.jit``: launches as ``kernel[grid](*args, **kwargs)``, cheaper after the first
-    launch of each key. Returns the kernel unchanged when switched off (``FLASH_KERNELS_LEAN_LAUNCH=0``), under
-    the interpreter, or without Triton."""
-    if os.environ.get(ENV_VAR, "1") == "0" or not TRITON_AVAILABLE:
+    launch of each key. Returns the kernel unchanged under the interpreter or without Triton."""
+    if not TRITON_AVAILABLE:
         return kernel
     if not isinstance(kernel, triton.runtime.jit.JITFunction):
         return kernel

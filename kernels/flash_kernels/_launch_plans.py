@@ -6,8 +6,8 @@ config) from a handful of values (shapes, strides, dtypes, options), and the lau
 short sequences. An op keys a call by those few values instead and, the second time it sees a key, keeps the
 launch as a ``_launch.Relaunch`` that takes the call's new tensors. A key seen once makes no plan, so ever-new
 shapes (a varlen batch's token count) pay nothing extra; the table empties when it reaches ``limit`` keys.
-Plans need ``_launch.lean_launch``'s compiled kernels: with ``FLASH_KERNELS_LEAN_LAUNCH=0`` (and under the
-interpreter) no plan is made and every call launches through Triton.
+Plans need ``_launch.lean_launch``'s compiled kernels: under the interpreter no plan is made and every call
+launches through Triton.
 """
 
 from __future__ import annotations

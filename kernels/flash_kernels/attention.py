@@ -28,7 +28,7 @@ H200 (session 16, CUDA-graph replay, head dim 128), TMA (BLOCK_M 128, BLOCK_N 64
 320 / 584 / 1120 us against 352 / 614 / 1188 at S = 1k / 2k / 4k non-causal and 373 / 647 against 387 / 668
 causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x) and at BERT's varlen S = 128
 (77 vs 51). TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
-16-byte alignment of every descriptor base and row stride); ``set_tma_loads`` forces or forbids them.
+16-byte alignment of every descriptor base and row stride); tests force or forbid them (``_set_tma_loads``).
 
 On a Hopper GPU the forward of fp16/bf16 attention at head dims 128 and 64 from 128 keys, causal or not, with no
 window, softcap, ALiBi or dropout (varlen: self-attention only, its tokens filling 80% of (sequences x
@@ -50,7 +50,6 @@ the tile-level pieces the forward, the backward and the decode kernels share in 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -212,25 +211,26 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, offs_m, off
 TMA_AVAILABLE = (TRITON_AVAILABLE and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")
                  and torch.version.hip is None)
 # Values of the forward kernel's ``tma_ok`` argument (part of its autotune key): TMA cannot run for this launch;
-# it can, and the autotuner may pick it; it can, and TMA configs are the only candidates (set_tma_loads("force")).
+# it can, and the autotuner may pick it; it can, and TMA configs are the only candidates (_set_tma_loads("force")).
 _TMA_NO, _TMA_MAY, _TMA_MUST = 0, 1, 2
-# Whether the autotuner picks TMA by itself. Not under the interpreter (one tile, never benchmarked) or with
-# FLASH_KERNELS_AUTOTUNE=0 (the default config alone): there only a forced launch takes a TMA config.
-_TMA_AUTOTUNED = not triton_interpreter_enabled() and os.environ.get("FLASH_KERNELS_AUTOTUNE", "1") != "0"
+# Whether the autotuner picks TMA by itself. Not under the interpreter (one tile, never benchmarked): there only
+# a forced launch takes a TMA config.
+_TMA_AUTOTUNED = not triton_interpreter_enabled()
 _TMA_MODES = ("auto", "force", "off")
 _tma_mode = "auto"
 
 
-def set_tma_loads(mode: str) -> str:
-    """How the attention forward loads its tiles, for tests and benchmarks; returns the previous mode.
+def _set_tma_loads(mode: str) -> str:
+    """How the attention forward loads its tiles; returns the previous mode. Not a setting: the autotuner
+    chooses TMA where it is faster, and this seam lets the tests reach (or avoid) the TMA path whatever it
+    chose, and under the interpreter, which never benchmarks.
 
     "auto" (the default): the autotuner may pick a TMA config wherever TMA can run. "force": only TMA configs
-    wherever TMA can run (under the interpreter too, where a test would otherwise never reach them), the plain
-    loads elsewhere, e.g. for an input that is not 16-byte aligned. "off": plain loads only. Kept launch plans
-    are dropped, since they hold the config chosen under the old mode."""
+    wherever TMA can run, the plain loads elsewhere, e.g. for an input that is not 16-byte aligned. "off": plain
+    loads only. Kept launch plans are dropped, since they hold the config chosen under the old mode."""
     global _tma_mode
     if mode not in _TMA_MODES:
-        raise ValueError(f"set_tma_loads: mode must be one of {_TMA_MODES}, got {mode!r}")
+        raise ValueError(f"_set_tma_loads: mode must be one of {_TMA_MODES}, got {mode!r}")
     previous, _tma_mode = _tma_mode, mode
     _FWD_PLANS.clear()
     return previous
@@ -242,7 +242,7 @@ def _tma_flag(q, k, v) -> int:
     descriptor base is 16-byte aligned: q, k, v's addresses and all their strides but the unit last one in
     bytes (a program's base is the address plus multiples of those strides; a varlen sequence's first row
     moves it by q_start * stride_s, which the row stride covers). All it reads but the mode is in
-    _fwd_plan_key, and set_tma_loads drops every plan."""
+    _fwd_plan_key, and _set_tma_loads drops every plan."""
     mode = _tma_mode
     if mode == "off" or not TMA_AVAILABLE:
         return _TMA_NO
@@ -492,7 +492,7 @@ def _fwd_plan_key(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, soft
     call that gets no plan: ALiBi or dropout (more tensors to take), or an input not 16-byte aligned (Triton
     specializes on alignment, and a plan must not meet a tensor aligned unlike its first one). ``tma_ok`` is
     a function of the key too: of the device, dtype and strides, with the addresses 16-byte aligned; the TMA
-    mode is not in it, but set_tma_loads drops every plan."""
+    mode is not in it, but _set_tma_loads drops every plan."""
     if alibi is not None or dropout_p > 0:
         return None
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()

@@ -110,7 +110,9 @@ def enabled() -> bool:
 
 def use_hopper_forward(enable: bool) -> bool:
     """Let ``attention``'s forward take this kernel where it can run (the default), or keep the Triton kernel
-    everywhere (for tests and A/B benchmarks); returns the previous setting."""
+    everywhere; returns the previous setting. A user setting (README, Settings): this kernel is built on Gluon,
+    Triton's experimental layer, so a Triton release that miscompiles it must not leave a user stuck; it also
+    gives tests and A/B benchmarks the Triton forward on Hopper."""
     global _enabled
     previous, _enabled = _enabled, bool(enable)
     return previous

@@ -98,7 +98,8 @@ _enabled = True
 
 def use_hopper_backward(enable: bool) -> bool:
     """Let ``attention``'s backward take this kernel where it runs (the default), or keep the Triton backward
-    everywhere (tests, A/B benchmarks); returns the previous setting."""
+    everywhere; returns the previous setting. A user setting (README, Settings), for the reason
+    ``attention_hopper.use_hopper_forward`` gives; also for tests and A/B benchmarks."""
     global _enabled
     previous, _enabled = _enabled, bool(enable)
     return previous

@@ -4,7 +4,6 @@ dropout's Philox keep mask, sequence bounds, and the autotune candidates and buc
 
 from __future__ import annotations
 
-import os
 
 from ._backend import triton_interpreter_enabled
 from ._triton_compat import tl, triton
@@ -144,12 +143,9 @@ def _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
 
 def _configs(shapes):
     """Autotune candidates (BLOCK_M, BLOCK_N, warps, stages). The interpreter gets one small tile, so short
-    test sequences still cross several blocks; FLASH_KERNELS_AUTOTUNE=0 keeps only the first (default)
-    candidate, which saves compile time where speed does not matter (GPU correctness tests)."""
+    test sequences still cross several blocks."""
     if triton_interpreter_enabled():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    if os.environ.get("FLASH_KERNELS_AUTOTUNE", "1") == "0":
-        shapes = shapes[:1]
     # Small tiles for head dims > 128, chosen by the prune (Triton skips the prune when there is one config).
     shapes = shapes + [(64, 32, 4, 2), (32, 32, 4, 2)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]

@@ -1,7 +1,7 @@
 """The attention forward's TMA load path (``TMA`` configs: Q, K, V tiles through device-side tensor descriptors).
 
 TMA is an autotune choice, so ordinary calls may never reach it (under the interpreter, which never benchmarks,
-only a forced launch takes its TMA tile); every test here forces it with ``attention.set_tma_loads("force")``
+only a forced launch takes its TMA tile); every test here forces it with ``attention._set_tma_loads("force")``
 and checks, through the autotuner's recorded choice, that the launch did (or, for inputs TMA cannot address,
 did not) take a TMA config. On the CPU the kernels run under Triton's interpreter, which implements descriptors
 (zero fill outside the shape included); there a TMA launch and a plain one do the same arithmetic on the same
@@ -38,11 +38,11 @@ def _forced_tma():
     """TMA configs only, on the Triton forward: the Hopper (Gluon) forward switched off, since whether it takes
     a call can depend on the calls before it (``attention_hopper.leave_to_triton``: the first eager call of a
     specialization runs there), and a call it took would record no Triton config at all."""
-    previous = attention.set_tma_loads("force")
+    previous = attention._set_tma_loads("force")
     hopper_before = attention_hopper.use_hopper_forward(False)
     yield
     attention_hopper.use_hopper_forward(hopper_before)
-    attention.set_tma_loads(previous)
+    attention._set_tma_loads(previous)
 
 
 def _launch(call, *, tma: bool):
@@ -61,11 +61,11 @@ def _launch(call, *, tma: bool):
 
 def _plain(call):
     """call() with plain loads only."""
-    previous = attention.set_tma_loads("off")
+    previous = attention._set_tma_loads("off")
     try:
         return _launch(call, tma=False)
     finally:
-        attention.set_tma_loads(previous)
+        attention._set_tma_loads(previous)
 
 
 def _check(out, lse, ref, ref_lse, dtype):
@@ -109,12 +109,12 @@ def test_tma_flag_follows_the_mode_the_device_and_the_alignment():
     assert attention._tma_flag(q, k, wide[:, :, :2]) == attention._TMA_NO
     packed = torch.randn(2, 17, 3, 4, 64, dtype=q.dtype, device=DEVICE)  # row stride 3 * 4 * 64 elements
     assert attention._tma_flag(*packed.unbind(2)) == expected
-    attention.set_tma_loads("auto")
+    attention._set_tma_loads("auto")
     assert attention._tma_flag(q, k, v) == (attention._TMA_MAY if _on_tma_device() else attention._TMA_NO)
-    attention.set_tma_loads("off")
+    attention._set_tma_loads("off")
     assert attention._tma_flag(q, k, v) == attention._TMA_NO
     with pytest.raises(ValueError, match="mode must be one of"):
-        attention.set_tma_loads("always")
+        attention._set_tma_loads("always")
 
 
 def _config(m, n, tma, warps=4, stages=3):

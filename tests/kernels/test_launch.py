@@ -9,7 +9,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from flash_kernels import _launch
-from flash_kernels._launch import ENV_VAR, CompiledLaunch, LeanKernel, _RunnerLaunch, _Unkeyable, lean_launch
+from flash_kernels._launch import CompiledLaunch, LeanKernel, _RunnerLaunch, _Unkeyable, lean_launch
 
 
 def _copy_scaled(X, Y, n, scale, stride, BLOCK: tl.constexpr, SCALE_IT: tl.constexpr):
@@ -29,22 +29,13 @@ def _keys() -> LeanKernel:
     return LeanKernel(JITFunction(_copy_scaled))
 
 
-def test_interpreted_kernels_are_left_unchanged(monkeypatch):
-    """Switched on (the default), the decorator still leaves a kernel of Triton's interpreter (how CI runs
-    them) as it is."""
+def test_compiled_kernels_are_wrapped_and_interpreted_ones_left_unchanged():
+    """A compiled-mode kernel launches lean; a kernel of Triton's interpreter (how CI runs them) stays as it is."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    monkeypatch.delenv(ENV_VAR, raising=False)
     interpreted = InterpretedFunction(_copy_scaled)
     assert lean_launch(interpreted) is interpreted
-
-
-def test_on_by_default_and_switched_off_by_zero(monkeypatch):
-    compiled_mode_kernel = JITFunction(_copy_scaled)
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    assert isinstance(lean_launch(compiled_mode_kernel), LeanKernel)
-    monkeypatch.setenv(ENV_VAR, "0")
-    assert lean_launch(compiled_mode_kernel) is compiled_mode_kernel
+    assert isinstance(lean_launch(JITFunction(_copy_scaled)), LeanKernel)
 
 
 def test_launch_key_separates_what_triton_specializes():

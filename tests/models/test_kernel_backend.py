@@ -11,7 +11,9 @@ gpu test also reads the kernel names off the profiler."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,6 +143,24 @@ def test_the_watch_sees_triton_launches_and_unset_backends(monkeypatch, name):
 def test_kernel_backend_is_checked_when_the_model_is_built():
     with pytest.raises(ValueError, match="backend='cuda' is not a kernel backend"):
         tiny("llama-1b", attn_impl="eager", kernel_backend="cuda")
+
+
+def test_an_explicit_triton_backend_that_cannot_run_says_why(monkeypatch):
+    """No silent fallback: on a CPU without Triton's interpreter "triton" is an error naming the device."""
+    model = tiny("llama-1b", attn_impl="eager", kernel_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' cannot run on device 'cpu'"):
+        model(torch.randint(0, 128, (1, 5)))
+
+
+def test_the_retired_environment_variable_is_ignored_with_a_warning():
+    """FLASH_KERNELS_BACKEND no longer picks anything: an op left without a backend is "auto", and whoever still
+    sets the variable is told what to pass instead."""
+    code = "from flash_kernels._backend import check_backend_name; print(check_backend_name(None))"
+    env = {**os.environ, "FLASH_KERNELS_BACKEND": "triton"}
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "auto"
+    assert "FLASH_KERNELS_BACKEND is no longer read; pass kernel_backend=" in run.stderr
 
 
 def _our_kernel_names() -> set[str]:

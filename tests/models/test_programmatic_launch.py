@@ -97,6 +97,16 @@ def test_the_setting_reaches_the_runner_and_its_steps_run_in_the_context(preset,
     assert chained.shape == plain.shape and torch.equal(chained[:, :6], plain[:, :6])
 
 
+@pytest.mark.parametrize("preset", sorted(TINY))
+@torch.no_grad()
+def test_the_reference_backend_never_takes_the_chain(preset, gemv_calls):
+    """kernel_backend="reference" is plain PyTorch in a decode step too: with programmatic launch on (the
+    default) no projection becomes our GEMV and no block folds its norms into one."""
+    model = fm.create_model(preset, dtype=torch.bfloat16, kernel_backend="reference", **TINY[preset]).eval()
+    model.generate(torch.randint(0, 256, (1, 5)), max_new_tokens=3, eos_token_id=[])
+    assert gemv_calls == []
+
+
 @pytest.mark.parametrize("batch", [1, 3])  # the one-row GEMV, and the few-rows kernel
 @torch.no_grad()
 def test_chained_llama_decode_steps_give_the_plain_logits(gemv_calls, batch):
