@@ -12,11 +12,9 @@
 #   bash scripts/gpu_check.sh bench-ops      # bench ops, every group, eager (liger's side where its wheel is installed)
 #   bash scripts/gpu_check.sh bench-ops-graphs  # bench ops, every group, timed by CUDA-graph replays
 #   bash scripts/gpu_check.sh gemv           # batch-1 projections: cuBLAS vs our gemv kernel (scripts/profile/gemv_sweep.py)
+#   bash scripts/gpu_check.sh activations    # GPU tests of the activations, linear_act and the inference MLP
 #   bash scripts/gpu_check.sh gemv-chain     # every gemv config in a PDL chain with the block's fusions (gemv_chain_sweep.py)
-#   bash scripts/gpu_check.sh gemm-rows      # GEMM+bias vs row count: torch's cuBLASLt pick vs fused_dense's timed pick
-#   bash scripts/gpu_check.sh linear-act     # fc1 + GELU in one Triton GEMM: its GPU tests, then vs cuBLAS + torch GELU
-#   bash scripts/gpu_check.sh activations    # GPU tests (the GELU's accuracy, linear_act), GELU kernels vs torch's, linear-act
-#   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, decode attention A/B, bench generate ours vs ours-pdl
+#   bash scripts/gpu_check.sh decode-pdl     # programmatic dependent launch: GPU tests, bench generate ours vs ours-pdl, decode kernel tables
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.:kernels${PYTHONPATH:+:$PYTHONPATH}  # a caller's path kept: liger's wheel installed to a target folder
@@ -53,24 +51,17 @@ case "${1:-}" in
         timeout 200 python scripts/profile/gemv_sweep.py 2>&1 | tee "$OUT/gemv-sweep.log" | grep "^|" ;;
     gemv-chain)
         timeout 500 python scripts/profile/gemv_chain_sweep.py 2>&1 | tee "$OUT/gemv-chain.log" | grep -E "^\||copy" ;;
-    gemm-rows)
-        timeout 300 python scripts/profile/gemm_rows.py 2>&1 | tee "$OUT/gemm-rows.log" | grep "^|" ;;
-    linear-act)
-        pytest_gpu tests/kernels/test_linear_act.py tests/models/test_mlp_inference.py 2>&1 | tee "$OUT/tests-linear-act.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-        timeout 300 python scripts/profile/linear_act_sweep.py 2>&1 | tee "$OUT/linear-act-sweep.log" | grep "^|" ;;
     activations)
-        pytest_gpu tests/kernels/test_activations.py tests/kernels/test_linear_act.py 2>&1 | tee "$OUT/tests-activations.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-        timeout 150 python scripts/profile/activation_sweep.py 2>&1 | tee "$OUT/activation-sweep.log" | grep "^|"
-        timeout 200 python scripts/profile/linear_act_sweep.py 2>&1 | tee "$OUT/linear-act-sweep.log" | grep -E "^\||^host" ;;
+        pytest_gpu tests/kernels/test_activations.py tests/kernels/test_linear_act.py tests/models/test_mlp_inference.py 2>&1 \
+            | tee "$OUT/tests-activations.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     decode-pdl)
         pytest_gpu tests/kernels/test_attention_decode.py tests/generation/test_generate_gpu.py -k "programmatic or real_sizes" \
             2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
-        timeout 150 python scripts/profile/decode_pdl.py 2>&1 | tee "$OUT/decode-pdl.log" | grep "^|"
         timeout 240 python -m flash_models bench generate --models llama-1.1b gpt2-124m --batches 1 16 --prompts 128 \
             --peers ours-pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|"
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemm-rows|linear-act|activations|decode-pdl}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
         exit 2 ;;
 esac
