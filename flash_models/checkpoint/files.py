@@ -1,22 +1,23 @@
 """Reading and writing weight files: safetensors (single or sharded), PyTorch .bin (single or sharded).
 
-Loading checks what it reads: a truncated or corrupt safetensors file is named in the error. Saving is
-atomic: files go to a temporary folder beside the target and are renamed into place only when complete.
+Loading checks what it reads: a truncated or corrupt safetensors file is named in the error, and a .bin
+that would run code when unpickled is refused. Saving is atomic per folder (atomic.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
+import pickle
+import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
+
+from .atomic import atomic_folder
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,35 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         ) from err
 
 
-def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+class UnsafeCheckpointError(ValueError):
+    """A pickled file holding objects other than tensors and plain containers: unpickling it could run code."""
+
+
+def safe_torch_load(path: Path, *, what: str = "PyTorch checkpoint"):
+    """``torch.load`` restricted to tensors and plain containers (``weights_only=True``). A file that needs
+    more is refused as unsafe; a damaged one is named as truncated or corrupt."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" not in str(err):
+            raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err})") from None
+        found = _UNSAFE_GLOBAL.search(str(err))
+        culprit = f" (it calls {found.group(1)})" if found else ""
+        # torch's own message suggests weights_only=False, i.e. running the file's code: not repeated here.
+        raise UnsafeCheckpointError(
+            f"refused to load {path}: the {what} holds pickled objects other than tensors{culprit}, and "
+            "unpickling them could run arbitrary code. flash-models only loads tensors and plain values from "
+            "pickles; use a safetensors file"
+        ) from None
     except Exception as err:  # torch raises several types for a damaged pickle/zip
-        raise ValueError(f"cannot read {path}: the PyTorch checkpoint is truncated or corrupt ({err})") from err
+        raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err})") from err
+
+
+_UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    return safe_torch_load(path)
 
 
 def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
@@ -96,36 +121,32 @@ def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
     return shards
 
 
+def owned_by_model_save(name: str) -> bool:
+    """Whether a file of a model folder belongs to the saved model (weights in any layout, config.json), so
+    that a new save replaces it; anything else in the folder (tokenizer, README) is the user's and kept."""
+    return name == "config.json" or _MODEL_FILE.fullmatch(name) is not None
+
+
+_MODEL_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
 def write_model_dir(directory: str | Path, state: dict[str, torch.Tensor], extra_files: dict[str, str], *, max_shard_size: int | str = "5GB") -> None:
-    """Write safetensors (sharded past ``max_shard_size``, with an index) and the given text files, atomically:
-    everything lands in a temporary folder first, then each file is renamed into ``directory``."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write safetensors (sharded past ``max_shard_size``, with an index) and the given text files, atomically
+    per folder (``atomic.atomic_folder``): a reader sees the old checkpoint or the new one, whole, and no
+    weight file of the old one is left behind."""
     state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
     shards = _shards(state, parse_size(max_shard_size))
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-save-", dir=directory))
-    try:
+    with atomic_folder(directory, owned=owned_by_model_save) as tmp:
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SAFETENSORS), metadata={"format": "pt"})
-            written = [SAFETENSORS]
         else:
-            weight_map, written = {}, []
+            weight_map = {}
             for i, shard in enumerate(shards, start=1):
                 name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, str(tmp / name), metadata={"format": "pt"})
                 weight_map.update({key: name for key in shard})
-                written.append(name)
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
-            written.append(SAFETENSORS_INDEX)
         for name, text in extra_files.items():
             (tmp / name).write_text(text)
-            written.append(name)
-        stale = [n for n in (SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX) if n not in written and (directory / n).exists()]
-        for name in written:
-            os.replace(tmp / name, directory / name)
-        for name in stale:  # an older save's other layout would shadow or confuse the new weights
-            (directory / name).unlink()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

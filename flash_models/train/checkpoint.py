@@ -1,6 +1,9 @@
 """Training checkpoints: model, optimizer, scheduler, data position, EMA and every RNG state, written to a
-temporary folder and renamed into place, so a crash never leaves a half-written checkpoint. Loading them
-back reproduces an uninterrupted run exactly (bit for bit on the CPU).
+temporary folder and swapped into place (checkpoint/atomic.py), so a crash never leaves a half-written
+checkpoint. Loading them back reproduces an uninterrupted run exactly (bit for bit on the CPU).
+
+Every file holds tensors and plain Python values only, and is read with ``weights_only=True``: a crafted
+checkpoint folder cannot run code on resume (it is refused, naming the file).
 
 Layout: ``OUTPUT/checkpoints/step_00000100/{train_state.pt, rng_rank0.pt, ...}`` and ``OUTPUT/checkpoints/latest``
 (the name of the newest complete one). Model and optimizer state are full (unsharded) tensors gathered
@@ -20,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.atomic import owns_everything, swap_in, temp_folder_beside
+from ..checkpoint.files import safe_torch_load
 from .distributed import DistState, barrier
 
 log = logging.getLogger(__name__)
@@ -28,7 +33,11 @@ STATE_FILE = "train_state.pt"
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator's state as tensors and plain values (numpy's legacy tuple holds an ndarray)."""
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"kind": kind, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -37,7 +46,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -62,29 +72,31 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
     ema_sd = ema.state_dict() if ema is not None else None
     tmp_name = None
     if dist_state.is_main:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:08d}-", dir=directory))
+        tmp = temp_folder_beside(final)
         tmp_name = tmp.name
-        torch.save({
-            "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(), "ema": ema_sd, "master": master.state_dict() if master is not None else None,
-            "extra": extra or {},
-        }, tmp / STATE_FILE)
-    if dist_state.initialized:
-        names = [tmp_name]
-        dist.broadcast_object_list(names, src=0)
-        tmp_name = names[0]
-    tmp = directory / tmp_name
-    torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
-    barrier(dist_state)
-    if dist_state.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_text_atomic(directory / "latest", final.name)
-        if keep:
-            for old in sorted(directory.glob("step_*"))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+    try:
+        if dist_state.is_main:
+            torch.save({
+                "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                "sampler": sampler.state_dict(), "ema": ema_sd, "master": master.state_dict() if master is not None else None,
+                "extra": extra or {},
+            }, tmp / STATE_FILE)
+        if dist_state.initialized:
+            names = [tmp_name]
+            dist.broadcast_object_list(names, src=0)
+            tmp_name = names[0]
+        tmp = directory / tmp_name
+        torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
+        barrier(dist_state)
+        if dist_state.is_main:
+            swap_in(tmp, final, owned=owns_everything)
+            _write_text_atomic(directory / "latest", final.name)
+            if keep:
+                for old in sorted(directory.glob("step_*"))[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if dist_state.is_main:
+            shutil.rmtree(directory / tmp_name, ignore_errors=True)  # gone already after the swap
     barrier(dist_state)
     log.info("saved checkpoint %s", final)
     return final
@@ -110,7 +122,7 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_state: DistState, ema=None, master=None) -> tuple[int, dict]:
     """Restore everything ``save_checkpoint`` wrote; returns the step to continue after and the ``extra`` dict."""
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    state = safe_torch_load(path / STATE_FILE, what="training state")
     if dist_state.strategy == "none":
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -133,7 +145,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_st
         master.load_state_dict(state["master"])
     rng_file = path / f"rng_rank{dist_state.rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        set_rng_state(safe_torch_load(rng_file, what="RNG state"))
     else:
         log.warning("%s has no RNG state for rank %d (different world size?): continuing with fresh generators", path, dist_state.rank)
     return int(state["step"]), state["extra"]

@@ -42,7 +42,7 @@ def test_checkpoint_is_atomic_and_latest_points_to_complete_one(tiny_config, tmp
     ckpts = tmp_path / "r" / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000003"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000002", "step_00000003"]  # no temp dirs
-    state = torch.load(ckpts / "step_00000002" / "train_state.pt", weights_only=False)
+    state = torch.load(ckpts / "step_00000002" / "train_state.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "sampler", "step"} <= set(state) and state["sampler"]["cursor"] > 0
     assert (ckpts / "step_00000002" / "rng_rank0.pt").is_file()
 
