@@ -7,6 +7,7 @@ HF config objects and never guess a field with ``getattr``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ATTN_IMPLS = ("eager", "sdpa", "flash", "auto")
@@ -20,6 +21,42 @@ BLOCK_KINDS = ("pre_norm", "parallel", "parallel_shared_norm", "post_norm")
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; use one of {choices}")
+
+
+def check_finite_values(fields: dict, prefix: str = "") -> None:
+    """Refuse NaN and infinity anywhere in a config's fields (nested dicts and lists too): JSON's 1e999 reads
+    as inf, and a non-finite epsilon, theta or scale gives a model that computes nothing but NaN."""
+    for key, value in fields.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            check_finite_values(value, prefix=name + ".")
+        elif isinstance(value, (list, tuple)):
+            check_finite_values({f"[{i}]": v for i, v in enumerate(value)}, prefix=name)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"config value {name}={value} is not a finite number")
+
+
+def head_dim_of(hidden_size: int, num_heads: int) -> int:
+    """hidden_size / num_heads for families whose heads split the width exactly (HF refuses anything else,
+    so a checkpoint saved from such a config could not be read back)."""
+    check_positive(num_attention_heads=num_heads)
+    if hidden_size % num_heads:
+        raise ValueError(f"the hidden size ({hidden_size}) must be a multiple of the number of attention heads "
+                         f"({num_heads}), as in HF's config classes")
+    return hidden_size // num_heads
+
+
+def check_positive(**sizes: int | float | None) -> None:
+    """Each given size must be > 0 (None: not set, allowed)."""
+    for name, value in sizes.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_probability(**values: float) -> None:
+    for name, value in values.items():
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must lie in [0, 1], got {value}")
 
 
 @dataclass(frozen=True)
@@ -44,8 +81,11 @@ class RopeConfig:
 
     def __post_init__(self):
         check_choice("rope_type", self.rope_type, ROPE_TYPES)
-        if self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
+        check_finite_values({k: v for k, v in vars(self).items() if isinstance(v, float)}, prefix="rope.")
+        check_positive(rope_theta=self.theta, rope_factor=self.factor,
+                       max_position_embeddings=self.max_position_embeddings)
+        if self.rotary_dim % 2 or self.rotary_dim < 0:
+            raise ValueError(f"rotary_dim must be even and >= 0, got {self.rotary_dim}")
 
     @classmethod
     def from_hf_parameters(
@@ -103,6 +143,10 @@ class AttentionConfig:
     causal: bool = True
 
     def __post_init__(self):
+        check_positive(hidden_size=self.hidden_size, num_attention_heads=self.num_heads,
+                       num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
+                       softmax_scale=self.softmax_scale, sliding_window=self.sliding_window)
+        check_probability(attention_dropout=self.dropout_p)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
@@ -121,6 +165,8 @@ class MLPConfig:
 
     def __post_init__(self):
         check_choice("activation", self.activation, ACTIVATIONS)
+        check_positive(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
+        check_probability(mlp_dropout=self.dropout_p)
 
 
 @dataclass(frozen=True)
@@ -153,6 +199,12 @@ class DecoderConfig:
     def __post_init__(self):
         check_choice("norm", self.norm, ("layer_norm", "rms_norm"))
         check_choice("block", self.block, BLOCK_KINDS)
+        check_positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                       max_position_embeddings=self.max_position_embeddings, embed_dim=self.embed_dim)
+        if self.num_layers < 0 or self.norm_eps < 0 or self.initializer_range < 0:
+            raise ValueError(f"num_layers ({self.num_layers}), norm_eps ({self.norm_eps}) and initializer_range "
+                             f"({self.initializer_range}) must be >= 0")
+        check_probability(embed_dropout=self.embed_dropout_p, residual_dropout=self.residual_dropout_p)
         if self.final_norm == (self.block == "post_norm"):
             raise ValueError("post-norm blocks end normalized and take no final norm; every other block needs one")
         if not self.learned_positions and self.rope is None:

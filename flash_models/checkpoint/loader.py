@@ -8,13 +8,15 @@ from pathlib import Path
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 
 from .. import models as _families  # noqa: F401  (importing it registers every family)
+from ..config import check_finite_values
 from ..registry import get_family, get_preset
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, resolve_gguf, resolve_model_dir
-from .remap import check_keys, hf_to_ours, ours_to_hf
+from .remap import check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 from .rules import rules_for
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "auto", device="meta"):
     """Our model for an HF config, on ``device`` (meta: no memory, for loading or inspecting)."""
+    check_finite_values(hf_config.to_dict())
     family = get_family(hf_config.model_type)
     config = family.config_cls.from_hf(hf_config)
     with torch.device(device):
@@ -43,9 +46,23 @@ def _read_hf_config(directory: Path):
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not an HF model folder")
-    model_type = json.loads(config_path.read_text()).get("model_type")
-    get_family(model_type)  # our clear error for an unsupported type, before transformers' own
-    return transformers.AutoConfig.from_pretrained(directory)
+    try:
+        fields = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err}); the file is damaged or not a config") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{config_path} must hold a JSON object of config fields, got a {type(fields).__name__}")
+    get_family(fields.get("model_type"))  # our clear error for an unsupported type, before transformers' own
+    return _hf_config(str(config_path), transformers.AutoConfig.from_pretrained, directory)
+
+
+def _hf_config(source: str, make, *args, **kwargs):
+    """An HF config from ``make``, with transformers' own validation errors turned into a ValueError naming
+    where the config came from."""
+    try:
+        return make(*args, **kwargs)
+    except (StrictDataclassError, TypeError, ValueError) as err:
+        raise ValueError(f"{source}: invalid config: {err}") from None
 
 
 def from_pretrained(
@@ -69,14 +86,16 @@ def from_pretrained(
         config_dict, hf_state = load_gguf(resolve_gguf(name_or_path, gguf_file=gguf_file, revision=revision))
         model_type = config_dict.pop("model_type")
         get_family(model_type)
-        hf_config = transformers.AutoConfig.for_model(model_type, **config_dict)
+        hf_config = _hf_config(str(name_or_path), transformers.AutoConfig.for_model, model_type, **config_dict)
     else:
         directory = resolve_model_dir(name_or_path, revision=revision)
         hf_config = _read_hf_config(directory)
         hf_state = load_state_dict(directory)
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)
-    check_keys(set(hf_state), set(ours_to_hf(model.state_dict(), ruleset)), ruleset)
+    expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
+    check_keys(set(hf_state), set(expected), ruleset)
+    check_hf_shapes(hf_state, expected, ruleset)
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
@@ -93,7 +112,8 @@ def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:
 
 def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
     """Write config.json and safetensors in HF's canonical layout (fused parameters split back), so that
-    ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per file."""
+    ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per folder: a
+    reader sees the old checkpoint or the new one, whole; the folder's other files (a tokenizer) are kept."""
     hf_config = model.config.to_hf()  # first: it raises for a model HF's layout cannot express
     hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class
@@ -105,6 +125,7 @@ def create_model(preset: str, *, dtype=None, device=None, attn_impl: str = "auto
     """A random-init model of a registered preset (``flash_models.list_models()``); keyword overrides change
     HF config fields, e.g. ``create_model("gpt2", n_layer=2)``."""
     spec = get_preset(preset)
-    hf_config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.hf_config, **overrides})
+    hf_config = _hf_config(f"create_model({preset!r})", transformers.AutoConfig.for_model, spec.model_type,
+                           **{**spec.hf_config, **overrides})
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device or "cpu")
     return model.to(dtype=resolve_dtype(dtype))

@@ -134,10 +134,34 @@ def hf_to_ours(state_dict: dict[str, torch.Tensor], ruleset: RuleSet) -> dict[st
         if absent:
             missing.extend(absent)
             continue
-        out[rule.ours.format(**dict(names))] = rule.transform.to_ours(parts)
+        out[rule.ours.format(**dict(names))] = _convert(rule, dict(names), parts)
     if unexpected or missing:
         raise CheckpointKeyError(_key_report(missing=missing, unexpected=unexpected))
     return out
+
+
+def _convert(rule: Rule, names: dict, parts: Tensors) -> torch.Tensor:
+    """``rule.transform.to_ours``, with a failure (parts that do not fit together) naming the checkpoint keys."""
+    try:
+        return rule.transform.to_ours(parts)
+    except RuntimeError as err:
+        shapes = ", ".join(f"{t.format(**names)} {tuple(p.shape)}" for t, p in zip(rule.hf, parts))
+        raise ValueError(f"checkpoint tensors {shapes} cannot be combined by {rule.transform.name} into "
+                         f"{rule.ours.format(**names)}: {err}") from None
+
+
+def check_hf_shapes(given: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], ruleset: RuleSet) -> None:
+    """Compare each checkpoint tensor's shape with what the model needs (``expected``: HF keys, e.g. from
+    ``ours_to_hf`` of a meta model), before any tensor is fused or concatenated, naming every misfit."""
+    wrong = []
+    for raw_key, tensor in given.items():
+        want = expected.get(ruleset.normalize_hf_key(raw_key))
+        if want is not None and tuple(want.shape) != tuple(tensor.shape):
+            wrong.append(f"{raw_key}: expected {tuple(want.shape)}, got {tuple(tensor.shape)}")
+    if wrong:
+        raise ValueError("checkpoint tensor shapes do not fit the config:\n  " + "\n  ".join(wrong[:20])
+                         + (f"\n  ... ({len(wrong) - 20} more)" if len(wrong) > 20 else "")
+                         + "\n  check that config.json belongs to these weights (same family and sizes)")
 
 
 def ours_to_hf(state_dict: dict[str, torch.Tensor], ruleset: RuleSet) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import transformers
 
-from ..config import AttentionConfig, DecoderConfig, MLPConfig
+from ..config import AttentionConfig, DecoderConfig, MLPConfig, head_dim_of
 from ..registry import Family, Preset, register_family, register_preset
 from .decoder import DecoderLM
 
@@ -46,7 +46,7 @@ class GPT2Config:
         return transformers.GPT2Config(**{name: getattr(self, name) for name in self.__dataclass_fields__})
 
     def decoder(self) -> DecoderConfig:
-        head_dim = self.n_embd // self.n_head
+        head_dim = head_dim_of(self.n_embd, self.n_head)
         return DecoderConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.n_embd,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import transformers
 
-from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig
+from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig, head_dim_of
 from ..registry import Family, Preset, register_family, register_preset
 from .decoder import DecoderLM
 from .llama import hf_token_ids, token_ids
@@ -45,7 +45,7 @@ class GPTNeoXConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return head_dim_of(self.hidden_size, self.num_attention_heads)
 
     @classmethod
     def from_hf(cls, hf: transformers.GPTNeoXConfig) -> GPTNeoXConfig:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import transformers
 
-from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig
+from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig, head_dim_of
 from ..registry import Family, Preset, register_family, register_preset
 from .decoder import DecoderLM
 from .llama import hf_token_ids, token_ids
@@ -50,7 +50,7 @@ class GPTJConfig:
                                        eos_token_id=hf_token_ids(self.eos_token_id), tie_word_embeddings=False)
 
     def decoder(self) -> DecoderConfig:
-        head_dim = self.n_embd // self.n_head
+        head_dim = head_dim_of(self.n_embd, self.n_head)
         return DecoderConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.n_embd,

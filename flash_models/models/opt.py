@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import transformers
 
-from ..config import AttentionConfig, DecoderConfig, MLPConfig
+from ..config import AttentionConfig, DecoderConfig, MLPConfig, head_dim_of
 from ..registry import Family, Preset, register_family, register_preset
 from .decoder import DecoderLM
 from .llama import hf_token_ids, token_ids
@@ -64,7 +64,7 @@ class OPTConfig:
             num_layers=self.num_hidden_layers,
             attention=AttentionConfig(
                 hidden_size=h, num_heads=self.num_attention_heads, num_kv_heads=self.num_attention_heads,
-                head_dim=h // self.num_attention_heads, qkv_bias=self.enable_bias, out_bias=self.enable_bias,
+                head_dim=head_dim_of(h, self.num_attention_heads), qkv_bias=self.enable_bias, out_bias=self.enable_bias,
                 dropout_p=self.attention_dropout,
             ),
             mlp=MLPConfig(hidden_size=h, intermediate_size=self.ffn_dim, activation=self.activation_function,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
-from ..config import AttentionConfig, MLPConfig, check_choice
+from ..config import AttentionConfig, MLPConfig, check_choice, head_dim_of
 from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
 from ..modules.cuda_graphs import GraphedInference, replays_graph
 from ..registry import Family, Preset, register_family, register_preset
@@ -140,7 +140,7 @@ class VisionTransformer(PretrainedModel):
         self.pos_embed = nn.Parameter(torch.zeros(1, embedded, d))
         self.norm_pre = norm() if c.pre_norm else None
         attn = AttentionConfig(hidden_size=d, num_heads=c.num_attention_heads, num_kv_heads=c.num_attention_heads,
-                               head_dim=d // c.num_attention_heads, qkv_bias=c.qkv_bias,
+                               head_dim=head_dim_of(d, c.num_attention_heads), qkv_bias=c.qkv_bias,
                                dropout_p=c.attention_probs_dropout_prob, causal=False)
         mlp = MLPConfig(hidden_size=d, intermediate_size=c.intermediate_size, activation=c.hidden_act)
         self.blocks = nn.ModuleList(

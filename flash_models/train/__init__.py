@@ -6,6 +6,6 @@
 
 from ..backward import backward_on_this_thread
 from .config import ConfigError, ExperimentConfig, load_config
-from .trainer import Trainer, train
+from .trainer import NonFiniteLossError, Trainer, train
 
-__all__ = ["ConfigError", "ExperimentConfig", "Trainer", "backward_on_this_thread", "load_config", "train"]
+__all__ = ["ConfigError", "ExperimentConfig", "NonFiniteLossError", "Trainer", "backward_on_this_thread", "load_config", "train"]

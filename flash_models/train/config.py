@@ -1,7 +1,7 @@
 """Typed experiment configs: one dataclass per section, read from YAML plus ``section.key=value`` overrides.
 
-Every key is declared with its type; an unknown key (with the closest known name), a mistyped value or a
-value outside its choices raises ``ConfigError`` naming the full dotted key. Nothing is read with a default
+Every key is declared with its type; an unknown key (with the closest known name), a mistyped value, a
+non-finite number or a value outside its choices or range raises ``ConfigError`` naming the full dotted key. Nothing is read with a default
 that the YAML could not also have set.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -19,7 +20,7 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A config key that does not exist, or a value of the wrong type or outside its choices."""
+    """A config key that does not exist, or a value of the wrong type, not finite, or outside its choices or range."""
 
 
 TASKS = ("causal_lm", "sequence_classification", "image_classification")
@@ -75,6 +76,11 @@ class DataSection:
         _choice(prefix + "format", self.format, DATA_FORMATS)
         _choice(prefix + "packing", self.packing, PACKING)
         _positive(prefix + "seq_len", self.seq_len)
+        _positive(prefix + "image_size", self.image_size)
+        _positive(prefix + "synthetic_tokens", self.synthetic_tokens)
+        _at_least(prefix + "mixup_alpha", self.mixup_alpha, 0.0)
+        _at_least(prefix + "cutmix_alpha", self.cutmix_alpha, 0.0)
+        _in_unit_interval(prefix + "label_smoothing", self.label_smoothing)
         if self.format != "synthetic" and self.train is None:
             raise ConfigError(f"{prefix}train is required for data format {self.format!r}")
 
@@ -93,8 +99,16 @@ class OptimSection:
 
     def validate(self, prefix: str) -> None:
         _choice(prefix + "schedule", self.schedule, SCHEDULES)
-        if self.lr <= 0:
-            raise ConfigError(f"{prefix}lr must be > 0, got {self.lr}")
+        _positive(prefix + "lr", self.lr)
+        _at_least(prefix + "weight_decay", self.weight_decay, 0.0)
+        for i, beta in enumerate(self.betas):
+            _in_unit_interval(f"{prefix}betas[{i}]", beta)
+        _positive(prefix + "eps", self.eps)
+        _at_least(prefix + "warmup_steps", self.warmup_steps, 0)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"{prefix}min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip is not None:
+            _positive(prefix + "grad_clip", self.grad_clip, fix="; use null to turn clipping off")
 
 
 @dataclass
@@ -124,14 +138,21 @@ class TrainSection:
     progress: bool = True
     peak_tflops: float | None = None  # for MFU; None: measured with a matmul at start
     deterministic: bool = False  # torch.use_deterministic_algorithms
+    # A non-finite loss or gradient norm stops the run with an error naming the step (nothing is saved after
+    # it). Off: the run goes on, but checkpoints and exports of non-finite steps are still skipped.
+    stop_on_nonfinite: bool = True
 
     def validate(self, prefix: str) -> None:
         _choice(prefix + "precision", self.precision, PRECISIONS)
         _positive(prefix + "max_steps", self.max_steps)
         _positive(prefix + "micro_batch_size", self.micro_batch_size)
         _positive(prefix + "global_batch_size", self.global_batch_size)
-        if self.activation_checkpointing < 0:
-            raise ConfigError(f"{prefix}activation_checkpointing must be >= 0, got {self.activation_checkpointing}")
+        for name in ("activation_checkpointing", "eval_every", "save_every", "keep_checkpoints", "profile_steps"):
+            _at_least(prefix + name, getattr(self, name), 0)
+        _positive(prefix + "eval_batches", self.eval_batches)
+        _positive(prefix + "log_every", self.log_every)
+        if self.peak_tflops is not None:
+            _positive(prefix + "peak_tflops", self.peak_tflops, fix="; use null to measure it")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"{prefix}ema_decay must lie in (0, 1), got {self.ema_decay}")
 
@@ -174,9 +195,19 @@ def _choice(key: str, value, choices) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {choices}")
 
 
-def _positive(key: str, value) -> None:
+def _positive(key: str, value, fix: str = "") -> None:
     if value <= 0:
-        raise ConfigError(f"{key} must be > 0, got {value}")
+        raise ConfigError(f"{key} must be > 0, got {value}{fix}")
+
+
+def _at_least(key: str, value, low) -> None:
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low}, got {value}")
+
+
+def _in_unit_interval(key: str, value) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{key} must lie in [0, 1), got {value}")
 
 
 _YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -222,9 +253,11 @@ def _coerce(key: str, value, tp):
         return value
     if tp is float:
         if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
-            return float(value)  # PyYAML reads 1e-4 (no dot) as a string
+            value = float(value)  # PyYAML reads 1e-4 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected float")
+        if not math.isfinite(value):  # 1e999 parses as inf; nan and inf train to silent NaNs
+            raise ConfigError(f"{key}={value!r} is not a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

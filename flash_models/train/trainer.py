@@ -24,6 +24,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..backward import backward_on_this_thread
+from ..checkpoint.atomic import atomic_folder
+from ..checkpoint.files import owned_by_model_save
 from . import distributed as D
 from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -35,6 +37,10 @@ from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
 from .prefetch import StepPrefetcher
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A training step's loss or gradient norm was NaN or inf (``train.stop_on_nonfinite``)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -130,6 +136,7 @@ class Trainer:
             self.graphs = GraphedLoss(self.model, lambda model, batch: self.loss_of(model, batch, train=True)[0],
                                       autocast_dtype=torch.bfloat16 if t.precision == "bf16_autocast" else None)
         self.step = 0
+        self.first_nonfinite_step: int | None = None  # from then on the weights are not trusted: never saved
         self.tokens_seen = 0  # over all ranks, since the start of the run (kept across resumes)
         self.history: list[dict] = []
         if t.resume is not None:
@@ -329,7 +336,24 @@ class Trainer:
         if queued.copied is not None:
             queued.copied.synchronize()
         loss_sum, norm = queued.metrics.tolist()
-        return {**queued.record, "loss": loss_sum / max(queued.total, 1.0), "grad_norm": norm}
+        record = {**queued.record, "loss": loss_sum / max(queued.total, 1.0), "grad_norm": norm}
+        self._check_finite(record)
+        return record
+
+    def _check_finite(self, record: dict) -> None:
+        """A non-finite loss or gradient norm: the step's update has (or soon will have) poisoned the weights.
+        Stop the run (``train.stop_on_nonfinite``), or remember the step so nothing is saved from it on."""
+        names = {"loss": "loss", "grad_norm": "gradient norm"}
+        bad = [f"{label} is {record[key]}" for key, label in names.items() if not math.isfinite(record[key])]
+        if not bad:
+            return
+        message = (f"step {record['step']}: the training {' and the '.join(bad)}; check optim.lr, the data and "
+                   "train.precision, or resume from the last checkpoint")
+        if self.cfg.train.stop_on_nonfinite:
+            raise NonFiniteLossError(message)
+        if self.first_nonfinite_step is None:
+            self.first_nonfinite_step = record["step"]
+            log.warning("%s (train.stop_on_nonfinite is off: the run goes on, and nothing is saved from here)", message)
 
     def _needs_model_after(self, step: int) -> bool:
         """Whether ``fit`` evaluates or saves after ``step``: then the next step must not be queued before."""
@@ -401,14 +425,27 @@ class Trainer:
         return out
 
     # --------------------------------------------------------------------------------------------------------
-    def save(self) -> Path:
+    def _weights_untrusted(self, what: str) -> bool:
+        if self.first_nonfinite_step is None:
+            return False
+        log.error("not saving the %s at step %d: step %d had a non-finite loss or gradient norm, so the weights may "
+                  "hold NaN or inf; the last good checkpoint is kept", what, self.step, self.first_nonfinite_step)
+        return True
+
+    def save(self) -> Path | None:
+        """Write a training checkpoint (None: skipped, after a non-finite step)."""
+        if self._weights_untrusted("checkpoint"):
+            return None
         return save_checkpoint(self.output_dir / "checkpoints", step=self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, sampler=self.sampler, dist_state=self.dist, ema=self.ema,
                                master=self.master, extra={"config": self.cfg.to_dict(), "tokens_seen": self.tokens_seen},
                                keep=self.cfg.train.keep_checkpoints or None)
 
     def export(self, directory: Path | None = None) -> Path | None:
-        """save_pretrained the trained model (and the EMA weights into ``final_ema``) in HF layout."""
+        """save_pretrained the trained model (and the EMA weights into ``final_ema``) in HF layout, with the
+        tokenizer, each folder atomically (a crash leaves the previous export whole)."""
+        if self._weights_untrusted("export"):
+            return None
         directory = Path(directory or self.output_dir / "final")
         state = D.export_state_dict(self.model, self.dist)
         ema_state = None
@@ -417,13 +454,17 @@ class Trainer:
             ema_state = D.export_state_dict(self.model, self.dist)
             self.ema.swap(self.model)
         if self.dist.is_main:
-            _save_pretrained(self.raw_model, state, directory)
+            self._export_folder(state, directory)
             if ema_state is not None:
-                _save_pretrained(self.raw_model, ema_state, directory.with_name(directory.name + "_ema"))
-            if self.data.tokenizer is not None and hasattr(self.data.tokenizer, "save_pretrained"):
-                self.data.tokenizer.save_pretrained(directory)
+                self._export_folder(ema_state, directory.with_name(directory.name + "_ema"))
         D.barrier(self.dist)
         return directory if self.dist.is_main else None
+
+    def _export_folder(self, state: dict, directory: Path) -> None:
+        with atomic_folder(directory, owned=owned_by_model_save) as tmp:
+            _save_pretrained(self.raw_model, state, tmp)
+            if self.data.tokenizer is not None and hasattr(self.data.tokenizer, "save_pretrained"):
+                self.data.tokenizer.save_pretrained(tmp)
 
     # --------------------------------------------------------------------------------------------------------
     def fit(self) -> dict:

@@ -91,8 +91,15 @@ def _check_qkv(op, q, k, v, q_dims):
         )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{op}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    _check_float_dtype(op, q.dtype)
     if not (q.device == k.device == v.device):
         raise ValueError(f"{op}: q, k, v are on different devices: {q.device}, {k.device}, {v.device}")
+
+
+def _check_float_dtype(op, dtype) -> None:
+    """Every backend refuses integer q/k/v alike (softmax weights of integers mean nothing)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"{op}: q, k, v must be floating point (float16, bfloat16, float32 or float64), got {dtype}")
 
 
 def _check_common(op, *, window_size, softcap, dropout_p, alibi_slopes, batch, hq, device):

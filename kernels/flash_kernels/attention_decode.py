@@ -23,7 +23,7 @@ from ._triton_compat import tl, triton
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import TRIGGER_BEFORE_WAIT, launch_options, wait_for_predecessor
 from ._triton_utils import cdiv, next_power_of_2, sm_count
-from .attention import _check_common, _triton_unsupported, _window_bounds
+from .attention import _check_common, _check_float_dtype, _triton_unsupported, _window_bounds
 from .attention_ref import _attention_ref
 from .attention_tiles import LOG2E, _load_rows, _mm, _scores, _store_rows
 from .kv_append import kv_append
@@ -514,6 +514,7 @@ def _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table):
         raise ValueError(f"{op}: number of q heads ({hq}) must be a multiple of the number of kv heads ({hkv})")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"{op}: q and cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_float_dtype(op, q.dtype)
     if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (bsz,):
         raise ValueError(f"{op}: cache_seqlens must be int32 of shape ({bsz},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != q.device or k_cache.device != q.device:
