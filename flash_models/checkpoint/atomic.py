@@ -54,7 +54,11 @@ def swap_in(new: Path, target: Path, *, owned: Owned) -> None:
             return
         old = temp_folder_beside(target)
         os.replace(target, old)  # onto an empty folder: allowed, and atomic
-        os.replace(new, target)
+        try:
+            os.replace(new, target)
+        except BaseException:
+            os.replace(old, target)  # put the old folder back
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(new, target)

@@ -53,6 +53,10 @@ def _read_hf_config(directory: Path):
     if not isinstance(fields, dict):
         raise ValueError(f"{config_path} must hold a JSON object of config fields, got a {type(fields).__name__}")
     get_family(fields.get("model_type"))  # our clear error for an unsupported type, before transformers' own
+    try:
+        check_finite_values(fields)
+    except ValueError as err:
+        raise ValueError(f"{config_path}: {err}") from None
     return _hf_config(str(config_path), transformers.AutoConfig.from_pretrained, directory)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,6 +31,7 @@ from .distributed import DistState, barrier
 log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
+_STEP_NAME = re.compile(r"step_\d{8}")
 
 
 def rng_state() -> dict:
@@ -113,7 +115,12 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     """``resume="auto"``: the newest complete checkpoint of this run, or None; else the given folder."""
     if resume == "auto":
         latest = output_dir / "checkpoints" / "latest"
-        return output_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+        if not latest.is_file():
+            return None
+        name = latest.read_text().strip()
+        if not _STEP_NAME.fullmatch(name):  # a crafted file must not point outside this run's checkpoints
+            raise ValueError(f"{latest} names {name!r}, not a step_NNNNNNNN checkpoint folder of this run")
+        return output_dir / "checkpoints" / name
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"train.resume={resume!r}: no {STATE_FILE} there (give a checkpoints/step_* folder or 'auto')")

@@ -44,7 +44,7 @@ def test_shape_mismatch_names_expected_and_got(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["intermediate_size"] = 64
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"blocks\.0\.mlp\.gate_up\.weight: expected \(128, 32\), got \(96, 32\)"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight: expected \(64, 32\), got \(48, 32\)"):
         fm.from_pretrained(tmp_path)
 
 

@@ -1,0 +1,147 @@
+"""Training checkpoints cannot run code, are replaced whole, and a run never trains on (or saves) NaNs."""
+
+import pickle
+
+import pytest
+import torch
+
+import flash_models.train.checkpoint as train_checkpoint
+from flash_models.checkpoint import UnsafeCheckpointError
+from flash_models.train import ConfigError, NonFiniteLossError, Trainer, load_config
+
+
+class FileCreatingPayload:
+    """Unpickling this calls open(path, "w"): a stand-in for any code a crafted pickle would run."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def saved_run(tiny_config, tmp_path, steps=2):
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(out)}))
+    for _ in range(steps):
+        trainer.history.append(trainer.train_step())
+    return trainer, trainer.save()
+
+
+@pytest.mark.parametrize("victim", ["train_state.pt", "rng_rank0.pt"])
+def test_crafted_checkpoint_is_refused_before_any_code_runs(tiny_config, tmp_path, victim):
+    _, ckpt = saved_run(tiny_config, tmp_path)
+    marker = tmp_path / "pwned"
+    pickle.loads(pickle.dumps(FileCreatingPayload(tmp_path / "control")))  # the payload is live
+    assert (tmp_path / "control").exists()
+    state = torch.load(ckpt / victim, weights_only=True)
+    state["extra" if victim == "train_state.pt" else "python"] = FileCreatingPayload(marker)
+    torch.save(state, ckpt / victim)
+    for resume in (str(ckpt), "auto"):
+        with pytest.raises(UnsafeCheckpointError, match="arbitrary code") as err:
+            Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": resume}))
+        assert str(ckpt / victim) in str(err.value) and "weights_only" not in str(err.value)
+        assert not marker.exists()
+
+
+def test_truncated_train_state_names_the_file(tiny_config, tmp_path):
+    _, ckpt = saved_run(tiny_config, tmp_path)
+    path = ckpt / "train_state.pt"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="truncated or corrupt") as err:
+        Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": "auto"}))
+    assert str(path) in str(err.value)
+
+
+def test_latest_pointing_outside_the_run_is_refused(tiny_config, tmp_path):
+    saved_run(tiny_config, tmp_path)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("../../elsewhere")
+    with pytest.raises(ValueError, match="not a step_NNNNNNNN checkpoint folder"):
+        Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": "auto"}))
+
+
+def test_crash_while_resaving_a_checkpoint_keeps_the_old_one(tiny_config, tmp_path, monkeypatch):
+    trainer, ckpt = saved_run(tiny_config, tmp_path)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    real_save = torch.save
+
+    def crash_on_rng(obj, path, *args, **kwargs):
+        if str(path).endswith("rng_rank0.pt"):
+            raise OSError("killed (simulated)")
+        return real_save(obj, path, *args, **kwargs)
+
+    trainer.history.append(trainer.train_step())
+    trainer.step = 2  # save over the same step folder: the worst case, replacing a good checkpoint
+    monkeypatch.setattr(train_checkpoint.torch, "save", crash_on_rng)
+    with pytest.raises(OSError, match="simulated"):
+        trainer.save()
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["latest", "step_00000002"]  # no temp folder left
+    resumed = Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": "auto"}))
+    assert resumed.step == 2
+
+
+@pytest.mark.parametrize("override, problem", [
+    ({"optim": {"lr": float("inf")}}, r"optim\.lr=inf is not a finite number"),
+    ({"optim": {"lr": float("nan")}}, r"optim\.lr=nan is not a finite number"),
+    ({"optim": {"lr": 0.0}}, r"optim\.lr must be > 0"),
+    ({"optim": {"betas": [0.9, 1.0]}}, r"optim\.betas\[1\] must lie in \[0, 1\)"),
+    ({"optim": {"eps": 0.0}}, r"optim\.eps must be > 0"),
+    ({"optim": {"weight_decay": -0.1}}, r"optim\.weight_decay must be >= 0"),
+    ({"optim": {"warmup_steps": -5}}, r"optim\.warmup_steps must be >= 0"),
+    ({"optim": {"grad_clip": 0.0}}, r"optim\.grad_clip must be > 0, got 0\.0; use null"),
+    ({"optim": {"min_lr_ratio": 2.0}}, r"optim\.min_lr_ratio must lie in \[0, 1\]"),
+    ({"train": {"save_every": -1}}, r"train\.save_every must be >= 0"),
+    ({"data": {"label_smoothing": float("nan")}}, r"data\.label_smoothing=nan is not a finite number"),
+])
+def test_numeric_config_values_are_checked(override, problem):
+    with pytest.raises(ConfigError, match=problem):
+        load_config({"data": {"format": "synthetic"}, **override})
+
+
+def test_override_with_a_huge_number_is_refused():
+    with pytest.raises(ConfigError, match=r"optim\.lr=inf is not a finite number"):
+        load_config({"data": {"format": "synthetic"}}, ["optim.lr=1e999"])
+
+
+DIVERGING = {"optim": {"lr": 1e12, "schedule": "constant", "grad_clip": None}}
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tiny_config, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(train={"max_steps": 5, "save_every": 1, "export": True, "output_dir": str(out)},
+                                  **DIVERGING))
+    with pytest.raises(NonFiniteLossError, match=r"step 2: the training loss is nan"):
+        trainer.fit()
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000001"  # the good one; nothing saved after it
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000001"]
+    state = torch.load(ckpts / "step_00000001" / "train_state.pt", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert not (out / "final").exists()
+
+
+def test_switched_off_the_run_goes_on_but_never_saves_nan_weights(tiny_config, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(train={"max_steps": 4, "save_every": 1, "export": True, "output_dir": str(out),
+                                         "stop_on_nonfinite": False}, **DIVERGING))
+    summary = trainer.fit()
+    assert summary["steps"] == 4 and trainer.first_nonfinite_step == 2
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step_00000001"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_00000001"]
+    assert summary["exported"] is None and not (out / "final").exists()
+
+
+def test_export_replaces_the_previous_export_whole(tiny_config, tmp_path):
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_config(train={"max_steps": 2, "output_dir": str(out)}))
+    trainer.fit()
+    final = trainer.export()
+    (final / "README.md").write_text("my notes")
+    (final / "model-00001-of-00002.safetensors").write_bytes(b"stale shard of an older export")
+    trainer.history.append(trainer.train_step())
+    trainer.export()
+    assert sorted(p.name for p in final.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
