@@ -8,7 +8,8 @@ never a half-written one. A failed save removes its temporary folder and leaves 
 Files in the old folder that the save does not own (a tokenizer, a README, the user's own files) are
 carried into the new folder (hard links, so nothing is copied), unless the new folder has a file of the same
 name. Files the save owns (every weight file in any layout, and config.json) are replaced as a whole: an
-old checkpoint's shards never survive next to new weights.
+old checkpoint's shards never survive next to new weights. A process killed mid-save leaves its hidden
+temporary folder (``.NAME.tmp-*``) beside the target; nothing reads it, and it can be deleted.
 """
 
 from __future__ import annotations
