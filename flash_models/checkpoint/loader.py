@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from pathlib import Path
@@ -125,10 +126,23 @@ def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | 
     write_model_dir(save_directory, hf_state, {"config.json": hf_config.to_json_string()}, max_shard_size=max_shard_size)
 
 
+def check_override_names(preset: str, overrides: dict, *, prefix: str = "") -> None:
+    """HF's config classes keep any unknown keyword as an attribute, so ``n_embed=32`` for ``n_embd`` would be
+    silently ignored: a name the preset's config class does not declare is refused, with the closest one."""
+    cls = transformers.CONFIG_MAPPING[get_preset(preset).model_type]
+    known = set(cls().to_dict()) | set(cls.attribute_map) | {"num_labels"}
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{prefix}{key} is not a field of {cls.__name__}{hint}")
+
+
 def create_model(preset: str, *, dtype=None, device=None, attn_impl: str = "auto", kernel_backend: str = "auto", **overrides):
     """A random-init model of a registered preset (``flash_models.list_models()``); keyword overrides change
     HF config fields, e.g. ``create_model("gpt2", n_layer=2)``."""
     spec = get_preset(preset)
+    check_override_names(preset, overrides, prefix=f"create_model({preset!r}): ")
     hf_config = _hf_config(f"create_model({preset!r})", transformers.AutoConfig.for_model, spec.model_type,
                            **{**spec.hf_config, **overrides})
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device or "cpu")

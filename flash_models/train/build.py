@@ -48,19 +48,9 @@ def build_model(cfg: ExperimentConfig) -> nn.Module:
 
 def check_overrides(preset: str, overrides: dict) -> None:
     """transformers configs accept any keyword silently; name an override the family's HF config lacks."""
-    import difflib
+    from ..checkpoint.loader import check_override_names
 
-    import transformers
-
-    from ..registry import get_preset
-
-    hf = transformers.AutoConfig.for_model(get_preset(preset).model_type)
-    known = set(hf.to_dict()) | set(hf.attribute_map) | {"num_labels"}
-    for key in overrides:
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"model.overrides.{key} is not a field of {type(hf).__name__}{hint}")
+    check_override_names(preset, overrides, prefix="model.overrides.")
 
 
 def _build_classifier(cfg: ExperimentConfig) -> nn.Module:

@@ -201,3 +201,11 @@ def test_dangling_weight_symlink_is_a_clear_error(tmp_path):
     (tmp_path / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
     with pytest.raises(FileNotFoundError, match="no weights in"):
         fm.from_pretrained(tmp_path)
+
+
+def test_create_model_refuses_a_misspelled_override():
+    """HF's config would keep ``n_embed`` as a stray attribute and build the default width: refused, with a hint."""
+    with pytest.raises(ValueError, match=r"create_model\('gpt2'\): n_embed is not a field of GPT2Config; did you mean 'n_embd'\?"):
+        fm.create_model("gpt2", n_layer=1, n_embed=32, n_head=4)
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, num_attention_heads=4, vocab_size=97, num_labels=3)
+    assert model.config.n_head == 4  # HF's attribute aliases stay accepted
