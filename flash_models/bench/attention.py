@@ -162,7 +162,7 @@ def _decode_inputs(b, kv, heads, kv_heads, d, copies):
 # replay is one launch, and the GPU's gap between two replays (the next graph's first kernel cannot start early,
 # as a kernel inside a graph can under PDL) would otherwise be charged to a handful of calls: with the 3-4 copies
 # that fill L2 four times over at batch 1 / 8k keys, 1.3 us a call on an H100 (26.1 us a call in graphs of 64
-# calls against 27.4 in graphs of 4, PDL, 2026-11-27, session 24), 5% of the call. In generation the attention is
+# calls against 27.4 in graphs of 4, PDL: this area's decode rows with GRAPH_CALLS at each), 5% of the call. In generation the attention is
 # one call among hundreds of kernels in one step's graph, so that gap is the step's, not the attention's.
 GRAPH_CALLS = 32
 GRAPH_MAX_MS = 20.0
@@ -249,7 +249,7 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw,
 def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
     """Tuning aid: graph-replayed decode bandwidth for split-KV schedules (programs per SM) x split tiles
     (BLOCK_N, warps, stages), plain and with programmatic dependent launch (the early trigger at batch 1, as
-    generation runs it). The minimum chunk stays at its default (session 12's sweep: 64 >= 128 >= 256 keys)."""
+    generation runs it). The minimum chunk stays at its default (``DECODE_MIN_CHUNK``: its comment says why)."""
     from flash_kernels import attention_decode as dec
     from flash_kernels import flash_attn_with_kvcache, programmatic_launch
 

@@ -92,9 +92,10 @@ class HostSyncError(RuntimeError):
 def _refusing_host_syncs():
     """Raise HostSyncError at a host synchronization instead of letting it happen (torch's sync debug mode).
 
-    Why before the capture: a synchronization inside one invalidates it, and the failed capture kept its memory
-    pool reserved. In session 36 liger's cross-entropy (its ``.item()`` on the count of valid labels) failed its
-    capture that way, and the next cases found 69 GiB reserved and unusable: every later side ran out of memory."""
+    Why before the capture: a synchronization inside one invalidates it, and a failed capture keeps its memory
+    pool reserved. liger's cross-entropy (its ``.item()`` on the count of valid labels) fails its capture that
+    way, and in ``bench ops --graphs`` the next cases found 69 GiB reserved and unusable: every later side ran
+    out of memory."""
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -114,11 +115,10 @@ def best_of_rounds(measures: dict[Hashable, Callable[[], float]], rounds: int, *
     result and is not run again; otherwise the exception propagates.
 
     Why rounds: the lent machines' hosts stall for seconds at a time (one eager rms_norm step timed 264, 323
-    and 551 us in three rounds on one H200; eager attention calls swung by up to 200 us at equal code, session
-    16). Timing each side once, one after the other, lets a stall land on one side's whole row; interleaved
+    and 551 us in three rounds on one H200; eager attention calls swung by up to 200 us at equal code). Timing each side once, one after the other, lets a stall land on one side's whole row; interleaved
     rounds give every side the same chances, and the best round is one a stall missed. Why the reversal: the
     GPU's clock drifts with its load (GEMM-heavy steps of ~80 ms ran 3-5% apart from one round to the next on
-    an H100, session 22), and in a fixed order the same side always runs right after the same heavy one."""
+    an H100), and in a fixed order the same side always runs right after the same heavy one."""
     best: dict[Hashable, float | Exception] = {key: float("inf") for key in measures}
     for r in range(rounds):
         for key, measure in (list(measures.items()) if r % 2 == 0 else list(measures.items())[::-1]):

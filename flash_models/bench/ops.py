@@ -10,7 +10,7 @@ runs on the calling thread, as the Trainer runs it. The sides of a case are time
 (``--rounds``), each reporting its best round: see ``_time_sides``. Calls are timed back to back by default
 (``--timing``: see ``harness.time_cuda``); ``--graphs`` times CUDA-graph replays instead, the GPU's work alone:
 an eager norm's forward + backward costs about as much host time as GPU time, so on a slow host its eager
-wall time measures the host (docs/benchmarks.md, Fused ops, sessions 13-22).
+wall time measures the host (``scripts/profile/op_kernels.py`` prints a case's kernel time against its wall time).
 """
 
 from __future__ import annotations

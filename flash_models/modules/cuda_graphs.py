@@ -1,7 +1,7 @@
 """Inference replayed from CUDA graphs: the capture every graphed model shares, and a per-shape graph cache.
 
 Why: a transformer forward on a Hopper GPU launches a few hundred kernels, and at inference batch sizes the
-host can take longer to launch them than the GPU to run them (docs/benchmarks.md). A captured graph launches
+host can take longer to launch them than the GPU to run them (`flash-models bench overhead`). A captured graph launches
 them all at once. A graph fixes its shapes and addresses, so ``GraphedInference`` keeps one graph per input
 signature (shapes, dtypes, devices), with static input buffers the call's tensors are copied into.
 """

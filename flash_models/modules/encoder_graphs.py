@@ -1,15 +1,15 @@
 """Encoder inference on padded batches replayed from CUDA graphs, one graph per shape bucket.
 
 A BERT-base layer on a Hopper GPU takes less GPU time than the host needs to launch its kernels, so an eager
-forward is host-bound (docs/benchmarks.md). A captured graph launches the whole encoder at once. Graphs need
+forward is host-bound (`scripts/profile/bert_kernels.py` prints a step's wall time against its kernel time). A
+captured graph launches the whole encoder at once. Graphs need
 fixed shapes and addresses, so each batch is placed in a bucket's static buffers and the graph does the rest
 on the device: it packs the real tokens into one row (dropping the padding, so no layer spends work on it),
 runs the encoder on them and leaves each padded position's row for the call's one gather back to the padded
 layout. The host reads one thing per batch, the rows' token counts, which pick the bucket; the GPU then idles
 until the replay starts, so the host does as little as it can in between: it copies the inputs in and replays,
-and the input checks run inside the graph (an earlier version packed on the host, two reads and a dozen
-launches later, and lost 1.1 ms per BERT-base batch to the idle GPU; session 14 measured 0.7 ms of host work
-before the replay, checks and default inputs included, on an H200 host).
+and the input checks run inside the graph (packing on the host would add two reads and a dozen launches, with
+the GPU idle through them).
 
 A bucket holds:
 - the padded input's rows and columns, each rounded up to a power of two (columns at least 16, at most the
@@ -18,8 +18,7 @@ A bucket holds:
   position 0) that attends only to itself and is dropped from the output;
 - the sequences: one per row, then that padding sequence (empty where the rows fill the bucket: repeated
   offsets, which the varlen kernels allow). No more: the Hopper forward's persistent programs walk every
-  sequence, and 2x rows of them (a power of two, as before session 27) cost BERT-large 3-3.6 us per attention
-  call on an H100;
+  sequence, so each extra (empty) sequence costs every attention call time;
 - ``max_seqlen``: the next power of two at or above the longest sequence (at least 16), at most the model's
   position limit. The attention grid is sized by it, so it is part of the bucket.
 
@@ -29,9 +28,8 @@ unpadded batch. Graphs share one memory pool and are kept for the ``max_graphs``
 Batches without padding (a lone tokenized sentence, fixed-length inputs) skip the wait for the read. Once a
 batch of some (B, S) had no padding, the next one of that (B, S) replays the same graph at once with every
 position taken as real, and its token count is read after the replay is launched, from a copy queued before
-it: the GPU no longer idles through the host's read (150 us a synced BERT-large call at 512 tokens on an H100,
-session 28). If that batch did have padding, the run is void (its padding was encoded as tokens): the batch
-takes the read-first path, its (B, S) with it from then on, and one forward's work is lost.
+it: the GPU does not idle through the host's read. If that batch did have padding, the run is void (its padding
+was encoded as tokens): the batch takes the read-first path, its (B, S) with it from then on, and one forward's work is lost.
 """
 
 from __future__ import annotations

@@ -138,9 +138,10 @@ def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module |
 
 
 # The largest weight (elements) whose projection of 2-16 rows is our few-rows GEMV in a chain. That kernel has
-# one program per 16 outputs, too few to stream a big weight as fast as cuBLAS: on an H100 (2026-11-23) it made
-# GPT-2 124M's batch-16 step (weights up to 2.4M elements) 13% faster (0.50 vs 0.58 ms) but LLaMA-1.1B's
-# (4.2M-23M) 8% slower (1.61 vs 1.49 ms). One row always takes the GEMV (batch 1: 0.36 vs 0.52 ms, 1.08 vs 1.34).
+# one program per 16 outputs, too few to stream a big weight as fast as cuBLAS: on an H100 it made GPT-2 124M's
+# batch-16 step (weights up to 2.4M elements) 13% faster (0.50 vs 0.58 ms) but LLaMA-1.1B's (4.2M-23M) 8% slower
+# (1.61 vs 1.49 ms). One row always takes the GEMV (batch 1: 0.36 vs 0.52 ms, 1.08 vs 1.34). Steps timed by
+# `flash-models bench generate` (ms_per_step) with and without the GEMV.
 FEW_ROWS_MAX_WEIGHT = 4 << 20
 
 

@@ -27,7 +27,7 @@ _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 _LINEAR_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # The activations whose MLP trains on fused_dense's cuBLASLt epilogues: cuBLASLt's GELU is the tanh form, so
 # GPT-2 and GPT-J, not the exact GELU of BERT, ViT and Pythia. OPT's ReLU has epilogues too (RELU_AUX_BIAS,
-# DRELU), but its MLP ran 0.90x the unfused one on them (H100, docs/benchmarks.md, Fused ops, session 23).
+# DRELU), but its MLP measured slower on them than unfused (H100).
 _CUBLASLT_GELU = ("gelu_new", "gelu_pytorch_tanh")
 
 
@@ -80,7 +80,7 @@ class MLP(nn.Module):
         tanh GELU, it and the weight casts are kept for the backward (not recomputed), both layers are plain with
         biases, kernel_backend is not "reference", no torch.compile trace (the compiler fuses by itself), and the
         extension can take the GEMMs in the compute dtype (CUDA, half precision, widths that are multiples of 8,
-        built; a failed build warns once and trains unfused). Measured: docs/benchmarks.md, Fused ops, session 23."""
+        built; a failed build warns once and trains unfused). Measured by `flash-models bench ops --only fused_dense`."""
         layers = (self.fc1, self.fc2)
         if not (torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU and self.kernel_backend != "reference"
                 and not (self.recompute_activation or self.recompute_weight_casts) and not torch.compiler.is_compiling()
