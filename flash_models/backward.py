@@ -8,8 +8,8 @@ tens of microseconds per node on top of the work, and a step has hundreds of suc
 eager training step 34-37 ms against 52-60 ms, BERT-base at 512 tokens 29-30 against 41 ms; HF's models, whose
 backward is native code, were level (80.1 vs 80.2 ms). `scripts/profile/host_cost.py` shows the cost per call
 on both threads. The worker threads only buy overlap between several devices' backward work, which one model
-on one device does not have. Not for DDP yet: on two H200s, DDP (bf16 compression hook) fell from 656k to 408k tokens/s with it, so the
-Trainer uses it in single-process runs only.
+on one device does not have. Not for DDP yet: on two H200s, DDP (bf16 compression hook) fell from 656k to 408k
+tokens/s with it, so the Trainer uses it in single-process runs only.
 
     with backward_on_this_thread():
         loss.backward()
