@@ -2,10 +2,10 @@
 
 ``JITFunction.run`` redoes at every launch what only changes when the compiled kernel would: it reads Triton's
 knobs, binds every argument through a generated function, specializes each one, builds and hashes a cache key
-from the specialization and the options, and checks the kernel's globals. On the lent H100's host that is
-28 us for a launch of 33 arguments like our norm kernel's, against 8.8 us for the compiled kernel's own
-launcher (``scripts/profile/launch_cost.py``); a norm forward + backward makes three such launches, an
-attention one four, and an eager training step hundreds.
+from the specialization and the options, and checks the kernel's globals. For a launch of 33 arguments like
+our norm kernel's that is several times the compiled kernel's own launcher's host time (measured on an H100's
+host); a norm forward + backward makes three such launches, an attention one four, and an eager training step
+hundreds.
 
 ``lean_launch`` wraps a ``@triton.jit`` kernel behind the same ``kernel[grid](*args, **kwargs)`` call. The
 first launch of each *launch key* goes through Triton (which compiles or finds the kernel) and keeps the
@@ -33,13 +33,11 @@ launch hooks of a profiler such as proton read: while one is registered, the run
 ``Relaunch`` on that launcher passes its tensors as their addresses, which the launcher takes as they are;
 a tensor costs it a ``data_ptr`` call and a driver query (``cuPointerGetAttribute``) that checks the address
 is a device's. The Relaunch checks instead that each tensor is on the kernel's device, which its own call
-costs less: a host address would reach the kernel unchecked. On the lent H100's host (session 35) this took an
-eager norm forward + backward step 12-32% less host time by the best of three rounds; in one of two
-``bench ops`` calls the eager norms then ran at their graph-replayed speed (``scripts/profile/launch_direct_ab.py``,
-docs/benchmarks.md).
+costs less: a host address would reach the kernel unchecked. This takes an eager norm forward + backward step
+less host time (``flash-models bench overhead`` and ``scripts/profile/host_cost.py`` measure our ops' host time
+per call).
 
-Every kernel GPU test runs with it (H100: a 33-argument launch cost 19.8 us against Triton's 26.3 in one
-process, 25.8 against 27.5 in another, on a noisy host). Under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs the kernels) or without
+Every kernel GPU test runs with it. Under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs the kernels) or without
 Triton, the decorator returns the kernel unchanged.
 """
 

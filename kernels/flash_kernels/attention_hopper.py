@@ -13,8 +13,8 @@ The producer warp keeps STAGES key and value tiles in flight through TMA, and th
 key tile is read once per 128 query rows; it loads the next tile's queries while this one's run (Q_BUFFERS).
 Programs take units of work from a counter as they finish them (the producer takes each, and posts each tile to
 the consumers beside its queries), so they stay level where units cost differently: with varlen sequences of
-uneven lengths, taking every n-th unit left the programs with the longest sequences' blocks last (BERT-large at
-45% padding: 84.8 against 63.4 us, session 27).
+uneven lengths, taking every n-th unit leaves the programs with the longest sequences' blocks last (slower on
+BERT-large at 45% padding).
 Each consumer writes its output rows into its query buffer (read for the last time) and stores them with TMA,
 which keeps the epilogue short and the consumer's registers free of per-element output pointers (with
 ``gl.store`` those were hoisted out of the loop and spilled: 460 bytes of spills, 100 without).
@@ -31,10 +31,10 @@ whose rows cross the end stores its rows with ``gl.store``). Causal, a tile walk
 diagonal only, and programs take query blocks in pairs of equal total cost (``_unit_tiles``). Outputs and the
 log-sum-exp follow ``attention``'s forward, so its backward runs unchanged.
 
-Measured on H100s (session 25, graph-replayed, docs/benchmarks.md Attention), B * S = 16k, H * D = 2048: head
+Measured on H100s (graph-replayed, `flash-models bench attention --graphs`), B * S = 16k, H * D = 2048: head
 dim 128 against cuDNN 1.00-1.08x non-causal and 1.03-1.11x causal at S 1k-8k; head dim 64 1.00-1.02x at 2k and
-0.97x at BERT-large's shape (32 x 512, 16 heads), where the Triton forward took 101-103 us (sessions 19-24)
-to this one's 92.5.
+0.97x at BERT-large's shape (32 x 512, 16 heads: ``--hidden 1024``), where the Triton forward
+(``use_hopper_forward(False)``) took 101-103 us to this one's 92.5.
 """
 
 from __future__ import annotations
@@ -65,37 +65,35 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the insta
 
 logger = logging.getLogger(__name__)
 
-# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (docs/benchmarks.md Attention;
-# B * S = 16k, H * D = 2048, graph-replayed forward): head dim 128, S 512 to 8k, 1.14-1.30x the Triton kernel's
-# speed (sessions 24-25); head dim 64 at BERT-large's 512 keys (B 32, 16 heads) 97 against 103 us; at 128 and 256
-# keys (session 27) 1.04-1.40x at both head dims, causal or not. Below 128 keys nothing was measured, and the
+# Head dim -> the fewest keys from which ``attention`` takes this kernel. H100 (`flash-models bench attention
+# --graphs`, B * S = 16k, H * D = 2048, graph-replayed forward; ``use_hopper_forward(False)`` gives the Triton
+# side): head dim 128, S 512 to 8k, 1.14-1.30x the Triton kernel's speed; head dim 64 at BERT-large's 512 keys
+# (B 32, 16 heads) 97 against 103 us; at 128 and 256 keys 1.04-1.40x at both head dims, causal or not. Below 128 keys nothing was measured, and the
 # Triton kernel's launch plans cost less host time for short calls.
 MIN_KEYS = {128: 128, 64: 128}
 # Varlen: the smallest share of the (sequences x max_seqlen) grid the tokens must fill. This kernel's 128-row
 # query blocks and 128-key tiles waste more on a sequence's last tiles than the Triton kernel's smaller ones;
-# BERT-large (session 27, H100): at 512 keys 1.02-1.09x the Triton kernel's speed from 91% full, level at 78-84%,
-# 0.95x at 72% and 0.69x at 55%; at 256 keys 1.03x at 81%, 0.92x at 70%; at 128 keys ahead down to 68%.
+# BERT-large (H100): at 512 keys faster than the Triton kernel from 91% full, level at 78-84%, slower below;
+# at 256 keys faster at 81%, slower at 70%; at 128 keys ahead down to 68%.
 MIN_VARLEN_FILL = 0.8
 # Outside a CUDA graph's capture, the least work (matmul FLOPs, halved for causal) of a call that takes this
 # kernel (``leave_to_triton``): 2^35 is BERT-large's 512 keys at batch 32, about 90 us of kernel. This kernel's
-# launch costs more host time than the Triton kernel's (four TMA descriptors, a zeroed counter). H100 host,
-# session 29, BERT-base's 128 x 128 and ViT-B's 197 tokens at batch 128: 240-274 us a call against 71 while it
-# launched through Triton's own path, 121-165 against 42-64 through ``lean_launch``. An eager model of such small
-# calls waits on its host: BERT-base inference (128 tokens, batch 128) took 10.71 ms with this forward (the
-# first figures) against 8.53 without. A graph pays the host once, so captures take this kernel at any size.
+# launch costs more host time than the Triton kernel's (four TMA descriptors, a zeroed counter), and an eager
+# model of small calls waits on its host: BERT-base inference (128 tokens, batch 128) measured slower with this
+# forward than without. A graph pays the host once, so captures take this kernel at any size.
 EAGER_MIN_FLOP = 2**35
 BLOCK_M = 128  # query rows per tile: 64 per consumer warpgroup
 # (BLOCK_N, STAGES) by head dim: 128-key tiles, two stages of K and V (128 KB of shared memory at head dim 128,
 # 192 KB with the query buffers).
-# From the session-24 sweep (H100): at head dim 128 (B 8, S 2k) 484.6 us against 546.7-553.6 for 64-key tiles
-# in 2 or 3 stages; at head dim 64 (B 16, S 1k, H 32) 363.9 against 396.7-407.7.
+# On an H100 they ran faster than 64-key tiles in 2 or 3 stages, at head dim 128 (B 8, S 2k) and at head dim 64
+# (B 16, S 1k, H 32).
 TILES = {64: (128, 2), 128: (128, 2)}
 # Registers: three warpgroups (the producer's warp is padded to one) share the SM's 64K at 168 each; the
 # producer gives all but 24 back, which go to the consumers (240 each).
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
-# Ping-pong between the consumers (``_await_turn``): 2.4-3.2% faster at S 1k-2k, level at 4k-8k (head dim 128,
-# H100, session 25). A second query buffer per consumer: +0.9% on average over seven shapes (-0.7% to +2.3%).
-# It is needed now: a consumer gives a tile's buffer back only once its next tile has started (``_consume``).
+# Ping-pong between the consumers (``_await_turn``): faster at S 1k-2k, level at 4k-8k (head dim 128, H100).
+# A second query buffer per consumer is needed: a consumer gives a tile's buffer back only once its next tile
+# has started (``_consume``).
 PINGPONG = True
 Q_BUFFERS = 2
 

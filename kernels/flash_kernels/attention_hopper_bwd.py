@@ -24,17 +24,12 @@ store, so there the kernel issues a store and a compiler-stage hook (``_ptx_redu
 SM90_TMA_REDUCE_ADD issues). Every compiled kernel's PTX is checked for the reduction after its first launch
 (``_reduces``): where it is missing, the Triton backward runs instead and overwrites all three gradients.
 
-Measured (H100, session 30, docs/benchmarks.md Attention; B * S = 16k, H * D = 2048, bf16, graph-replayed): head
-dim 128 non-causal, the backward alone 1698 / 3049 / 5961 us at S 2k / 4k / 8k against the Triton backward's
-1908 / 3549 / 7101 and cuDNN's 1521 / 2660 / 5154; forward + backward 0.894-0.903x cuDNN's (the Triton backward:
-0.780-0.823x). Causal (session 31), each program walks its query tiles last-first (``_tile_index``): f+b 1387 /
-2381 / 4403 us at S 2k / 4k / 8k against the Triton backward's 1505 / 2678 / 4981 (first-first: 1608 / 2744 /
-5076), and the launch order starts each group of heads' longest key blocks first (``_key_block``). Session 32 moved
-the log-sum-exp and delta rows from registers to shared memory (ptxas's spills: 504 -> 96 bytes non-causal, 432 ->
-132 causal): the backward alone 5-7% faster, f+b 0.934-0.958x cuDNN non-causal and 0.929-0.932x causal at S 2k-8k
-(graph-replayed; the code before, in the same call: 0.880-0.903x). That change also made it faster than the Triton
-backward at head dim 64 and at shorter causal lengths (session 33), where it had been level or slower: ``attention``
-takes it from ``MIN_KEYS`` keys (``backward_unsupported``).
+Causal, each program walks its query tiles last-first (``_tile_index``), and the launch order starts each group
+of heads' longest key blocks first (``_key_block``); both measured faster than the plain order. The log-sum-exp
+and delta rows sit in shared memory, not registers: in registers ptxas spilled more (504 bytes non-causal, 432
+causal, against 96 and 132) and the backward alone ran slower. Forward + backward on an H100 (B * S = 16k,
+H * D = 2048, bf16, graph-replayed: `flash-models bench attention --graphs`) ran 0.934-0.958x cuDNN's non-causal
+and 0.929-0.932x causal at S 2k-8k. ``attention`` takes it from ``MIN_KEYS`` keys (``backward_unsupported``).
 """
 
 from __future__ import annotations
@@ -71,17 +66,15 @@ logger = logging.getLogger(__name__)
 
 BLOCK_N = 128  # keys per program: 64 per consumer warpgroup
 # Per (head dim, causal): query rows per (Q, dO) tile, and tiles in flight. Head dim 128 has room for two 64-row
-# tiles only (198 KB of shared memory). Head dim 64 (H100, session 33, graph-replayed f+b, us): non-causal, two
-# 128-row tiles (199 KB; ptxas spills 224 bytes) ran 2406 / 8797 at S 2k / 8k, against 2507-2547 / 9075-9247 for
-# four 64-row tiles and 2604 / 9614 for two; causal, two 64-row tiles ran 1558 / 4838-5034, against 1610 / 4979
-# for 128-row tiles and 1-2% slower with four 64-row tiles.
+# tiles only (198 KB of shared memory). Head dim 64 (H100, graph-replayed forward + backward at S 2k and 8k):
+# non-causal, two 128-row tiles (199 KB; ptxas spills 224 bytes) ran faster than four or two 64-row tiles;
+# causal, two 64-row tiles ran faster than 128-row tiles or four 64-row tiles.
 TILES = {(128, False): (64, 2), (128, True): (64, 2), (64, False): (128, 2), (64, True): (64, 2)}
 # Where ``attention`` takes this kernel: the fewest keys for each (head dim, causal) pair measured faster than the
-# Triton backward (H100, ``scripts/profile/hopper_backward.py`` and session 33's stage sweep, graph-replayed f+b,
-# us). Head dim 128 non-causal: 748 against 827 at S 512 (below 512 nothing was measured). Head dim 128 causal:
-# 844 against 899 at 1k, slower at 512 (534 against 497, backward alone). Head dim 64 non-causal: 1378 against
-# 1561 at 1k (128-row tiles), level at 512 (890 against 881, four 64-row tiles). Head dim 64 causal: 1572 against
-# 1656 at 2k, level at 1k (1013 against 999), slower at 512 (764 against 664).
+# Triton backward (H100, graph-replayed forward + backward; ``use_hopper_backward(False)`` gives the Triton side).
+# Head dim 128 non-causal: faster at S 512 (below 512 nothing was measured). Head dim 128 causal: faster at 1k,
+# slower at 512. Head dim 64 non-causal: faster at 1k, level at 512. Head dim 64 causal: faster at 2k, level at
+# 1k, slower at 512.
 MIN_KEYS = {(128, False): 512, (128, True): 1024, (64, False): 1024, (64, True): 2048}
 # The masks (causal or not) whose query tiles each program walks last-first (``_tile_index``).
 LAST_FIRST = {True}
@@ -138,7 +131,7 @@ if attention_hopper.GLUON_AVAILABLE:
         of the group: one head's blocks run together and share each (Q, dO) tile and dQ row through L2 (heads
         first was 1.5x slower), and causal, where the first blocks cost the most, the longest blocks of a group
         start first, so the last programs to start are short (one head at a time: 6-7% of the time in a tail,
-        by a list-scheduling count; measured, session 31, f+b 1.8-1.9% faster at 2k and 8k, level at 4k)."""
+        by a list-scheduling count; measured: forward + backward faster at 2k and 8k, level at 4k)."""
         n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
         n_pairs = gl.num_programs(0) // n_blocks
         pid = gl.program_id(0)
