@@ -4,7 +4,7 @@
 At batch 1 a decoder step reads every weight once and does little else, so its projections are bound by
 memory bandwidth. cuBLAS's GEMVs reach 83% of the copy bandwidth on LLaMA-1.1B's gate/up projection (46 MB)
 but only 39% on qkv and o (10.5 and 8.4 MB) and 53% on down, with a split-K reduction kernel after it
-(docs/benchmarks.md, Generation, session 6). This kernel splits the output rows over the programs and runs
+(``scripts/profile/gemv_sweep.py``, H100). This kernel splits the output rows over the programs and runs
 the whole reduction over K inside each, in float32, so there is one launch and no partial sums; the tile
 shape is autotuned per (N, K) and prologue. For 2-16 rows a second kernel reads each weight tile once and
 multiplies it with every row on the tensor cores (cuBLAS at 16 rows: a GEMM launch that a programmatic launch
@@ -26,11 +26,12 @@ the add: see ``gemv_ref``), so fused and unfused decoding give the same logits u
 Backends: "triton" runs the kernel (inference only: it has no backward, and refuses inputs that need one);
 "reference" is ``F.linear`` composed with the norm, SwiGLU and add references; "auto" is the reference too.
 ``scripts/profile/gemv_sweep.py`` measures the kernel against cuBLAS and the fused calls against the unfused
-kernels at LLaMA-1.1B's shapes, in CUDA graphs. Its first run (H100, 2026-11-23, bf16, us per call): plain gemv
-0.94-1.08x cuBLAS; norm + qkv 9.83 -> 8.25 and o + add 8.05 -> 7.12 fused, but norm + gate/up 20.46 -> 21.29
-and swiglu + down + add 14.87 -> 16.30: the prologue every program recomputes over K costs about 1.8 us (norm)
-and 4 us (SwiGLU) there, more than the kernel it saves on the long projections. Hence the SwiGLU epilogue, and
-the norm's sum of squares read in one load rather than a loop of dependent ones.
+kernels at LLaMA-1.1B's shapes, in CUDA graphs. On an H100 (bf16, us per call, with the norm prologue's sum of
+squares read in a loop of dependent loads): plain gemv 0.94-1.08x cuBLAS; fused against unfused, norm + qkv 8.25
+against 9.83 and o + add 7.12 against 8.05, but norm + gate/up 21.29 against 20.46 and swiglu + down + add 16.30
+against 14.87: the prologue every program recomputes over K costs about 1.8 us (norm) and 4 us (SwiGLU) there,
+more than the kernel it saves on the long projections. Hence the SwiGLU epilogue, and the norm's sum of squares
+read in one load.
 """
 
 from __future__ import annotations
@@ -121,9 +122,8 @@ def _input_tile(X, offsets, NW, cols, mask, K, rstd, PROLOGUE: tl.constexpr):
 
 
 # With ``static_weight`` (a decode step's chain of GEMVs under PDL) the one-row kernel's tile is set by rule, not
-# autotuned: the autotuner times each config as one lone launch, which need not rank tiles as the chain does
-# (session 11's chained gate/up took 21-22 us a call, what 8 x 256 gives below; its pick then was not logged).
-# scripts/profile/gemv_chain_sweep.py on an H100 (2026-11-25, LLaMA-1.1B's projections in a PDL chain with the
+# autotuned: the autotuner times each config as one lone launch, which need not rank tiles as the chain does.
+# scripts/profile/gemv_chain_sweep.py on an H100 (LLaMA-1.1B's projections in a PDL chain with the
 # block's fusions, us per call): 8 x 512 (4 warps, 2 stages) is within 0.2 us of the best of the 21 tiles
 # timed on qkv (4.93 vs 4.74), o (4.51, the best), gate/up (18.21 vs 18.19; 8 x 256: 21.12) and the LM head
 # (44.10 vs 44.00); down's long rows (K = 5632, 2048 outputs) want more, shorter programs: 2 x 1024 (4, 3) 10.32,

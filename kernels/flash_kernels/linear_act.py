@@ -3,8 +3,8 @@ with the bias and the activation in its epilogue.
 
 Why: an encoder's first MLP projection (BERT, ViT: exact, erf GELU) writes its (tokens, 4 x hidden)
 pre-activation and a separate GELU kernel reads it back and writes the activation, two passes over the
-largest tensor of the layer. In a BERT-base forward at 0% padding that GELU is 0.86 of 6.6 ms of kernels
-(docs/benchmarks.md, BERT, session 8), and cuBLASLt cannot take it: its GELU epilogue is the tanh
+largest tensor of the layer. In a BERT-base forward that GELU is a large share of the kernel time
+(``scripts/profile/bert_kernels.py`` lists HF's kernels, which run it unfused), and cuBLASLt cannot take it: its GELU epilogue is the tanh
 approximation, not the erf GELU these models were trained with. Here the activation is applied to the
 accumulator tile before the one store.
 
@@ -20,16 +20,14 @@ Inference only: no backward (a training MLP keeps its pre-activation for the GEL
 does not write), and inputs that need gradients are refused. Backends: "triton" runs the kernel;
 "reference" is ``F.linear`` then torch's activation; "auto" runs the kernel on CUDA for inputs of at least
 ``AUTO_MIN_ROWS`` rows that it can take, else ``F.linear`` then our activation kernel (``activations.gelu``).
-Why the row bound: an eager call of the kernel costs ~108 us of host time against ~23 us for the two unfused
-calls (H200, session 15: descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``),
-which only a GEMM of thousands of rows hides.
+Why the row bound: an eager call of the kernel costs several times the host time of the two unfused calls (its
+descriptor arguments take Triton's own launch path, not ``_launch.lean_launch``), which only a GEMM of thousands
+of rows hides.
 
-What the kernel gains (H200, bf16, graph-replayed, docs/benchmarks.md session 15): with the GELU's reciprocal
-and exp2 in PTX and the tile loop flattened into the K loop (Triton pipelines loads across tiles), 1.07-1.11x
-cuBLAS + our GELU at BERT's and ViT's fc1 shapes (BERT-large, 16384 x 1024 -> 4096: 266.9 against 291.7 us),
-with outputs equal to that path's in those runs (its GEMM sums in another order, so equality is not promised).
-Before those two changes the kernel was 1-6% ahead of cuBLAS + torch's GELU (H100, session 10) and "auto" did
-not take it.
+What the kernel gains (H200, bf16, graph-replayed): with the GELU's math in ``_ptx_math``'s single instructions
+and the tile loop flattened into the K loop (Triton pipelines loads across tiles), it measured ahead of cuBLAS +
+our GELU at BERT's and ViT's fc1 shapes, with outputs equal to that path's in those runs (its GEMM sums in
+another order, so equality is not promised).
 """
 
 from __future__ import annotations
@@ -65,10 +63,10 @@ def linear_act_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def _configs():
     """Candidates for the persistent kernel: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per SM, epilogue
-    in two halves), from an H100 sweep at BERT's and ViT's fc1 shapes (docs/benchmarks.md, session 10): one
+    in two halves), from an H100 sweep at BERT's and ViT's fc1 shapes: one
     program per SM with 128 x 256 tiles and a split epilogue was fastest at BERT-large's; two per SM (128 x 128
     tiles, ~112 KB of shared memory each), where one program's GELU can overlap the other's main loop, at
-    BERT-base's and ViT's by 1-6%. The interpreter gets one small tile, split, so test shapes cross several
+    BERT-base's and ViT's. The interpreter gets one small tile, split, so test shapes cross several
     tiles in every dim and the split epilogue runs."""
     if triton_interpreter_enabled():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, "PROGRAMS_PER_SM": 1,
@@ -121,8 +119,8 @@ def _tile_coords(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
 
 _CONFIGS = _configs()
 # "auto" takes the kernel from this many rows (tokens) on. The bound is the eager host cost (module docstring):
-# ~85 us more per call than the unfused path, against the kernel's 105-267 us of GPU time at 6k-16k rows of
-# an encoder's fc1 (H200, session 15); a GEMM with a few times fewer rows would no longer hide it. BERT's and
+# at 6k-16k rows of an encoder's fc1 the kernel's GPU time hides it (H200); a GEMM with a few times fewer rows
+# would not. BERT's and
 # ViT's benchmark batches run 8k-16k tokens; small batches and decode steps stay on cuBLAS + our GELU.
 AUTO_MIN_ROWS = 8192
 
