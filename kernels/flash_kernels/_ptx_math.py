@@ -4,11 +4,10 @@
 instruction in range handling (denormal inputs and results) that these kernels never need: an exp2 result
 below float32's normal range (2^-126) counts for nothing next to the values it is added to or multiplies.
 The interpreter (how CI runs the kernels) cannot run inline PTX; kernels take a ``PTX`` constexpr from
-``ENABLED``, a module global so that a profile script can A/B the two forms in one process. (A reciprocal,
-``rcp.approx.ftz.f32``, lived here too until the GELU stopped needing one, session 20.)
+``ENABLED``, a module global so that a profile script can A/B the two forms in one process.
 
-Not in the attention forward's softmax: its exp2 as ``ex2.approx.ftz.f32`` ran no faster (0.93-1.03x the
-portable form's time over 8 training shapes, H200, session 15), so Triton's own lowering costs nothing there.
+Not in the attention forward's softmax: its exp2 as ``ex2.approx.ftz.f32`` ran no faster over 8 training
+shapes (H200), so Triton's own lowering costs nothing there.
 """
 
 from __future__ import annotations

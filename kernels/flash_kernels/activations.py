@@ -55,22 +55,18 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 2048  # the backward by rows (see _launch_grid)
 # A plain (non-gated) activation on contiguous memory runs as one flat row: no per-row tail block half
 # masked (11008 = 5 x 2048 + 768), and blocks of its own, (BLOCK, warps) per direction. 32 elements a thread
-# in the forward and 16 in the backward (which reads two tensors) keep the most loads in flight: H200, bf16,
-# GELU at 16384 x 3072 / 16384 x 4096 / 8192 x 11008 (scripts/profile/activation_sweep.py, session 14): erf
-# forward 62.0 / 81.1 / 107.4 us against 72.7 / 97.5 / 128.0 with the former 2048 x 8 warps (torch's kernel:
-# 66.6 / 88.0 / 117.4), backward 84.3 / 111.7 / 147.7 against 90.0 / 119.6 / 159.0 (torch's 88.8 / 117.2 /
-# 156.5); tanh alike.
+# in the forward and 16 in the backward (which reads two tensors) keep the most loads in flight: on an H200
+# (bf16, erf and tanh GELU at 16384 x 3072 / 16384 x 4096 / 8192 x 11008) both directions ran faster than with
+# 2048-element blocks of 8 warps, and faster than torch's kernel (``flash-models bench ops --only activations``
+# times ours against torch's at 8192 x 11008).
 _FLAT = {"fwd": (4096, 4), "bwd": (2048, 4)}
 # The forward by rows (the gated activations: gate and up halves of one row) takes 1024-element blocks of 4
-# warps. H200, 8192 rows, graph-replayed (session 37, docs/benchmarks.md Fused ops): GeGLU's forward at 11008
-# 125.3-127.2 us against 129.8-130.9 with _BLOCK's rule (2048 x 8 warps: 6 blocks a row, the last 3/8 full),
-# every other case (SwiGLU and GeGLU at widths 3072-14336) within 1% of it.
+# warps. H200, 8192 rows, graph-replayed: GeGLU's forward at 11008 ran faster than with _BLOCK's rule (2048 x 8
+# warps: 6 blocks a row, the last 3/8 full), every other case (SwiGLU and GeGLU at widths 3072-14336) within 1%
+# of it.
 _ROW_BLOCK_FWD = 1024
 _KINDS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
-# The GELU kernels' exp2 (and, until session 20, a reciprocal) are ``_ptx_math``'s single instructions on the
-# GPU. H200, erf GELU, 16384 x 3072 / 16384 x 4096 / 8192 x 11008 bf16 (activation_sweep.py, session 15, the
-# erfc form): forward 56.0 / 72.9 / 97.0 us against 60.0 / 78.8 / 103.9 with the portable forms, backward
-# 73.9 / 97.3 / 129.1 against 82.3 / 108.4 / 145.3.
+# The GELU kernels' exp2 is ``_ptx_math``'s single instruction on the GPU (its docstring says why).
 
 
 @triton.jit
@@ -79,10 +75,10 @@ def _normal_tail(x, PTX: tl.constexpr):
 
     The exact GELU is x * Phi(x) = max(x, 0) - |x| * Phi(-|x|), so this one exp2 is all its arithmetic
     needs beyond the polynomial: no reciprocal, and no cancellation in the negative tail (where torch's
-    0.5 * (1 + erf(x / sqrt2)) is off by 0.7% at x = -4 and returns 0 below about -5.5). The erfc form it
-    replaced (Numerical Recipes' erfcc: a reciprocal, 10 FMAs and an exp2) was within 1.1e-6 of the CDF for
-    |x| < 4, but its two MUFU instructions and ~20 instructions an element were what a fused GEMM + GELU
-    epilogue spent beyond a bias-only one (docs/benchmarks.md, BERT, sessions 18-20). Relative error of
+    0.5 * (1 + erf(x / sqrt2)) is off by 0.7% at x = -4 and returns 0 below about -5.5). The erfc form
+    (Numerical Recipes' erfcc: a reciprocal, 10 FMAs and an exp2) is within 1.1e-6 of the CDF for |x| < 4,
+    but its two MUFU instructions and ~20 instructions an element are what a fused GEMM + GELU epilogue
+    (``linear_act``) would spend beyond a bias-only one. Relative error of
     Phi(-|x|), float32 Horner (scripts/fit_gelu_tail.py; tests/kernels/test_activations.py checks the kernel):
     7e-6 for |x| < 4, 1.4e-5 to 9, then the fit extrapolated: 1.2% to 11 and 26% to 13, where the GELU is
     below 1e-18 and 1e-26. NaN stays NaN; +-inf give 0."""
@@ -111,8 +107,8 @@ def _cdf_from_tail(x, tail):
 def _act_and_grad(g, KIND: tl.constexpr, PTX: tl.constexpr):
     """(act(g), act'(g)) in float32. KIND 0: SiLU, 1: exact GELU (erf), 2: tanh-approximated GELU. PTX: the
     exact GELU's exp2 as a single instruction (``_ptx_math``). SiLU and the tanh GELU keep the
-    portable forms: with the PTX ones the tanh GELU ran no faster (H200, session 16: it is at 0.96-0.99 of
-    copy bandwidth either way)."""
+    portable forms: with the PTX ones the tanh GELU ran no faster (H200: 0.96-0.99 of copy bandwidth either
+    way, the fraction ``flash-models bench ops --only activations`` reports)."""
     if KIND == 0:
         sig = 1.0 / (1.0 + tl.exp(-g))
         a = g * sig
@@ -136,8 +132,8 @@ def _blocks(F_OUT, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
     the last block first. The backward walks its rows that way: what the kernel before it touched last may still
     sit in L2, and those are the rows it then reads first. In the bench that is the forward's last rows; in a
     model, perhaps the last tiles of the GEMM that wrote the incoming gradient (not measured). H100, GeGLU /
-    SwiGLU at 8192 x 11008 bf16, forward + backward graph-replayed: 472.8 / 475.6 us against 477.5 / 480.9 in
-    row order, the backward alone unchanged (299 / 301 us; docs/benchmarks.md, Fused ops, session 22)."""
+    SwiGLU at 8192 x 11008 bf16, forward + backward graph-replayed: about 1% faster than in row order, the
+    backward alone level."""
     n_col_blocks = tl.cdiv(F_OUT, BLOCK)
     pid = tl.program_id(0).to(tl.int64)
     if REVERSE:
@@ -303,8 +299,8 @@ def geglu(gate_up: torch.Tensor, *, approximate: str = "tanh", backend: str | No
 def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = None) -> torch.Tensor:
     """GELU, exact (erf) or tanh-approximated ("gelu_new" in HF).
 
-    "auto" takes our kernel on CUDA: faster than torch's in both directions (H200, session 14: erf forward
-    62.0 vs 66.6 us at 16k x 3072 bf16, backward 84.3 vs 88.8; tanh 51.3 vs 57.1 forward), and the erf form
+    "auto" takes our kernel on CUDA: faster than torch's in both directions (H200; ``flash-models bench ops
+    --only activations`` times them), and the erf form
     is more accurate than torch's in the negative tail (see ``_normal_tail``), so results differ from torch's
     there, towards the exact GELU."""
     _check_approximate(approximate)
