@@ -28,12 +28,10 @@ from ._triton_utils import pdl_supported
 # What ``enabled`` returns, and so the ``PDL`` constexpr a kernel gets: off, or on with the kernel letting its
 # successor launch after its own wait or before it. Both orders are correct, since the successor's wait still
 # waits for this kernel to finish; they differ in how early the successor's programs start on what they may do
-# before their wait (a GEMV's weight prefetch, the decode attention's first key tile). On an H100 (2026-11-25,
-# scripts/profile/decode_prefetch_ab.py, run once with each order): at batch 1 the early trigger took
-# LLaMA-1.1B's step from 1.10-1.11 to 1.03-1.04 ms (behind a short kernel such as the split-KV merge, the next
-# GEMV otherwise launched too late for its 8 MB prefetch to hide), but at batch 16 it cost 2% (LLaMA 1.46-1.48
-# -> 1.49 ms) to 16-21% (GPT-2 0.47-0.49 -> 0.57). So it is the caller's choice (``early_trigger``): the decode step
-# takes it at batch 1.
+# before their wait (a GEMV's weight prefetch, the decode attention's first key tile). On an H100, at batch 1
+# the early trigger made LLaMA-1.1B's step faster (behind a short kernel such as the split-KV merge, the next
+# GEMV otherwise launches too late for its 8 MB prefetch to hide), but at batch 16 it made LLaMA's and GPT-2's
+# steps slower. So it is the caller's choice (``early_trigger``): the decode step takes it at batch 1.
 OFF, TRIGGER_AFTER_WAIT, TRIGGER_BEFORE_WAIT = 0, 1, 2
 
 _MODE = contextvars.ContextVar("flash_kernels_programmatic_launch", default=OFF)

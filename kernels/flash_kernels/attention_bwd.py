@@ -91,9 +91,8 @@ def _q_range(n0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, len_q, len_k, lef
 
 def _bwd_configs(kind):
     """Autotune candidates of the two backward kernels. dQ's 128 x 64 with 4 warps and 3 stages: at head dim 64,
-    S 4k, non-causal (the Must grid's thinnest point) it took the H100's f+b from 5449 to 5167 us (1.24 -> 1.31x
-    FA2) over the autotuner's former pick, 64 x 64 w4 s3 (2026-11-26, session 18,
-    ``scripts/profile/attention_bwd_sweep.py 64:4096:0``)."""
+    S 4k, non-causal (the thinnest point of ``bench attention``'s grid) it made the H100's forward + backward
+    5% faster than 64 x 64 w4 s3, the autotuner's pick without it."""
     if kind == "dkdv":
         return _configs([(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 64, 4, 4)])
     return _configs([(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 4, 4),

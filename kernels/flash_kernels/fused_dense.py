@@ -158,9 +158,10 @@ def bias_grad_by_ones_column(rows: int, in_features: int, out_features: int) -> 
     """Whether ``_weight_and_bias_grads`` takes the ones column: where its copies (x into the wider operand, read
     and written: 2 * rows * in; dW out of the wider result: 2 * out * in) move fewer elements than one read of
     dy (rows * out), which any separate bias reduction needs. It pays when the layer widens its input over many
-    rows: GPT-2's fc1 over 16k tokens (768 -> 3072) moves 30M elements against 50M (H100, session 21: the dense
-    layer's forward + backward in 348-350 us of kernels against 364-375 with BGRADB), not its fc2 (3072 -> 768:
-    211M against 13M)."""
+    rows: GPT-2's fc1 over 16k tokens (768 -> 3072) moves 30M elements against 50M (H100: the dense layer's
+    forward + backward in 348-350 us of kernels against 364-375 with BGRADB; ``scripts/profile/op_kernels.py
+    fused_dense`` gives the kernel time of ``bench ops``' dense GEMM+bias case), not its fc2 (3072 -> 768: 211M
+    against 13M)."""
     return 2 * rows * in_features + 2 * out_features * in_features < rows * out_features
 
 
@@ -241,8 +242,8 @@ def _mlp_bwd(
     dw2, db2 = _weight_and_bias_grads(ext, act, dy)
     # fc1's bias gradient comes with its weight gradient, not from DGELU_BGRAD here: cuBLASLt
     # runs DGELU_BGRAD as a separate generic kernel (357 us at GPT-2's 16k x 768 -> 3072 on an H100, where
-    # the DGELU GEMM alone takes 168 and BGRADB's reduction ~45): forward + backward went from 0.85x to 1.05x
-    # torch's autograd (scripts/profile/mlp_backward_ab.py, 2026-11-25).
+    # the DGELU GEMM alone takes 168 and BGRADB's reduction ~45): forward + backward runs 1.05x torch's autograd
+    # this way, 0.85x with DGELU_BGRAD (`flash-models bench ops --only fused_dense`, the MLP case).
     dpre = ext.linear_dgrad(dy, weight2, pre, False)[0]  # (dy @ W2) * gelu'(pre)
     dw1, db1 = _weight_and_bias_grads(ext, x, dpre)
     dx = ext.linear_dgrad(dpre, weight1, None, False)[0]

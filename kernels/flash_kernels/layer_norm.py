@@ -57,16 +57,16 @@ def _block(n: int, max_fused: int) -> tuple[int, bool]:
 
 
 # The launch geometry depends on the shape and device alone, so it is worked out once per shape: an eager
-# norm's forward + backward is host-bound at (16384, 4096) on the H100 (259 us of host work a step against
-# 240 us of kernels, session 13), and this arithmetic was a tenth of its Python.
+# norm's forward + backward is host-bound at (16384, 4096) on an H100 (``scripts/profile/op_kernels.py norms``
+# prints its kernel time against its wall time), and uncached this arithmetic is a tenth of its Python.
 @functools.cache
 def _fwd_plan(n: int) -> tuple[int, bool, int]:
     """(BLOCK_N, SINGLE_BLOCK, num_warps) of the forward kernel for rows of n elements."""
     block, single = _block(n, _MAX_FUSED_FWD)
     if single and block == 1024:
-        # Rows of 513-1024 (BERT, GPT-2): 2 warps, not 4. H200, bf16, x + residual -> y (scripts/profile/
-        # norm_fwd_sweep.py, 2026-11-26): 16384 x 768 20.3 vs 22.5 us (3.72 TB/s), 9216 x 1024 16.1 vs 16.2;
-        # with the stream stored 27.2 vs 27.5. Several rows per program (a (rows, BLOCK_N) tile) gained nothing.
+        # Rows of 513-1024 (BERT, GPT-2): 2 warps, not 4. H200, bf16, x + residual -> y: faster at 16384 x 768,
+        # level at 9216 x 1024 and with the stream stored. Several rows per program (a (rows, BLOCK_N) tile)
+        # gained nothing.
         return block, single, 2
     return block, single, warps_for_block(block, max_warps=8 if block <= 8192 else 16)
 
@@ -75,8 +75,8 @@ def _fwd_plan(n: int) -> tuple[int, bool, int]:
 def _bwd_plan(m: int, n: int, device: torch.device, is_rms: bool,
               residual_grad: bool) -> tuple[int, int, int, bool, int, int]:
     """(programs, rows per program, BLOCK_N, SINGLE_BLOCK, num_warps, row stages) of the backward kernel."""
-    # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 take the H200's
-    # (16384, 768) bf16 backward from 65 to 53 us; at 2048 and wider, 4 per SM stay best (measured).
+    # Narrow rows leave each program little to overlap: 8 programs per SM instead of 4 make the H200's
+    # (16384, 768) bf16 backward faster; at 2048 and wider, 4 per SM stay best (measured).
     programs = max(1, min(m, num_programs(device, per_sm=8 if n <= 1024 else 4)))
     rows_per_program = cdiv(m, programs)
     block, single = _block(n, _MAX_FUSED_BWD)
@@ -87,20 +87,18 @@ def _bwd_plan(m: int, n: int, device: torch.device, is_rms: bool,
 def _bwd_row_stages(block: int, is_rms: bool) -> int:
     """Software-pipelining stages of the single-block backward's loop over a program's rows (the next rows'
     loads issued while this one reduces): 3 for layer norm over rows of 2049-4096, else none. H200, 16384 x
-    4096 (2026-11-25, session 13), us, 1 stage vs 3: 140.2 vs 114.4 (bf16 weight), with the residual's
-    gradient 174.7 vs 146.0 (bf16) and 175.2 vs 148.7 (fp32 weight). Elsewhere it did not hold up: layer norm
-    at 768 and 2048 wide gained with a bf16 weight but lost with an fp32 one (2048: 88.7 -> 101.5 us); RMS
-    norms gained 0-9% at most; and 3 stages of 8192-wide rows of a dual norm overflow shared memory."""
+    4096: 3 stages ran faster than 1 with a bf16 or fp32 weight, with or without the residual's gradient.
+    Elsewhere it does not hold up: layer norm at 768 and 2048 wide gains with a bf16 weight but loses with an
+    fp32 one; RMS norms gain little; and 3 stages of 8192-wide rows of a dual norm overflow shared memory."""
     return 3 if not is_rms and block == 4096 else 1
 
 
 def _bwd_warps(block: int, single: bool, rms_with_residual: bool) -> int:
-    """num_warps of the backward kernel (``scripts/profile/norm_bwd_sweep.py`` patches this to sweep it)."""
+    """num_warps of the backward kernel (a function of its own, so that a sweep can patch it)."""
     if rms_with_residual and single and block == 8192:
         # An RMS norm that also carries the residual stream's gradient, over rows of 4097-8192: 4 warps, not 8.
-        # H200, 16384 rows (2026-11-25, scripts/profile/norm_bwd_sweep.py's method): 5120 wide 231 vs 278 us
-        # (bf16 weight) and 237 vs 373 (fp32 weight), 8192 wide 302 vs 343 and 308 vs 475. Without the
-        # residual, or for layer norm, 8 warps stay the best or within 5%; at 4096 wide the best moved with
+        # H200, 16384 rows: faster at 5120 and 8192 wide, with a bf16 or an fp32 weight. Without the
+        # residual, or for layer norm, 8 warps stay the best or within 5%; at 4096 wide the best moves with
         # the weight's dtype (2, 8 or 16 warps), so 8 stays there.
         return 4
     return warps_for_block(block, max_warps=8 if block <= 8192 else 16)
@@ -126,8 +124,9 @@ def _current_device(t):
 
 
 # Launches kept per call signature (``_launch_plans``): an eager norm's forward + backward is host-bound at
-# (16384, 4096) (H200, session 16: 264-551 us of host a step over three rounds, against ~175 us of kernels), and
-# in a cProfile of it the three launches' keys (``LeanKernel.launch_key``) were the largest item of our own.
+# (16384, 4096) (H200; ``scripts/profile/op_kernels.py norms`` prints kernel against wall time), and in a
+# cProfile of it (``scripts/profile/host_cost.py``) the three launches' keys (``LeanKernel.launch_key``) are the
+# largest item of our own without the plans.
 # Calls with dropout, a rowscale or a returned mask take the full path (more tensors to take). The tensors a
 # forward plan takes, where present, sit at these positions of the kernel's arguments: X, RES, W, B, W1, B1,
 # Y, Y1, RES_OUT, MEAN, RSTD.

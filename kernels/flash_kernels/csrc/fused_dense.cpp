@@ -92,7 +92,7 @@ constexpr int64_t kOnesColumns = 8;
 // (each dy entry times 1, summed in the GEMM's float32). Costs a copy of x into the wider operand and one of dW
 // out of the wider result, against BGRADB's slower GEMM and separate reduction over dy; the caller weighs them.
 // In C++ because its four extra ops are host work on every backward: as torch calls from Python they made
-// fused_dense's step host-bound on a lent H100 (docs/benchmarks.md, Fused ops, session 21).
+// fused_dense's step host-bound on an H100 (`scripts/profile/op_kernels.py fused_dense`: kernel against wall time).
 std::vector<at::Tensor> linear_wgrad_ones(const at::Tensor& x, const at::Tensor& dy) {
   check_matrix(x, "x");
   const int64_t K = x.size(1);

@@ -69,7 +69,7 @@ cublasLtEpilogue_t lt_epilogue(Epilogue e) {
 // heuristic query alone costs tens of microseconds of host time per call, as much as a small GEMM, and its
 // first answer is often not the fastest (on the H100, GEMM+bias at 16k x 768 -> 3072 ran 0.227 ms against
 // torch's 0.161 ms on the same cuBLASLt), so the first call times up to kAlgoCandidates of its answers
-// (which took that GEMM to 0.160 ms, torch 0.132 ms in that run: docs/benchmarks.md).
+// (which took that GEMM to 0.160 ms, torch 0.132 ms in that run: `flash-models bench ops --only fused_dense`).
 using AlgoKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool>;
 std::map<AlgoKey, cublasLtMatmulAlgo_t> algo_cache;
 std::mutex algo_cache_mutex;
