@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2-GPU NCCL run of issue 7 (nvidia-h200-x2): GPT-2 124M on synthetic tokens for 50 steps with DDP (+ the bf16
+# The 2-GPU NCCL check (two GPUs of one host): GPT-2 124M on synthetic tokens for 50 steps with DDP (+ the bf16
 # compression hook), FSDP2 and tensor parallelism, then one GPU alone for the single-process reference. Each run
 # prints its summary (tokens/s, MFU, peak memory) as JSON and writes runs/2gpu-*/metrics.jsonl (per-step losses).
 # Usage: bash scripts/train_2gpu.sh [extra key=value overrides]

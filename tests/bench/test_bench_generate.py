@@ -1,5 +1,5 @@
 """The generation benchmark runs end to end on tiny models on the CPU (--dry-run); the GPU numbers come from
-the device machine (docs/benchmarks.md)."""
+a GPU (``flash-models bench generate``)."""
 
 import json
 

@@ -94,7 +94,7 @@ def test_graphs_time_replays_of_each_sides_forward_and_step(monkeypatch):
 
 def test_peak_memory_is_measured_eagerly_before_any_capture(monkeypatch):
     """A memory case's peak is each side's eager step, measured before the first graph is captured (a graph's
-    pool would count, and crowd the step: session 35's linear + CE ran out of memory there); a side whose step
+    pool would count, and crowd the step: the linear + CE case runs out of memory there); a side whose step
     fails there is reported with its error and not timed."""
     x = torch.randn(4, 8, requires_grad=True)
     events = []
@@ -132,10 +132,10 @@ def test_peak_memory_is_measured_eagerly_before_any_capture(monkeypatch):
 @pytest.mark.parametrize("group", ["norms", "activations", "cross_entropy"])
 def test_gpu_graphs_capture_every_side_of_the_bench_cases(group):
     """``--graphs`` on the bench's own cases, every peer included (torch.compile; liger where installed): each
-    side's forward and forward + backward is captured and replayed without error. (Session 34: the SwiGLU and
-    GeGLU cases' captures failed for every side, likely through liger's views of gate_up kept across calls.)
+    side's forward and forward + backward is captured and replayed without error (liger's views of gate_up kept
+    across calls would fail every side's capture in the SwiGLU and GeGLU cases: see ``ops.activation_cases``).
     The one failure allowed is a peer that synchronizes with the host (liger's cross-entropy), refused before
-    its capture; the sides after it must still run (session 36: its invalidated capture left them no memory)."""
+    its capture; the sides after it must still run (an invalidated capture would leave them no memory)."""
     for case in ops.GROUPS[group](True):
         case.repeats = 3
         results = ops._time_sides(case, rounds=1, graphs=True)

@@ -127,8 +127,8 @@ def test_a_kept_error_frees_what_the_failed_measurement_made():
 @pytest.mark.gpu
 def test_gpu_a_call_that_waits_for_the_gpu_fails_before_any_capture():
     """A call with a host synchronization (liger's cross-entropy calls ``.item()``) fails in graph_replay's
-    warm-up with HostSyncError, before a capture begins: an invalidated capture kept its memory pool reserved,
-    and in session 36's ``bench ops --graphs`` every later case ran out of memory."""
+    warm-up with HostSyncError, before a capture begins: an invalidated capture keeps its memory pool reserved,
+    and in ``bench ops --graphs`` every later case would then run out of memory."""
     x = torch.ones(1 << 20, device="cuda")
     reserved = torch.cuda.memory_reserved()
     with pytest.raises(harness.HostSyncError, match="synchronizes with the host"):
@@ -149,7 +149,7 @@ def test_gpu_a_call_that_waits_for_the_gpu_fails_before_any_capture():
 @pytest.mark.gpu
 def test_gpu_a_first_call_may_synchronize_and_still_be_captured():
     """Only the warm-up after the first call refuses host synchronizations: a first call that compiles or
-    autotunes waits for the GPU (torch.compile's cross-entropy peer did, in session 36), and is still captured."""
+    autotunes waits for the GPU (as ``bench ops``' torch.compile cross-entropy peer can), and is still captured."""
     x, out, calls = torch.ones(1 << 20, device="cuda"), torch.zeros(1 << 20, device="cuda"), []
 
     def syncs_on_its_first_call_only():

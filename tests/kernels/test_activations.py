@@ -115,7 +115,7 @@ def test_gelu_cdf_relative_accuracy(ptx):
     the CDF leaves float32's normal range (about -13; the GELU is below 1e-18 past -9); exact 0 and 1 at -inf
     and inf, NaN for NaN. A wrong coefficient shows as 1e-3 or more. The exact GELU's bf16 outputs down to
     -9 then round as the float64 GELU's do for all but about one input in 1000 (0.09% measured; torch's
-    float32 GELU: 13%, from its cancellation below -4; the erfc form before session 20: 0.002%). Both forms:
+    float32 GELU: 13%, from its cancellation below -4). Both forms:
     the portable one (the interpreter's) and the one with the PTX exp2 (the GPU's, see _ptx_math.ENABLED)."""
     x = _cdf_inputs()
     exact = 0.5 * torch.special.erfc(-x.double() / 2**0.5)

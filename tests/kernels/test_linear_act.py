@@ -130,8 +130,8 @@ def test_gpu_encoder_shapes(m, k, n):
 def test_gpu_every_config_matches_the_unfused_path(m, k, n):
     """Each autotune candidate forced in turn, not just the one the autotuner picks on this GPU: the tile loop is
     flattened into the K loop (``tl.range(..., flatten=True)``), a transformation that miscompiled a nested
-    attention loop under Triton 3.6 on an H100 while the interpreter ran it right (docs/benchmarks.md, BERT,
-    session 19), so every compiled variant is checked against the unfused path. (1000, 256, 520): a grid of a few
+    attention loop under Triton 3.6 on an H100 while the interpreter ran it right, so every compiled variant is
+    checked against the unfused path. (1000, 256, 520): a grid of a few
     tiles only, and N not a multiple of any BLOCK_N."""
     import importlib
 
