@@ -114,8 +114,9 @@ def best_of_rounds(measures: dict[Hashable, Callable[[], float]], rounds: int, *
     and return each one's lowest timing. With ``keep_errors`` a measure that raises gets its exception as its
     result and is not run again; otherwise the exception propagates.
 
-    Why rounds: the lent machines' hosts stall for seconds at a time (one eager rms_norm step timed 264, 323
-    and 551 us in three rounds on one H200; eager attention calls swung by up to 200 us at equal code). Timing each side once, one after the other, lets a stall land on one side's whole row; interleaved
+    Why rounds: the benchmark machines' hosts stall for seconds at a time (one eager rms_norm step timed 264,
+    323 and 551 us in three rounds on one H200; eager attention calls swung by up to 200 us at equal code).
+    Timing each side once, one after the other, lets a stall land on one side's whole row; interleaved
     rounds give every side the same chances, and the best round is one a stall missed. Why the reversal: the
     GPU's clock drifts with its load (GEMM-heavy steps of ~80 ms ran 3-5% apart from one round to the next on
     an H100), and in a fixed order the same side always runs right after the same heavy one."""

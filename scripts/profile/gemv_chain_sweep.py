@@ -1,7 +1,7 @@
 """Every gemv tile at LLaMA-1.1B's batch-1 projections, as a decode step runs them: with programmatic dependent
 launch (each call starts while the one before runs, prefetching its first weight columns) and with the fusions
 the chained block uses (norm prologues, the SwiGLU epilogue, the residual adds). A chained call
-(``static_weight=True``) takes its tile from ``gemv._chain_tile``, a rule set from this sweep's first run; this
+(``static_weight=True``) takes its tile from ``gemv._chain_tile``, a rule set from this sweep's results; this
 shows how far each projection is from the copy bandwidth with each tile (the autotuner's list and EXTRA_SHAPES),
 and which one the rule picks (*).
 
