@@ -31,7 +31,7 @@ def test_a_skipped_part_leaves_an_earlier_runs_file_alone(monkeypatch, tmp_path)
     """--skip-decode writes the training grid's json only: a decode json from an earlier run in the same folder
     is not replaced by an empty one (and the other way round)."""
     monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(attention, "_plot", lambda *args: None)
+    monkeypatch.setattr(attention, "plot", lambda *args: None)
     monkeypatch.setattr(attention, "BenchResult", lambda area: BenchResult(area=area, env={}))  # no device to name
     monkeypatch.setattr(attention, "bench_training", lambda result, **kwargs: result.add(hdim=64, S=1024))
     monkeypatch.setattr(attention, "measure_copy_bandwidth", lambda: 1e12)
