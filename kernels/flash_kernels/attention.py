@@ -887,7 +887,8 @@ def flash_attn_varlen_func(
     the packed layout first, which reads the total key count on the host)."""
     op = "flash_attn_varlen_func"
     if block_table is not None:
-        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, int(cu_seqlens_k[-1]), q.device, max_seqlen_k)
+        total_k = int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0  # the check below names an empty one
+        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, total_k, q.device, max_seqlen_k)
         k = _gather_pages(op, k, block_table, cu_seqlens_k)
         v = _gather_pages(op, v, block_table, cu_seqlens_k)
     _check_qkv(op, q, k, v, 3)

@@ -1,9 +1,10 @@
-"""Attention over a KV cache (decoding), as FlashAttention-2's ``flash_attn_with_kvcache``.
+"""Attention over a KV cache (decoding), as FlashAttention-2's ``flash_attn_with_kvcache``, with its arguments.
 
-The new keys/values (if given) are written into the cache in place at positions ``cache_seqlens[b] ...``;
-then the queries attend over the first ``cache_seqlens[b] + S_new`` cache entries, causal aligned
-bottom-right (the last query row sees the whole cache). ``cache_seqlens`` is the length *before* the append
-and is not modified; the caller advances it.
+The new keys/values (if given; rotated first with ``rotary_cos``/``rotary_sin``) are written into the cache in
+place at positions ``cache_seqlens[b] ...``; then the queries attend over cache entries
+[``cache_leftpad[b]``, ``cache_seqlens[b] + S_new``), masks aligned bottom-right (the last query row sits at the
+last key). ``cache_seqlens`` is the length *before* the append and is not modified; the caller advances it.
+A per-row cache read through ``cache_batch_idx`` is taken as a paged cache whose pages are its rows.
 
 The Triton path uses a split-KV ("flash-decoding") schedule: the cache is cut into chunks along its length,
 one program per (chunk, batch, kv head) computes a partial softmax over its chunk for all query rows of the
@@ -43,9 +44,10 @@ def _rotary_positions(cache_seqlens, length, per_token):
     return base.expand(-1, length)
 
 
-def _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, *, per_token_q, interleaved, backend):
+def _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, *, causal, window_size, interleaved, backend):
     """FA2's rotary in the kvcache call: the new keys rotate at positions cache_seqlens + t; the queries too when
     the attention is causal or local, else all at position cache_seqlens."""
+    per_token_q = causal or tuple(window_size) != (-1, -1)
     k = apply_rotary(k, rotary_cos, rotary_sin, interleaved=interleaved, backend=backend,
                      position_ids=_rotary_positions(cache_seqlens, k.shape[1], True))
     q = apply_rotary(q, rotary_cos, rotary_sin, interleaved=interleaved, backend=backend,
@@ -83,7 +85,7 @@ def flash_attn_with_kvcache_ref(
     table = _cache_table(block_table, cache_batch_idx)
     cache_seqlens = _seqlens_tensor(cache_seqlens, q, _capacity(k_cache, table))
     if rotary_cos is not None:
-        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, per_token_q=causal or tuple(window_size) != (-1, -1),
+        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, causal=causal, window_size=window_size,
                            interleaved=rotary_interleaved, backend="reference")
     s_new = 0
     if k is not None:
@@ -648,11 +650,13 @@ def _check_lengths(op, cache_seqlens, s_new, capacity, cache_leftpad, table, n_p
     """Every row's keys inside its cache: 0 <= cache_seqlens, cache_seqlens + s_new <= capacity, 0 <=
     cache_leftpad <= cache_seqlens, and the pages those keys use in [0, n_pages). A ValueError on the CPU; on CUDA
     an asynchronous device assert (reading the lengths on the host would stall the launch queue), once per lengths
-    tensor version, and nothing while a CUDA graph is captured (the kernel still reads no key past the capacity)."""
-    on_device = cache_seqlens.is_cuda
-    if on_device and (torch.compiler.is_compiling() or capturing_cuda_graph()):
-        return
+    tensor version (inference tensors have none: once), and nothing while a CUDA graph is captured (the kernel
+    still reads no key past the capacity); under torch.compile an assert in the graph."""
+    compiling = torch.compiler.is_compiling()  # traced into the graph: a device assert, no host read
+    on_device = cache_seqlens.is_cuda and not compiling
     if on_device:
+        if capturing_cuda_graph():
+            return
         key = (_version(cache_seqlens), s_new, capacity, _version(cache_leftpad), _version(table), n_pages)
         if _CHECKED_LENGTHS.get(cache_seqlens) == key:
             return
@@ -669,10 +673,11 @@ def _check_lengths(op, cache_seqlens, s_new, capacity, cache_leftpad, table, n_p
         used = torch.arange(table.shape[1], device=table.device) < (lengths[:, None] + page_size - 1) // page_size
         problems[f"block_table (or cache_batch_idx) names pages (rows) outside [0, {n_pages})"] = (
             used & ((table < 0) | (table >= n_pages))).any(dim=1)
-    if on_device:
+    if on_device or compiling:
         valid = ~torch.stack([bad.reshape(bad.shape[0], -1).any(dim=1) for bad in problems.values()]).any()
         torch._assert_async(valid, f"{op}: a row's keys fall outside its cache: " + "; ".join(problems))
-        _CHECKED_LENGTHS[cache_seqlens] = key
+        if on_device:
+            _CHECKED_LENGTHS[cache_seqlens] = key
         return
     for message, bad in problems.items():
         if bool(bad.any()):
@@ -743,7 +748,7 @@ def flash_attn_with_kvcache(
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{op}: the caches must be contiguous in the head dim (they are written in place)")
     if rotary_cos is not None:
-        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, per_token_q=causal or tuple(window_size) != (-1, -1),
+        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, causal=causal, window_size=window_size,
                            interleaved=rotary_interleaved, backend="triton")
     q = q if q.stride(-1) == 1 else q.contiguous()
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None

@@ -4,6 +4,9 @@ paged prefill, and cache bounds. Triton runs under the CPU interpreter in CI (sm
 written here in plain PyTorch from FA2's documented semantics."""
 
 import inspect
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -158,14 +161,32 @@ KV_CASES = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", KV_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kvcache_fa2_arguments(case, backend):
+    _check_kvcache_case(case, backend)
+
+
+@pytest.mark.parametrize("mode", ["prefetch2", "inloop"])
+@pytest.mark.parametrize("case", KV_CASES[1:3], ids=lambda c: "-".join(map(str, c)))
+def test_kvcache_fa2_arguments_reading_ahead(case, mode, monkeypatch):
+    """ALiBi and cache_leftpad where the split kernel reads keys before its wait (programmatic launch's early
+    trigger): two register tiles, or the wait inside the key loop."""
+    dec = flash_kernels.attention_decode
+    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: True)
+    chosen = dec.PREFETCH_REGISTERS if mode == "prefetch2" else dec.WAIT_IN_LOOP
+    monkeypatch.setattr(dec, "_prefetch_mode", lambda block_d, paged, prefetch_next: chosen)
+    monkeypatch.setattr(dec, "_prefetch_tiles", lambda block_d: 2)
+    _check_kvcache_case(case, "triton")
+
+
+def _check_kvcache_case(case, backend):
     sq, s_new, rotary_dim, interleaved, causal, window, use_idx, use_leftpad, use_alibi, splits = case
     torch.manual_seed(7)
     bsz, hq, hkv, d, cache_len, cache_rows = 3, 4, 2, 32, 37, 5
     q, k, v = _rand(bsz, sq, hq, d), _rand(bsz, s_new, hkv, d), _rand(bsz, s_new, hkv, d)
-    kc, vc = _rand(cache_rows if use_idx else bsz, cache_len, hkv, d), _rand(cache_rows if use_idx else bsz, cache_len, hkv, d)
+    rows = cache_rows if use_idx else bsz
+    kc, vc = _rand(rows, cache_len, hkv, d), _rand(rows, cache_len, hkv, d)
     lens = torch.tensor([cache_len - s_new, 9, 0], dtype=torch.int32, device=DEVICE)
     batch_idx = torch.tensor([4, 0, 2] if use_idx else [0, 1, 2], dtype=torch.int32, device=DEVICE)
-    leftpad = torch.tensor([5, 9, 0] if use_leftpad else [0, 0, 0], dtype=torch.int32, device=DEVICE)
+    leftpad = torch.tensor([20, 9, 0] if use_leftpad else [0, 0, 0], dtype=torch.int32, device=DEVICE)
     angles = torch.rand(cache_len, rotary_dim // 2, device=DEVICE) * 6.3 if rotary_dim else None
     cos, sin = (angles.cos().half(), angles.sin().half()) if rotary_dim else (None, None)
     alibi = torch.rand(bsz, hq, device=DEVICE) * 0.3 if use_alibi else None
@@ -323,3 +344,52 @@ def test_gpu_kvcache_fa2_arguments_real_sizes():
     ref, ref_lse = flash_attn_with_kvcache(q, kc_ref, vc_ref, k, k, **kw, backend="reference")
     assert_close(out, ref, torch.bfloat16, name="out")
     assert_close(lse, ref_lse, torch.float32, scale=100, name="lse")
+
+
+_DEVICE_ASSERT = """
+import torch
+from flash_kernels import flash_attn_with_kvcache
+q = torch.randn(2, 1, 2, 64, dtype=torch.float16, device="cuda")
+pool = torch.randn(9, 16, 2, 64, dtype=torch.float16, device="cuda")
+table = torch.tensor([[3, 5], [0, 8]], dtype=torch.int32, device="cuda")
+lens = torch.tensor([33, 4], dtype=torch.int32, device="cuda")
+flash_attn_with_kvcache(q, pool, pool, cache_seqlens=lens, block_table=table)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_lengths_past_the_cache_assert_on_the_device():
+    """On CUDA the lengths are checked by a device assert, no host sync (in a child process: the assert ends
+    its CUDA context)."""
+    done = subprocess.run([sys.executable, "-c", _DEVICE_ASSERT], capture_output=True, text=True, timeout=300,
+                          env=os.environ)
+    assert done.returncode != 0, done.stdout
+    assert "assert" in done.stderr.lower(), done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_graph_replay_with_lengths_past_the_cache(paged):
+    """A CUDA graph captured with valid lengths, replayed after they grew past the cache: nothing is checked
+    (a capture cannot), and the kernel still attends over the capacity only, reading nothing past it."""
+    torch.manual_seed(9)
+    capacity, d = 1000, 128
+    q = _rand(4, 1, 16, d, dtype=torch.bfloat16)
+    if paged:
+        pool = _rand(40, 100, 4, d, dtype=torch.bfloat16)
+        table = torch.randperm(40, device=DEVICE)[:40].reshape(4, 10).int()
+        kc, vc = pool, pool
+    else:
+        kc, vc, table = _rand(4, capacity, 4, d, dtype=torch.bfloat16), _rand(4, capacity, 4, d, dtype=torch.bfloat16), None
+    lens = torch.full((4,), 500, dtype=torch.int32, device=DEVICE)
+    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)  # warm-up: compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
+    lens.fill_(capacity + 300)
+    graph.replay()
+    torch.cuda.synchronize()
+    full = torch.full_like(lens, capacity)
+    assert_close(out, flash_attn_with_kvcache(q, kc, vc, cache_seqlens=full, block_table=table, backend="reference"),
+                 torch.bfloat16, name="out")
