@@ -726,8 +726,9 @@ def flash_attn_with_kvcache(
     backward (as in FA2). Cache lengths are checked without a host sync: a ValueError on the CPU, a device
     assert on CUDA (not during a CUDA graph's capture, where the kernel still never reads past the cache).
 
-    Inside ``flash_kernels.programmatic_launch()`` the kernel reads the cache, ``cache_seqlens`` and
-    ``block_table`` before it waits for the kernel launched just before it, except each row's newest
+    Inside ``flash_kernels.programmatic_launch()`` the kernel reads the cache, ``cache_seqlens``, ``block_table``
+    (or ``cache_batch_idx``), ``cache_leftpad`` and ``alibi_slopes`` before it waits for the kernel launched just
+    before it, except each row's newest
     ``max(S_q, S_new)`` keys: that kernel may write those (an append, as ``kv_append`` and ``rotary_kv_append``
     do) but nothing else this call reads."""
     op = "flash_attn_with_kvcache"
