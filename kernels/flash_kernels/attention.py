@@ -808,20 +808,32 @@ def flash_attn_func(
     _check_qkv(op, q, k, v, 4)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: batch of q ({q.shape[0]}) != batch of k/v ({k.shape[0]})")
+    return _attend(op, q, k, v, None, None, q.shape[1], k.shape[1], batch=q.shape[0], dropout_p=dropout_p,
+                   softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
+                   return_attn_probs=return_attn_probs, backend=backend)
+
+
+def _attend(op, q, k, v, cu_q, cu_k, max_q, max_k, *, batch, dropout_p, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, deterministic, return_lse, return_attn_probs, backend):
+    """Both public functions once q, k, v (and the offsets) are checked: the reference or the kernels."""
     _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                  batch=q.shape[0], hq=q.shape[2], device=q.device)
+                  batch=batch, hq=q.shape[-2], device=q.device)
     if return_attn_probs:
         fa2_attn_probs(op, dropout_p)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
-        out, lse = flash_attn_func_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size,
-                                       softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                       return_lse=True)
+        common = dict(causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap,
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)
+        if cu_q is None:
+            out, lse = flash_attn_func_ref(q, k, v, **common)
+        else:
+            out, lse = flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
     else:
         q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
         alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
         out, lse, _ = pick(_attn_fwd_op, _attn_eager)(
-            q, k, v, None, None, q.shape[1], k.shape[1], causal, float(scale), int(window_size[0]),
+            q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, float(scale), int(window_size[0]),
             int(window_size[1]), float(softcap), alibi, float(dropout_p), bool(deterministic))
     return _outputs(out, lse, return_lse, return_attn_probs)
 
@@ -836,7 +848,8 @@ def _outputs(out, lse, return_lse, return_attn_probs):
 def _gather_pages(op, cache, block_table, cu_seqlens_k):
     """Paged prefill: the keys (or values) of every sequence gathered from a paged cache (num_blocks, page_size,
     Hkv, D) through ``block_table`` (B, max_blocks) int32 into the packed (total_k, Hkv, D) layout that
-    ``cu_seqlens_k`` describes. Reads the total length on the host (a sync on CUDA)."""
+    ``cu_seqlens_k`` describes. Reads the total length on the host (a sync on CUDA); the pages are checked on the
+    device there, and clamped so that nothing is read outside the pool."""
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != cu_seqlens_k.numel() - 1:
         raise ValueError(f"{op}: block_table must be int32 (batch={cu_seqlens_k.numel() - 1}, max_blocks), got "
                          f"{block_table.dtype} {tuple(block_table.shape)}")
@@ -847,15 +860,19 @@ def _gather_pages(op, cache, block_table, cu_seqlens_k):
     lengths = cu_seqlens_k.diff().long()
     total = int(cu_seqlens_k[-1])
     capacity = block_table.shape[1] * page_size
-    if int(lengths.max()) > capacity:
-        raise ValueError(f"{op}: a sequence of {int(lengths.max())} keys exceeds what block_table holds "
-                         f"({block_table.shape[1]} pages of {page_size})")
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cache.device), lengths, output_size=total)
     pos = torch.arange(total, device=cache.device) - cu_seqlens_k[:-1].long()[seq]
-    pages = block_table.long()[seq, pos // page_size]
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= cache.shape[0]):
-        raise ValueError(f"{op}: block_table holds page ids outside [0, {cache.shape[0]}) for the keys in use")
-    return cache[pages, pos % page_size]
+    fits = (lengths <= capacity).all()
+    pages = block_table.long()[seq, (pos // page_size).clamp_(max=block_table.shape[1] - 1)]
+    in_pool = ((pages >= 0) & (pages < cache.shape[0])).all()
+    problems = {f"a sequence's keys exceed what block_table holds ({block_table.shape[1]} pages of {page_size})": fits,
+                f"block_table holds page ids outside [0, {cache.shape[0]}) for the keys in use": in_pool}
+    for message, ok in problems.items():
+        if cache.is_cuda:  # no more host reads than the total above: asserted on the device
+            torch._assert_async(ok, f"{op}: {message}")
+        elif not bool(ok):
+            raise ValueError(f"{op}: {message}")
+    return cache[pages.clamp_(0, cache.shape[0] - 1), pos % page_size]
 
 
 def flash_attn_varlen_func(
@@ -901,21 +918,7 @@ def flash_attn_varlen_func(
             f"{op}: max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) is smaller than the longest sequence "
             f"({longest_q}, {longest_k})"
         )
-    nseq = cu_seqlens_q.numel() - 1
-    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                  batch=nseq, hq=q.shape[1], device=q.device)
-    if return_attn_probs:
-        fa2_attn_probs(op, dropout_p)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
-        out, lse = flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                              causal=causal, softmax_scale=scale, window_size=window_size,
-                                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                              return_lse=True)
-    else:
-        q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
-        alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
-        out, lse, _ = pick(_attn_fwd_op, _attn_eager)(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, float(scale),
-            int(window_size[0]), int(window_size[1]), float(softcap), alibi, float(dropout_p), bool(deterministic))
-    return _outputs(out, lse, return_lse, return_attn_probs)
+    return _attend(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   batch=cu_seqlens_q.numel() - 1, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                   return_lse=return_lse, return_attn_probs=return_attn_probs, backend=backend)

@@ -295,8 +295,11 @@ def test_varlen_paged_prefill(backend):
     out = flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 5, 11, causal=True, block_table=table, backend=backend)
     ref = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 11, causal=True, backend="reference")
     assert_close(out, ref, torch.float16, name="out")
-    with pytest.raises(ValueError, match="exceeds what block_table holds"):
+    with pytest.raises(ValueError, match="exceed what block_table holds"):
         flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 5, 11, block_table=table[:, :2], backend=backend)
+    table[2, 1] = 10  # one past the pool, in use by sequence 2
+    with pytest.raises(ValueError, match="page ids outside"):
+        flash_attn_varlen_func(q, pool_k, pool_v, cu_q, cu_k, 5, 11, block_table=table, backend=backend)
 
 
 # ---- real sizes (the lead's H200 run) -------------------------------------------------------------------------
