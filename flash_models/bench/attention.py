@@ -204,7 +204,7 @@ def bench_decode(res, *, kv_lens, batches, heads, kv_heads, d, repeats, copy_bw,
             row = {"batch": b, "kv_len": kv, "kv_MB": nbytes / 1e6}
 
             def ours(q, kc, vc):
-                return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton")
+                return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, backend="triton")
 
             eager, graphed = _time_decode(ours, sets, repeats, back_to_back)
             row["ours_us"], row["ours_graph_us"] = eager * 1e3, graphed * 1e3
@@ -265,7 +265,8 @@ def decode_sweep(*, heads, kv_heads, d, repeats, copy_bw):
             dec.DECODE_PROGRAMS_PER_SM, dec.DECODE_TILE, dec.DECODE_TILE_WAIT_IN_LOOP = per_sm, tile, tile
             with programmatic_launch(pdl, early_trigger=b == 1):
                 _, graphed = _time_decode(
-                    lambda q, kc, vc: lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, backend="triton"),
+                    lambda q, kc, vc: lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True,
+                                                                      backend="triton"),
                     sets, repeats)
             print(f"sweep B={b} kv={kv} per_sm={per_sm} tile={tile} pdl={pdl} "
                   f"{graphed * 1e3:.1f} us {nbytes / (graphed * 1e-3) / copy_bw:.3f} of copy bw", flush=True)

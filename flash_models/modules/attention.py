@@ -29,7 +29,9 @@ from .kv_cache import KVCache
 from .linear import chained_linear, linear
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
-FLASH_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+# The kernels take any head dim up to this (flash_kernels.attention.MAX_HEAD_DIM, FlashAttention-2's limit); a
+# constant here so that importing the model code does not import the kernels.
+FLASH_MAX_HEAD_DIM = 256
 
 
 @dataclass
@@ -208,9 +210,9 @@ class Attention(nn.Module):
         super().__init__()
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
         check_choice("kernel_backend", kernel_backend, flash_kernels.BACKENDS)
-        if attn_impl == "flash" and cfg.head_dim not in FLASH_HEAD_DIMS:
+        if attn_impl == "flash" and cfg.head_dim > FLASH_MAX_HEAD_DIM:
             raise ValueError(
-                f"attn_impl='flash' supports head dims {FLASH_HEAD_DIMS}, this model has {cfg.head_dim}; "
+                f"attn_impl='flash' supports head dims up to {FLASH_MAX_HEAD_DIM}, this model has {cfg.head_dim}; "
                 "use attn_impl='sdpa' or 'auto'"
             )
         self.cfg, self.layer_idx, self.rope, self.attn_impl = cfg, layer_idx, rope, attn_impl
@@ -301,7 +303,7 @@ class Attention(nn.Module):
         if self.attn_impl != "auto":
             return self.attn_impl
         flash_ok = (self.kernel_backend != "reference" and x.is_cuda and x.dtype in FLASH_DTYPES
-                    and self.cfg.head_dim in FLASH_HEAD_DIMS)
+                    and self.cfg.head_dim <= FLASH_MAX_HEAD_DIM)
         return "flash" if flash_ok else "sdpa"
 
     def dropout_p(self) -> float:

@@ -70,7 +70,10 @@ from .attention_tiles import (
     _seq_bounds, _store_rows, _tune_buckets, _visible,
 )
 
-SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+# Any head dim up to MAX_HEAD_DIM, as FlashAttention-2 takes: the kernels hold a head in a tile of the next power of
+# two (at least 16, tl.dot's smallest) and mask the columns past it, which reads them as zeros: q.k and p @ v are
+# then those of the unpadded head, and the stores leave the padding unwritten.
+MAX_HEAD_DIM = 256
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 
 # ----------------------------------------------------------------------------------------------------------
@@ -120,8 +123,8 @@ def _check_common(op, *, window_size, softcap, dropout_p, alibi_slopes, batch, h
 
 def _triton_unsupported(q) -> str | None:
     """Why our kernels cannot take q (None when they can)."""
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {q.shape[-1]} is not one of {SUPPORTED_HEAD_DIMS}"
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM:
+        return f"head dim {q.shape[-1]} is not in [1, {MAX_HEAD_DIM}]"
     if q.dtype not in TRITON_DTYPES:
         return f"dtype {q.dtype} is not float16 or bfloat16"
     return None
@@ -129,6 +132,19 @@ def _triton_unsupported(q) -> str | None:
 
 # cu_seqlens tensors already checked on the device -> (version, total, max_seqlen) they were checked against.
 _CHECKED_OFFSETS = WeakIdKeyDictionary()
+
+
+def block_d(head_dim: int) -> int:
+    """The width of a kernel's head-dim tile: the next power of two, at least tl.dot's 16."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def fa2_attn_probs(op, dropout_p):
+    """The third output of FA2's ``return_attn_probs=True`` where we can give FA2's: without dropout FA2 returns an
+    empty tensor there; with dropout it returns the dropout-encoded probabilities, which we do not."""
+    if dropout_p > 0:
+        raise ValueError(f"{op}: return_attn_probs=True with dropout_p > 0 (FlashAttention-2's dropout-encoded "
+                         "probabilities) is not supported by flash_kernels; pass return_lse=True for the log-sum-exp")
 
 
 def _check_cu_seqlens(op, name, cu, total, device, max_seqlen):
@@ -486,7 +502,7 @@ def _launch_params(q, cu_q, alibi):
     dummy = dummy_pointer(q.device, torch.int32)
     alibi_t = alibi if alibi is not None else dummy_pointer(q.device, torch.float32)
     stride_ab = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
-    return varlen, d, next_power_of_2(d), dummy, alibi_t, stride_ab
+    return varlen, d, block_d(d), dummy, alibi_t, stride_ab
 
 
 # Forward launches kept per call signature (see _launch_plans); the tensors each plan takes, in order.
@@ -773,19 +789,23 @@ def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
     return_lse: bool = False,
     backend: str | None = None,
 ):
     """Attention over q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) -> (B, Sq, Hq, D) [, lse (B, Hq, Sq)].
 
+    FlashAttention-2's signature: its arguments in its order with its defaults, any head dim up to 256.
+    ``return_attn_probs=True`` returns (out, lse, an empty tensor), as FA2 does without dropout; with dropout
+    it raises (FA2's dropout-encoded probabilities are not supported). ``return_lse=True`` returns (out, lse).
     See the module docstring for masking, softcap, ALiBi and dropout semantics. ``deterministic=True`` (or
     ``torch.use_deterministic_algorithms``) keeps the backward bitwise reproducible: the Hopper backward
     (``attention_hopper_bwd``, head dim 128) sums dQ with atomic reductions, so then the
@@ -795,44 +815,106 @@ def flash_attn_func(
     _check_qkv(op, q, k, v, 4)
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: batch of q ({q.shape[0]}) != batch of k/v ({k.shape[0]})")
+    return _attend(op, q, k, v, None, None, q.shape[1], k.shape[1], batch=q.shape[0], dropout_p=dropout_p,
+                   softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, deterministic=deterministic, return_lse=return_lse,
+                   return_attn_probs=return_attn_probs, backend=backend)
+
+
+def _attend(op, q, k, v, cu_q, cu_k, max_q, max_k, *, batch, dropout_p, softmax_scale, causal, window_size, softcap,
+            alibi_slopes, deterministic, return_lse, return_attn_probs, backend):
+    """Both public functions once q, k, v (and the offsets) are checked: the reference or the kernels."""
     _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                  batch=q.shape[0], hq=q.shape[2], device=q.device)
+                  batch=batch, hq=q.shape[-2], device=q.device)
+    if return_attn_probs:
+        fa2_attn_probs(op, dropout_p)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
-        return flash_attn_func_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window_size,
-                                   softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                   return_lse=return_lse)
-    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
-    alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
-    out, lse, _ = pick(_attn_fwd_op, _attn_eager)(q, k, v, None, None, q.shape[1], k.shape[1], causal, float(scale),
-                               int(window_size[0]), int(window_size[1]), float(softcap), alibi, float(dropout_p),
-                               bool(deterministic))
+        common = dict(causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap,
+                      alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)
+        if cu_q is None:
+            out, lse = flash_attn_func_ref(q, k, v, **common)
+        else:
+            out, lse = flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
+    else:
+        q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+        alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+        out, lse, _ = pick(_attn_fwd_op, _attn_eager)(
+            q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, float(scale), int(window_size[0]),
+            int(window_size[1]), float(softcap), alibi, float(dropout_p), bool(deterministic))
+    return _outputs(out, lse, return_lse, return_attn_probs)
+
+
+def _outputs(out, lse, return_lse, return_attn_probs):
+    """out, (out, lse) or FA2's (out, lse, probabilities: an empty tensor, see ``fa2_attn_probs``)."""
+    if return_attn_probs:
+        return out, lse, out.new_empty(0)
     return (out, lse) if return_lse else out
+
+
+def _gather_pages(op, cache, block_table, cu_seqlens_k):
+    """Paged prefill: the keys (or values) of every sequence gathered from a paged cache (num_blocks, page_size,
+    Hkv, D) through ``block_table`` (B, max_blocks) int32 into the packed (total_k, Hkv, D) layout that
+    ``cu_seqlens_k`` describes. Reads the total length on the host (a sync on CUDA); the pages are checked on the
+    device there, and clamped so that nothing is read outside the pool."""
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != cu_seqlens_k.numel() - 1:
+        raise ValueError(f"{op}: block_table must be int32 (batch={cu_seqlens_k.numel() - 1}, max_blocks), got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}")
+    if cache.dim() != 4:
+        raise ValueError(f"{op}: with block_table, k and v are paged caches (num_blocks, page_size, Hkv, D), got "
+                         f"{tuple(cache.shape)}")
+    page_size = cache.shape[1]
+    lengths = cu_seqlens_k.diff().long()
+    total = int(cu_seqlens_k[-1])
+    capacity = block_table.shape[1] * page_size
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cache.device), lengths, output_size=total)
+    pos = torch.arange(total, device=cache.device) - cu_seqlens_k[:-1].long()[seq]
+    fits = (lengths <= capacity).all()
+    pages = block_table.long()[seq, (pos // page_size).clamp_(max=block_table.shape[1] - 1)]
+    in_pool = ((pages >= 0) & (pages < cache.shape[0])).all()
+    problems = {f"a sequence's keys exceed what block_table holds ({block_table.shape[1]} pages of {page_size})": fits,
+                f"block_table holds page ids outside [0, {cache.shape[0]}) for the keys in use": in_pool}
+    for message, ok in problems.items():
+        if cache.is_cuda:  # no more host reads than the total above: asserted on the device
+            torch._assert_async(ok, f"{op}: {message}")
+        elif not bool(ok):
+            raise ValueError(f"{op}: {message}")
+    return cache[pages.clamp_(0, cache.shape[0] - 1), pos % page_size]
 
 
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    causal: bool = False,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
     return_lse: bool = False,
     backend: str | None = None,
 ):
     """Attention over packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D); sequence b is rows
     cu_seqlens[b]:cu_seqlens[b+1] (int32, length batch + 1, empty sequences allowed) -> (total_q, Hq, D)
-    [, lse (Hq, total_q)]."""
+    [, lse (Hq, total_q)]. FlashAttention-2's signature (see ``flash_attn_func``), paged prefill included: with
+    ``block_table`` (B, max_blocks) int32, k and v are paged caches (num_blocks, page_size, Hkv, D) and
+    sequence b's keys are the first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` entries of its pages (gathered into
+    the packed layout first, which reads the total key count on the host)."""
     op = "flash_attn_varlen_func"
+    if block_table is not None:
+        total_k = int(cu_seqlens_k[-1]) if cu_seqlens_k.numel() else 0  # the check below names an empty one
+        _check_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, total_k, q.device, max_seqlen_k)
+        k = _gather_pages(op, k, block_table, cu_seqlens_k)
+        v = _gather_pages(op, v, block_table, cu_seqlens_k)
     _check_qkv(op, q, k, v, 3)
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(f"{op}: cu_seqlens_q shape {tuple(cu_seqlens_q.shape)} != cu_seqlens_k shape {tuple(cu_seqlens_k.shape)}")
@@ -843,18 +925,7 @@ def flash_attn_varlen_func(
             f"{op}: max_seqlen_q/k ({max_seqlen_q}, {max_seqlen_k}) is smaller than the longest sequence "
             f"({longest_q}, {longest_k})"
         )
-    nseq = cu_seqlens_q.numel() - 1
-    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
-                  batch=nseq, hq=q.shape[1], device=q.device)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
-        return flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                          causal=causal, softmax_scale=scale, window_size=window_size,
-                                          softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                          return_lse=return_lse)
-    q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
-    alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
-    out, lse, _ = pick(_attn_fwd_op, _attn_eager)(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal,
-                               float(scale), int(window_size[0]), int(window_size[1]), float(softcap), alibi,
-                               float(dropout_p), bool(deterministic))
-    return (out, lse) if return_lse else out
+    return _attend(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   batch=cu_seqlens_q.numel() - 1, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                   window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                   return_lse=return_lse, return_attn_probs=return_attn_probs, backend=backend)

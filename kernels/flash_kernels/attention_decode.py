@@ -1,9 +1,10 @@
-"""Attention over a KV cache (decoding), as FlashAttention-2's ``flash_attn_with_kvcache``.
+"""Attention over a KV cache (decoding), as FlashAttention-2's ``flash_attn_with_kvcache``, with its arguments.
 
-The new keys/values (if given) are written into the cache in place at positions ``cache_seqlens[b] ...``;
-then the queries attend over the first ``cache_seqlens[b] + S_new`` cache entries, causal aligned
-bottom-right (the last query row sees the whole cache). ``cache_seqlens`` is the length *before* the append
-and is not modified; the caller advances it.
+The new keys/values (if given; rotated first with ``rotary_cos``/``rotary_sin``) are written into the cache in
+place at positions ``cache_seqlens[b] ...``; then the queries attend over cache entries
+[``cache_leftpad[b]``, ``cache_seqlens[b] + S_new``), masks aligned bottom-right (the last query row sits at the
+last key). ``cache_seqlens`` is the length *before* the append and is not modified; the caller advances it.
+A per-row cache read through ``cache_batch_idx`` is taken as a paged cache whose pages are its rows.
 
 The Triton path uses a split-KV ("flash-decoding") schedule: the cache is cut into chunks along its length,
 one program per (chunk, batch, kv head) computes a partial softmax over its chunk for all query rows of the
@@ -16,6 +17,7 @@ read through the table, row by row, so any page size works.
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._backend import capturing_cuda_graph, triton_interpreter_enabled, use_triton
 from ._launch import lean_launch
@@ -23,51 +25,86 @@ from ._triton_compat import tl, triton
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import TRIGGER_BEFORE_WAIT, launch_options, wait_for_predecessor
 from ._triton_utils import cdiv, next_power_of_2, sm_count
-from .attention import _check_common, _check_float_dtype, _triton_unsupported, _window_bounds
-from .attention_ref import _attention_ref
-from .attention_tiles import LOG2E, _load_rows, _mm, _scores, _store_rows
-from .kv_append import kv_append
+from .attention import _check_common, _check_float_dtype, _triton_unsupported, _window_bounds, block_d
+from .attention_ref import _alibi_2d, _attention_ref
+from .attention_tiles import LN2, LOG2E, _load_rows, _mm, _scores, _store_rows
+from .kv_append import kv_append, kv_append_ref
+from .rotary import apply_rotary
 
 # ----------------------------------------------------------------------------------------------------------
 # Reference
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table):
-    """Write k/v (B, S_new, Hkv, D) into the caches at positions cache_seqlens[b] + t, in place."""
-    if k is None:
-        return
-    slots = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)  # (B, S_new)
-    kv_append(k_cache, v_cache, k, v, slots, block_table=block_table)
+def _rotary_positions(cache_seqlens, length, per_token):
+    """(B, length) positions of new tokens: cache_seqlens[b] + t, or cache_seqlens[b] for every token."""
+    base = cache_seqlens.long()[:, None]
+    if per_token:
+        return base + torch.arange(length, device=base.device)
+    return base.expand(-1, length)
 
 
-def _gather_cache(cache, b, length, block_table):
-    """(length, Hkv, D): the first ``length`` entries of batch row b's cache."""
+def _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, *, causal, window_size, interleaved, backend):
+    """FA2's rotary in the kvcache call: the new keys rotate at positions cache_seqlens + t; the queries too when
+    the attention is causal or local, else all at position cache_seqlens."""
+    per_token_q = causal or tuple(window_size) != (-1, -1)
+    k = apply_rotary(k, rotary_cos, rotary_sin, interleaved=interleaved, backend=backend,
+                     position_ids=_rotary_positions(cache_seqlens, k.shape[1], True))
+    q = apply_rotary(q, rotary_cos, rotary_sin, interleaved=interleaved, backend=backend,
+                     position_ids=_rotary_positions(cache_seqlens, q.shape[1], per_token_q))
+    return q, k
+
+
+def _cache_table(block_table, cache_batch_idx):
+    """The block table the kernels read: a paged cache's, or for a per-row cache read through ``cache_batch_idx``
+    one page a row, the whole row (a per-row cache is a paged one whose pages are its rows), or None."""
+    if block_table is not None or cache_batch_idx is None:
+        return block_table
+    return cache_batch_idx[:, None]
+
+
+def _gather_cache(cache, b, start, length, block_table):
+    """(length - start, Hkv, D): entries [start, length) of batch row b's cache."""
     if block_table is None:
-        return cache[b, :length]
+        return cache[b, start:length]
     page_size = cache.shape[1]
     n_pages = -(-length // page_size)
     pages = block_table[b, :n_pages].long()
-    return cache[pages].reshape(-1, *cache.shape[2:])[:length]
+    return cache[pages].reshape(-1, *cache.shape[2:])[start:length]
 
 
 def flash_attn_with_kvcache_ref(
-    q, k_cache, v_cache, *, cache_seqlens, k=None, v=None, causal=True, softmax_scale=None, window_size=(-1, -1),
-    softcap=0.0, block_table=None,
+    q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+    cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    rotary_interleaved=True, alibi_slopes=None, return_softmax_lse=False,
 ):
-    """Plain PyTorch reference: appends k/v in place, then attends per batch row in float32."""
+    """Plain PyTorch reference, FA2's semantics: rotates and appends k/v in place, then attends per batch row over
+    its cache entries [cache_leftpad[b], cache_seqlens[b] + S_new) in float32. The caller has checked the inputs
+    (``flash_attn_with_kvcache`` does)."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    cache_seqlens = _seqlens_tensor(cache_seqlens, q)
-    _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    s_new = k.shape[1] if k is not None else 0
-    outs = []
+    table = _cache_table(block_table, cache_batch_idx)
+    cache_seqlens = _seqlens_tensor(cache_seqlens, q, _capacity(k_cache, table))
+    if rotary_cos is not None:
+        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, causal=causal, window_size=window_size,
+                           interleaved=rotary_interleaved, backend="reference")
+    s_new = 0
+    if k is not None:
+        s_new = k.shape[1]
+        slots = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k.device)  # (B, S_new)
+        kv_append_ref(k_cache, v_cache, k, v, slots, block_table=table)
+    alibi = _alibi_2d(alibi_slopes, q.shape[0], q.shape[2])
+    starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * q.shape[0]
+    outs, lses = [], []
     for b, length in enumerate((cache_seqlens + s_new).tolist()):
-        kb = _gather_cache(k_cache, b, length, block_table)[None]  # (1, L, Hkv, D)
-        vb = _gather_cache(v_cache, b, length, block_table)[None]
-        o, _ = _attention_ref(q[b:b + 1], kb, vb, causal=causal, softmax_scale=scale, window_size=tuple(window_size),
-                              softcap=softcap, alibi_slopes=None, dropout_p=0.0, dropout_mask=None)
+        kb = _gather_cache(k_cache, b, starts[b], length, table)[None]  # (1, L, Hkv, D)
+        vb = _gather_cache(v_cache, b, starts[b], length, table)[None]
+        o, lse = _attention_ref(q[b:b + 1], kb, vb, causal=causal, softmax_scale=scale, window_size=tuple(window_size),
+                                softcap=softcap, alibi_slopes=None if alibi is None else alibi[b:b + 1],
+                                dropout_p=0.0, dropout_mask=None)
         outs.append(o)
-    return torch.cat(outs, dim=0)
+        lses.append(lse)
+    out = torch.cat(outs, dim=0)
+    return (out, torch.cat(lses, dim=0)) if return_softmax_lse else out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -190,12 +227,15 @@ def _with_fresh_rows(k, v, K, V, BlockTable, b64, hk, offs_n, hi, fresh_from, of
 
 
 @triton.jit
-def _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right, scale_log2, softcap,
-                 SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr):
-    """The online softmax over one key tile: (m_i, l_i, acc) updated."""
+def _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right, scale_log2, softcap, slope_log2,
+                 kv_lo, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, DOT_F32: tl.constexpr):
+    """The online softmax over one key tile: (m_i, l_i, acc) updated. ``slope_log2`` (ALIBI) is per row (M, 1);
+    with LEFTPAD the keys before ``kv_lo`` are invisible."""
     qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
-    s, _ = _scores(qk, i[:, None], offs_n[None, :], seqlen_q, len_k, left, right, scale_log2, softcap, 0.0,
-                   SOFTCAP, False, True)
+    s, _ = _scores(qk, i[:, None], offs_n[None, :], seqlen_q, len_k, left, right, scale_log2, softcap, slope_log2,
+                   SOFTCAP, ALIBI, True)
+    if LEFTPAD:
+        s = tl.where(offs_n[None, :] >= kv_lo, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: keep m = -inf, exp2 finite
     p = tl.math.exp2(s - m_use[:, None])
@@ -208,14 +248,15 @@ def _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right
 @lean_launch
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, Opart, Lpart, O, Seqlens, BlockTable, scale_log2, softcap,
+    Q, K, V, Opart, Lpart, O, Seqlens, BlockTable, Leftpad, Alibi, scale_log2, softcap,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
-    stride_ob, stride_os, stride_oh,
-    seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size,
+    stride_ob, stride_os, stride_oh, stride_ab,
+    seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size, capacity,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_TILES: tl.constexpr, PREFETCH_NEXT: tl.constexpr,
+    PAGED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, DOT_F32: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+    PREFETCH_NEXT: tl.constexpr,
 ):
     """Partial attention of the GQA group's query rows over cache chunk ``split``. Rows r = g * Sq + i.
     With SINGLE_SPLIT (one chunk covers the cache) the rows are final: written to O, no merge needed.
@@ -231,10 +272,15 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     if PREFETCH_KV == 0:
         wait_for_predecessor(PDL)  # inside flash_kernels.programmatic_launch(): see _pdl
-    len_k = tl.load(Seqlens + b) + n_new
+    # Never past the cache's ``capacity`` keys (the caller checks the lengths where that costs no sync; a length
+    # it cannot check, in a CUDA graph's capture, must still not read past the cache or the block table).
+    len_k = tl.minimum(tl.load(Seqlens + b) + n_new, capacity)
+    kv_lo = 0
+    if LEFTPAD:  # the row's cache starts at kv_lo (FA2's cache_leftpad): whole tiles before it are skipped
+        kv_lo = tl.load(Leftpad + b)
     # Keys any row may see, intersected with this split's chunk.
     off = len_k - seqlen_q
-    lo = tl.maximum(split * chunk, tl.maximum(off - left, 0) // BLOCK_N * BLOCK_N)
+    lo = tl.maximum(split * chunk, tl.maximum(tl.maximum(off - left, 0), kv_lo) // BLOCK_N * BLOCK_N)
     hi = tl.minimum(tl.minimum((split + 1) * chunk, len_k), seqlen_q - 1 + off + right + 1)
     start = lo
     fresh_from = len_k - tl.maximum(seqlen_q, n_new)  # the keys the kernel before may be appending
@@ -259,6 +305,9 @@ def _decode_split_kernel(
     g = offs_r // seqlen_q
     i = offs_r % seqlen_q
     h = hk * group + g
+    slope_log2 = 0.0
+    if ALIBI:
+        slope_log2 = (tl.load(Alibi + b64 * stride_ab + h, mask=row_ok, other=0.0) * LOG2E)[:, None]
     q_ptrs = Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -276,7 +325,8 @@ def _decode_split_kernel(
             k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
                             stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
             m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+                                         DOT_F32)
         if stale_hi == lo:
             wait_for_predecessor(PDL)
             q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
@@ -286,7 +336,8 @@ def _decode_split_kernel(
             k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
                             stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
             m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+                                         DOT_F32)
         start = hi
     else:
         q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)  # (M, D)
@@ -295,11 +346,13 @@ def _decode_split_kernel(
         # holds no key of the next chunk.
         if lo < hi:
             m_i, l_i, acc = _attend_tile(q, k0, v0, m_i, l_i, acc, i, first, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+                                         DOT_F32)
         if PREFETCH_TILES == 2:  # noqa: SIM102 (a compile-time branch: k1 and v1 exist only in it)
             if lo + BLOCK_N < hi:
                 m_i, l_i, acc = _attend_tile(q, k1, v1, m_i, l_i, acc, i, first + BLOCK_N, seqlen_q, len_k, left,
-                                             right, scale_log2, softcap, SOFTCAP, DOT_F32)
+                                             right, scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+                                         DOT_F32)
         start = lo + PREFETCH_TILES * BLOCK_N
     if PREFETCH_NEXT:
         k_next, v_next = _kv_tile(K, V, BlockTable, b64, hk, start + tl.arange(0, BLOCK_N), hi, offs_d, stride_btb,
@@ -312,14 +365,16 @@ def _decode_split_kernel(
                                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM,
                                       BLOCK_D, PAGED)  # past the chunk's end: masked, nothing read
             m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+                                         DOT_F32)
     else:
         for start_n in range(start, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
                             stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)  # (N, D) each
             m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, SOFTCAP, DOT_F32)
+                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+                                         DOT_F32)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if SINGLE_SPLIT:  # a row that saw no key gets zeros (acc is 0 there)
         out = O + b64 * stride_ob + i[:, None] * stride_os + h[:, None] * stride_oh + offs_d[None, :]
@@ -398,44 +453,52 @@ def _split_count(capacity, n_prog_other, sms):
     return max(1, min(DECODE_PROGRAMS_PER_SM * sms // n_prog_other, -(-capacity // DECODE_MIN_CHUNK)))
 
 
-def _split_plan(q, capacity, n_prog_other):
+def _split_plan(q, capacity, n_prog_other, num_splits=0):
     """(chunk, num_splits) for a cache of ``capacity`` keys and ``n_prog_other`` (batch x kv heads) programs
-    per split."""
+    per split; ``num_splits`` > 0 asks for that many (FA2's argument), fewer where the chunks would be empty."""
     if q.device.type == "cuda":
         sms = sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
         splits, align = _split_count(capacity, n_prog_other, sms), CHUNK_ALIGN
     else:
         splits, align = max(1, min(4, -(-capacity // 32))), 16  # the interpreter: a few splits so the merge is tested
+    if num_splits > 0:
+        splits = num_splits
     chunk = -(-capacity // splits)
     chunk = -(-chunk // align) * align
     return chunk, -(-capacity // chunk)
 
 
-def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr, softcap):
+def _capacity(k_cache, table):
+    """How many keys a batch row's cache holds: its length, or (paged) its pages' worth."""
+    return table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
+
+
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, leftpad, alibi, causal, scale, wl, wr,
+                  softcap, num_splits=0, return_lse=False):
+    """(out, lse: (B, Hq, Sq) float32, or an empty tensor unless ``return_lse``)."""
     paged = block_table is not None
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    capacity = _capacity(k_cache, block_table)
     s_new = k.shape[1] if k is not None else 0
     if k is not None:
-        # The capacity check reads the lengths on the host; skip it while a CUDA graph is being captured
-        # (a sync is illegal there), where the caller has checked the room up front.
-        if not capturing_cuda_graph() and int((cache_seqlens.max() + s_new).item()) > capacity:
-            raise ValueError(f"flash_attn_with_kvcache: cache_seqlens + new tokens exceeds the cache capacity {capacity}")
-        _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        # Clamped: a length the caller could not check (in a CUDA graph's capture) writes inside the cache.
+        slots = (cache_seqlens[:, None] + torch.arange(s_new, device=k.device, dtype=cache_seqlens.dtype))
+        kv_append(k_cache, v_cache, k, v, slots.clamp_(0, capacity - 1), block_table=block_table)
     bsz, seqlen_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
     out = torch.empty_like(q)
+    no_lse = q.new_empty(0, dtype=torch.float32)
     if q.numel() == 0:
-        return out
-    chunk, num_splits = _split_plan(q, capacity, bsz * hkv)
+        return out, q.new_empty(bsz, hq, seqlen_q, dtype=torch.float32) if return_lse else no_lse
+    chunk, splits = _split_plan(q, capacity, bsz * hkv, num_splits)
     rows = group * seqlen_q
     block_m = 16 if triton_interpreter_enabled() else min(64, max(16, next_power_of_2(rows)))
-    single = num_splits == 1
-    parts = 0 if single else num_splits  # one split writes the output itself
+    single = splits == 1 and not return_lse  # one split writes the output itself; the lse comes from the partials
+    parts = 0 if single else splits
     opart = torch.empty(parts, bsz, hq, seqlen_q, d, dtype=torch.float32, device=q.device)
     lpart = torch.empty(parts, bsz, hq, seqlen_q, dtype=torch.float32, device=q.device)
     left, right, _ = _window_bounds(causal, wl, wr, seqlen_q, capacity)
-    bd = next_power_of_2(d)
+    bd = block_d(d)
     table = block_table if paged else cache_seqlens
     dot_f32 = triton_interpreter_enabled() and q.dtype == torch.bfloat16
     prefetch_next = _prefetch_next(chunk, paged, d)
@@ -449,45 +512,52 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
     block_n, num_warps, num_stages = (16, 4, 1) if triton_interpreter_enabled() else tile
     pdl = programmatic_launch_enabled(q.device)
     launch = launch_options(pdl)
-    _decode_split_kernel[(num_splits, bsz * hkv, cdiv(rows, block_m))](
-        q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table, scale * LOG2E, softcap,
+    _decode_split_kernel[(splits, bsz * hkv, cdiv(rows, block_m))](
+        q, k_cache, v_cache, opart, lpart, out, cache_seqlens, table,
+        leftpad if leftpad is not None else cache_seqlens, alibi if alibi is not None else opart,
+        scale * LOG2E, softcap,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1,
-        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0, DOT_F32=dot_f32,
+        out.stride(0), out.stride(1), out.stride(2), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1, capacity,
+        HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0,
+        ALIBI=alibi is not None, LEFTPAD=leftpad is not None, DOT_F32=dot_f32,
         SINGLE_SPLIT=single, PDL=pdl, PREFETCH_KV=prefetch, PREFETCH_TILES=_prefetch_tiles(bd),
         PREFETCH_NEXT=prefetch_next,
         num_warps=num_warps, num_stages=num_stages,
         **launch,
     )
     if single:
-        return out
-    block_s = max(2, next_power_of_2(num_splits))
+        return out, no_lse
+    block_s = max(2, next_power_of_2(splits))
     combine_warps = 1 if block_s * bd <= COMBINE_ONE_WARP_ELEMENTS and bd <= 128 else 4
     _decode_combine_kernel[(bsz * hq * seqlen_q,)](
-        opart, lpart, out, num_splits, hq, seqlen_q,
+        opart, lpart, out, splits, hq, seqlen_q,
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_S=block_s, PDL=pdl, num_warps=combine_warps, **launch,
     )
-    return out
+    # The partials' log-sum-exps are in log2 units; a row that saw no key has -inf in every split.
+    return out, torch.logsumexp(lpart * LN2, dim=0) if return_lse else no_lse
 
 
 @torch.library.custom_op("flash_kernels::attn_kvcache", mutates_args=("k_cache", "v_cache"))
 def _kvcache_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-    k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None, causal: bool,
-    softmax_scale: float, window_left: int, window_right: int, softcap: float,
-) -> torch.Tensor:
-    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, softmax_scale,
-                         window_left, window_right, softcap)
+    k: torch.Tensor | None, v: torch.Tensor | None, block_table: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None, alibi_slopes: torch.Tensor | None, causal: bool, softmax_scale: float,
+    window_left: int, window_right: int, softcap: float, num_splits: int, return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad, alibi_slopes, causal,
+                         softmax_scale, window_left, window_right, softcap, num_splits, return_lse)
 
 
 @_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, softmax_scale, window_left, window_right, softcap):
-    return torch.empty_like(q)
+def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_leftpad, alibi_slopes, causal, softmax_scale,
+      window_left, window_right, softcap, num_splits, return_lse):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (0,)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -495,13 +565,23 @@ def _(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, softmax_sca
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _seqlens_tensor(cache_seqlens, q):
+def _seqlens_tensor(cache_seqlens, q, capacity):
+    """cache_seqlens as int32 (B,): FA2 takes an int for every row, or None for full caches."""
+    if cache_seqlens is None:
+        cache_seqlens = capacity
     if isinstance(cache_seqlens, int):
         return torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     return cache_seqlens
 
 
-def _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table):
+def _check_index(op, name, t, bsz, device):
+    if t is not None and (t.dtype != torch.int32 or t.shape != (bsz,) or t.device != device):
+        raise ValueError(f"{op}: {name} must be int32 of shape ({bsz},) on {device}, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+
+
+def _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, cache_leftpad,
+                   rotary_cos, rotary_sin, num_splits):
     if q.dim() != 4 or k_cache.dim() != 4:
         raise ValueError(f"{op}: q (B, S, Hq, D) and k_cache must be 4-D, got {q.dim()}-D and {k_cache.dim()}-D")
     if k_cache.shape != v_cache.shape:
@@ -515,10 +595,12 @@ def _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table):
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(f"{op}: q and cache dtypes differ: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     _check_float_dtype(op, q.dtype)
-    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (bsz,):
-        raise ValueError(f"{op}: cache_seqlens must be int32 of shape ({bsz},), got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device or k_cache.device != q.device:
-        raise ValueError(f"{op}: q, caches and cache_seqlens must be on one device")
+    if k_cache.device != q.device or v_cache.device != q.device:
+        raise ValueError(f"{op}: q and the caches must be on one device, got {q.device}, {k_cache.device}, {v_cache.device}")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_index(op, "cache_seqlens", cache_seqlens, bsz, q.device)
+    elif cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        raise ValueError(f"{op}: cache_seqlens must be an int32 tensor (B,), an int or None, got {type(cache_seqlens)}")
     if (k is None) != (v is None):
         raise ValueError(f"{op}: pass both k and v to append, or neither")
     if k is not None:
@@ -526,52 +608,153 @@ def _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table):
             raise ValueError(
                 f"{op}: k/v to append must both be ({bsz}, S_new, {hkv}, {d}), got {tuple(k.shape)} and {tuple(v.shape)}"
             )
+    _check_index(op, "cache_batch_idx", cache_batch_idx, bsz, q.device)
+    _check_index(op, "cache_leftpad", cache_leftpad, bsz, q.device)
     if block_table is None:
-        if k_cache.shape[0] != bsz:
-            raise ValueError(f"{op}: k_cache batch ({k_cache.shape[0]}) != q batch ({bsz})")
+        if cache_batch_idx is None and k_cache.shape[0] != bsz:
+            raise ValueError(f"{op}: k_cache batch ({k_cache.shape[0]}) != q batch ({bsz}); pass cache_batch_idx to "
+                             "read other cache rows")
     else:
         if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != bsz:
             raise ValueError(
                 f"{op}: block_table must be int32 (B={bsz}, max_blocks), got {block_table.dtype} {tuple(block_table.shape)}"
             )
+        if cache_batch_idx is not None:
+            raise ValueError(f"{op}: cache_batch_idx with a paged cache (block_table) is not supported (as in FA2): "
+                             "the block table already picks each row's pages")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError(f"{op}: pass both rotary_cos and rotary_sin, or neither")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError(f"{op}: rotary_cos/rotary_sin rotate the new keys: pass k and v too (as FA2 requires)")
+        rotary_dim = 2 * rotary_cos.shape[-1]
+        capacity = _capacity(k_cache, _cache_table(block_table, cache_batch_idx))
+        if rotary_cos.dim() != 2 or rotary_cos.shape != rotary_sin.shape or rotary_dim > d:
+            raise ValueError(f"{op}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2) with "
+                             f"rotary_dim <= {d}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"{op}: rotary_cos/rotary_sin cover {rotary_cos.shape[0]} positions, fewer than the "
+                             f"cache's {capacity}")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"{op}: num_splits must be an int >= 0 (0: chosen by the heuristic), got {num_splits!r}")
+
+
+# cache_seqlens tensors already checked on the device -> the arguments they were checked with (see _check_lengths).
+_CHECKED_LENGTHS = WeakIdKeyDictionary()
+
+
+def _version(t):
+    return None if t is None or t.is_inference() else (id(t), t._version)
+
+
+def _check_lengths(op, cache_seqlens, s_new, capacity, cache_leftpad, table, n_pages, page_size):
+    """Every row's keys inside its cache: 0 <= cache_seqlens, cache_seqlens + s_new <= capacity, 0 <=
+    cache_leftpad <= cache_seqlens, and the pages those keys use in [0, n_pages). A ValueError on the CPU; on CUDA
+    an asynchronous device assert (reading the lengths on the host would stall the launch queue), once per lengths
+    tensor version (inference tensors have none: once), and nothing while a CUDA graph is captured (the kernel
+    still reads no key past the capacity); under torch.compile an assert in the graph."""
+    compiling = torch.compiler.is_compiling()  # traced into the graph: a device assert, no host read
+    on_device = cache_seqlens.is_cuda and not compiling
+    if on_device:
+        if capturing_cuda_graph():
+            return
+        key = (_version(cache_seqlens), s_new, capacity, _version(cache_leftpad), _version(table), n_pages)
+        if _CHECKED_LENGTHS.get(cache_seqlens) == key:
+            return
+    lengths = cache_seqlens.long() + s_new
+    problems = {
+        "cache_seqlens must be >= 0": cache_seqlens < 0,
+        f"cache_seqlens + {s_new} new tokens exceeds the cache capacity {capacity}"
+        + (f" ({table.shape[1]} pages of {page_size} in block_table)" if table is not None and page_size else ""):
+            lengths > capacity,
+    }
+    if cache_leftpad is not None:
+        problems["cache_leftpad must be in [0, cache_seqlens]"] = (cache_leftpad < 0) | (cache_leftpad > cache_seqlens)
+    if table is not None:
+        used = torch.arange(table.shape[1], device=table.device) < (lengths[:, None] + page_size - 1) // page_size
+        problems[f"block_table (or cache_batch_idx) names pages (rows) outside [0, {n_pages})"] = (
+            used & ((table < 0) | (table >= n_pages))).any(dim=1)
+    if on_device or compiling:
+        valid = ~torch.stack([bad.reshape(bad.shape[0], -1).any(dim=1) for bad in problems.values()]).any()
+        torch._assert_async(valid, f"{op}: a row's keys fall outside its cache: " + "; ".join(problems))
+        if on_device:
+            _CHECKED_LENGTHS[cache_seqlens] = key
+        return
+    for message, bad in problems.items():
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0, 0])
+            raise ValueError(f"{op}: {message} (batch row {row}: cache_seqlens {int(cache_seqlens[row])})")
 
 
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    *,
-    cache_seqlens: torch.Tensor | int,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
-    causal: bool = True,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: torch.Tensor | int | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
     softmax_scale: float | None = None,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-    block_table: torch.Tensor | None = None,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
     backend: str | None = None,
-) -> torch.Tensor:
-    """Decode-time attention. q (B, S_q, Hq, D); k_cache/v_cache (B, S_cache, Hkv, D), or with
-    ``block_table`` (B, max_blocks) int32 a paged cache (num_blocks, block_size, Hkv, D). k/v (B, S_new, Hkv, D)
-    are appended at ``cache_seqlens`` (int32 (B,), the lengths before the append) in place. Returns
-    (B, S_q, Hq, D). No backward (as in FA2).
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time attention, FlashAttention-2's ``flash_attn_with_kvcache``: its arguments in its order, with its
+    defaults (``causal=False``: pass ``causal=True`` for a causal prefill chunk; a single query row is unaffected).
 
-    Inside ``flash_kernels.programmatic_launch()`` the kernel reads the cache, ``cache_seqlens`` and
-    ``block_table`` before it waits for the kernel launched just before it, except each row's newest
+    q (B, S_q, Hq, D); k_cache/v_cache (B_cache, S_cache, Hkv, D), or with ``block_table`` (B, max_blocks) int32 a
+    paged cache (num_blocks, page_size, Hkv, D), any page size. ``cache_seqlens`` (int32 (B,), or an int; None:
+    every cache full) are the lengths before the append; they are not modified. k/v (B, S_new, Hkv, D) are
+    written into the cache in place at positions cache_seqlens[b] + t, then the queries attend over the cache
+    entries [cache_leftpad[b] (default 0), cache_seqlens[b] + S_new), causal and windows aligned bottom-right
+    (the last query row at the last key). ``rotary_cos``/``rotary_sin`` (seqlen_ro, rotary_dim / 2) rotate the new
+    keys at positions cache_seqlens[b] + t and the queries at the same positions when causal or local, else all
+    at cache_seqlens[b] (``rotary_interleaved``: pairs (0, 1), (2, 3)...; else GPT-NeoX's halves); the rotated
+    keys are what the cache keeps. ``cache_batch_idx`` (int32 (B,)): batch row b reads and appends to cache
+    row cache_batch_idx[b] (per-row caches only). ``alibi_slopes`` (Hq,) or (B, Hq) float32. ``num_splits``: how
+    many chunks the cache is split into (0: a heuristic). Returns (B, S_q, Hq, D), and with
+    ``return_softmax_lse`` also the log-sum-exp (B, Hq, S_q) float32 (-inf for a row that sees no key). No
+    backward (as in FA2). Cache lengths are checked without a host sync: a ValueError on the CPU, a device
+    assert on CUDA (not during a CUDA graph's capture, where the kernel still never reads past the cache).
+
+    Inside ``flash_kernels.programmatic_launch()`` the kernel reads the cache, ``cache_seqlens``, ``block_table``
+    (or ``cache_batch_idx``), ``cache_leftpad`` and ``alibi_slopes`` before it waits for the kernel launched just
+    before it, except each row's newest
     ``max(S_q, S_new)`` keys: that kernel may write those (an append, as ``kv_append`` and ``rotary_kv_append``
     do) but nothing else this call reads."""
     op = "flash_attn_with_kvcache"
-    cache_seqlens = _seqlens_tensor(cache_seqlens, q)
-    _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table)
-    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=0.0, alibi_slopes=None,
+    _check_kvcache(op, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, cache_leftpad,
+                   rotary_cos, rotary_sin, num_splits)
+    table = _cache_table(block_table, cache_batch_idx)
+    capacity = _capacity(k_cache, table)
+    cache_seqlens = _seqlens_tensor(cache_seqlens, q, capacity)
+    _check_common(op, window_size=window_size, softcap=softcap, dropout_p=0.0, alibi_slopes=alibi_slopes,
                   batch=q.shape[0], hq=q.shape[2], device=q.device)
+    _check_lengths(op, cache_seqlens, k.shape[1] if k is not None else 0, capacity, cache_leftpad, table,
+                   k_cache.shape[0], k_cache.shape[1])
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if not use_triton(backend, q, op=op, unsupported=_triton_unsupported(q)):
-        return flash_attn_with_kvcache_ref(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k=k, v=v, causal=causal,
-                                           softmax_scale=scale, window_size=window_size, softcap=softcap,
-                                           block_table=block_table)
+        return flash_attn_with_kvcache_ref(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, return_softmax_lse)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{op}: the caches must be contiguous in the head dim (they are written in place)")
+    if rotary_cos is not None:
+        q, k = _rotate_new(q, k, rotary_cos, rotary_sin, cache_seqlens, causal=causal, window_size=window_size,
+                           interleaved=rotary_interleaved, backend="triton")
     q = q if q.stride(-1) == 1 else q.contiguous()
-    return _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, float(scale),
-                       int(window_size[0]), int(window_size[1]), float(softcap))
+    alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+    out, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, table, cache_leftpad, alibi, causal, float(scale),
+                           int(window_size[0]), int(window_size[1]), float(softcap), int(num_splits),
+                           bool(return_softmax_lse))
+    return (out, lse) if return_softmax_lse else out

@@ -22,8 +22,8 @@ import torch
 from ._backend import use_triton
 from ._triton_utils import eager_function, pick
 from .attention import (
-    _attn_bwd_impl, _attn_fwd_impl, _check_common, _check_cu_seqlens, _check_qkv, _contiguous_last,
-    _triton_unsupported,
+    _attn_bwd_impl, _attn_fwd_impl, _check_common, _check_cu_seqlens, _check_qkv, _contiguous_last, _outputs,
+    _triton_unsupported, fa2_attn_probs,
 )
 from .attention_ref import flash_attn_func_ref, flash_attn_varlen_func_ref
 
@@ -151,7 +151,7 @@ _packed_eager = eager_function("FlashAttentionQKVPacked", _packed_fwd_impl, _set
 
 
 def _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, *, causal, softmax_scale, window_size, softcap,
-                   alibi_slopes, dropout_p, deterministic, return_lse, backend):
+                   alibi_slopes, dropout_p, deterministic, return_lse, return_attn_probs, backend):
     """Shared by both public functions once qkv is heads-concatenated and (for varlen) cu_seqlens is checked."""
     q, k, v = _split(qkv, num_heads_kv)
     dense = cu_seqlens is None
@@ -159,57 +159,65 @@ def _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, *, causal, sof
     batch = qkv.shape[0] if dense else cu_seqlens.numel() - 1
     _check_common(op, window_size=window_size, softcap=softcap, dropout_p=dropout_p, alibi_slopes=alibi_slopes,
                   batch=batch, hq=q.shape[-2], device=qkv.device)
+    if return_attn_probs:
+        fa2_attn_probs(op, dropout_p)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     common = dict(causal=causal, softmax_scale=scale, window_size=window_size, softcap=softcap,
-                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_lse)
+                  alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=True)
     if not use_triton(backend, qkv, op=op, unsupported=_triton_unsupported(q)):
         if dense:
-            return flash_attn_func_ref(q, k, v, **common)
-        return flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, **common)
+            out, lse = flash_attn_func_ref(q, k, v, **common)
+        else:
+            out, lse = flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, **common)
+        return _outputs(out, lse, return_lse, return_attn_probs)
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
     out, lse, _ = pick(_packed_fwd_op, _packed_eager)(
         _contiguous_last(qkv), num_heads_kv, cu_seqlens, int(max_seqlen), causal, float(scale), int(window_size[0]),
         int(window_size[1]), float(softcap), alibi, float(dropout_p), bool(deterministic),
     )
-    return (out, lse) if return_lse else out
+    return _outputs(out, lse, return_lse, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
     qkv: torch.Tensor,
-    *,
-    num_heads_kv: int | None = None,
-    causal: bool = False,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    num_heads_kv: int | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
     """``flash_attn_func`` over a packed qkv: (B, S, 3, H, D) or (B, S, Hq + 2 * Hkv, D) (see the module
-    docstring) -> (B, S, Hq, D) [, lse (B, Hq, S)]. The gradient comes back as one tensor shaped like qkv."""
+    docstring) -> (B, S, Hq, D) [, lse (B, Hq, S)]. The gradient comes back as one tensor shaped like qkv.
+    FlashAttention-2's signature (see ``flash_attn_func``); ``num_heads_kv`` (GQA) is ours, keyword-only."""
     op = "flash_attn_qkvpacked_func"
     qkv, num_heads_kv = _heads_concatenated(op, qkv, num_heads_kv, dense=True)
     return _attend_packed(op, qkv, num_heads_kv, None, qkv.shape[1], causal=causal, softmax_scale=softmax_scale,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                          deterministic=deterministic, return_lse=return_lse, backend=backend)
+                          deterministic=deterministic, return_lse=return_lse,
+                          return_attn_probs=return_attn_probs, backend=backend)
 
 
 def flash_attn_varlen_qkvpacked_func(
     qkv: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
-    *,
-    num_heads_kv: int | None = None,
-    causal: bool = False,
+    dropout_p: float = 0.0,
     softmax_scale: float | None = None,
+    causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
     deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    num_heads_kv: int | None = None,
     return_lse: bool = False,
     backend: str | None = None,
 ):
@@ -222,4 +230,5 @@ def flash_attn_varlen_qkvpacked_func(
         raise ValueError(f"{op}: max_seqlen ({max_seqlen}) is smaller than the longest sequence ({longest})")
     return _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, causal=causal, softmax_scale=softmax_scale,
                           window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                          deterministic=deterministic, return_lse=return_lse, backend=backend)
+                          deterministic=deterministic, return_lse=return_lse,
+                          return_attn_probs=return_attn_probs, backend=backend)

@@ -53,7 +53,7 @@ def test_kvcache_matches_reference(case, dtype, splits, monkeypatch):
     current one's dots ("next": what long chunks of a contiguous cache get on the GPU; here paged caches too,
     which the kernel takes as well)."""
     if splits.startswith("single"):
-        monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other: (capacity, 1))
+        monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other, num_splits=0: (capacity, 1))
     monkeypatch.setattr(dec, "_prefetch_kv", lambda device: "prefetch" in splits or "inloop" in splits)
     monkeypatch.setattr(dec, "_prefetch_next", lambda chunk, paged, head_dim: splits.endswith("next"))
     if splits.endswith("prefetch2"):
@@ -138,7 +138,7 @@ def test_decode_steps_equal_full_attention():
     seqlens = torch.zeros(bsz, dtype=torch.int32, device=DEVICE)
     prefill = 15
     out = flash_attn_with_kvcache(q[:, :prefill], kc, vc, cache_seqlens=seqlens, k=k[:, :prefill], v=v[:, :prefill],
-                                  block_table=table, backend="triton")
+                                  block_table=table, causal=True, backend="triton")
     assert_close(out, full[:, :prefill], torch.float16, name="prefill")
     seqlens += prefill
     for t in range(prefill, total):
@@ -155,7 +155,7 @@ def test_very_negative_scores_with_window():
     kc = (-3.0 + 0.1 * torch.randn(1, 64, 2, 32, device=DEVICE)).half()
     vc = torch.randn(1, 64, 2, 32, dtype=torch.float16, device=DEVICE)
     lens = torch.tensor([60], dtype=torch.int32, device=DEVICE)
-    kw = dict(cache_seqlens=lens, softmax_scale=1.0, window_size=(5, 0))
+    kw = dict(cache_seqlens=lens, softmax_scale=1.0, window_size=(5, 0), causal=True)
     out = flash_attn_with_kvcache(q, kc, vc, **kw, backend="triton")
     ref = flash_attn_with_kvcache_ref(q, kc.clone(), vc.clone(), **kw)
     assert_close(out, ref, torch.float16, name="out")
@@ -185,8 +185,9 @@ def test_kvcache_validation_errors():
     with pytest.raises(ValueError, match="capacity"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([16, 0], dtype=torch.int32, device=DEVICE),
                                 k=kc[:, :1].clone(), v=vc[:, :1].clone(), backend="triton")
+    wide = torch.randn(2, 1, 4, 264, dtype=torch.float16, device=DEVICE)  # past FA2's 256 too
     with pytest.raises(ValueError, match="head dim"):
-        flash_attn_with_kvcache(q[..., :16], kc[..., :16], vc[..., :16], cache_seqlens=lens, backend="triton")
+        flash_attn_with_kvcache(wide, wide[:, :, :2], wide[:, :, :2], cache_seqlens=1, backend="triton")
 
 
 def test_kvcache_torch_compile_fullgraph():
