@@ -23,11 +23,9 @@ atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group, o
 
 The forward loads its Q, K, V tiles either with pointer loads or (``TMA``, Hopper and newer) through tensor
 descriptors that each program builds on the device over its own sequence, so rows past the sequence's end and
-columns past the head dim arrive as zeros. Which one runs is an autotune choice, not a replacement: measured on an
-H200 (session 16, CUDA-graph replay, head dim 128), TMA (BLOCK_M 128, BLOCK_N 64, 4 warps, 2 stages) took
-320 / 584 / 1120 us against 352 / 614 / 1188 at S = 1k / 2k / 4k non-causal and 373 / 647 against 387 / 668
-causal at 2k / 4k, but lost at 1k causal (237 vs 225), at head dim 64 (0.91-1.0x) and at BERT's varlen S = 128
-(77 vs 51). TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
+columns past the head dim arrive as zeros. Which one runs is an autotune choice, not a replacement: on an H200
+(`flash-models bench attention --graphs --hdims 128`) TMA tiles win at head dim 128 from 1k keys non-causal and
+2k causal, and lose at 1k causal, at head dim 64 and at BERT's varlen S = 128. TMA configs are only candidates where they can run (``_tma_flag``: the device, the Triton version, the
 16-byte alignment of every descriptor base and row stride); tests force or forbid them (``_set_tma_loads``).
 
 On a Hopper GPU the forward of fp16/bf16 attention at head dims 128 and 64 from 128 keys, causal or not, with no

@@ -117,60 +117,41 @@ def flash_attn_with_kvcache_ref(
 # multiples of CHUNK_ALIGN so no key tile (BLOCK_N <= CHUNK_ALIGN) straddles two splits.
 # DECODE_TILE = (BLOCK_N, num_warps, num_stages) is fixed, not autotuned: autotuning re-reads one cache and so
 # measures L2, not HBM. Three stages of 64-key K and V tiles (96 KB at head dim 128) leave room for two
-# programs per SM. The two schedule numbers come from `bench attention --decode-sweep` on an H200
-# (2026-11-22): 2 programs per SM was best at batch 1 (the target case); batch 16 preferred 4 (~10% faster).
-# On an H100 (2026-11-23) a sweep of tiles x programs per SM at batch 1 / 8k found 0.78 of copy bandwidth at
-# best against 0.76 for this choice, and merging the splits inside this kernel (an atomic counter, the last
-# split merges) instead of a second launch measured 1.00x: inside a CUDA graph the merge launch is free.
-# The minimum chunk was 256 keys until an H100 run of scripts/profile/decode_chunk_sweep.py (2026-11-25, PDL):
-# a graph's split plan follows the cache's capacity, which generation rounds up to 256 positions, so with
-# 256-key chunks a short cache decodes in one or two programs per kv head walking four 64-key tiles in a row.
-# 64-key chunks (a tile per program, the merge launch after), ms/step at batch 1, two rounds each, 64 vs 256:
-# LLaMA-1.1B prompt 512 1.07 vs 1.12, prompt 128 1.06-1.11 vs 1.04-1.10 (no gain), GPT-2 0.32-0.34 vs
-# 0.35-0.37; decode attention alone at 2k keys 0.53 vs 0.48 of copy bandwidth, 8k unchanged (0.79 vs 0.78-0.80).
+# programs per SM. The schedule numbers come from `flash-models bench attention --decode-sweep` on an H200:
+# 2 programs per SM is best at batch 1 (the target case; batch 16 prefers 4). Merging the splits inside this
+# kernel (an atomic counter, the last split merges) instead of a second launch gains nothing: inside a CUDA
+# graph the merge launch is free.
+# Chunks are as short as 64 keys (a tile per program, the merge launch after): a graph's split plan follows the
+# cache's capacity, which generation rounds up to 256 positions, and with longer minimum chunks a short cache
+# decodes in one or two programs per kv head walking several tiles in a row (GPT-2's batch-1 step is faster
+# with 64, LLaMA-1.1B's level: `flash-models bench generate --batches 1`).
 # The split count is rounded down, so the programs never pass one wave of DECODE_PROGRAMS_PER_SM per SM (the
-# occupancy the tile allows): rounding up sent batch 16 x 16 kv heads over 8k keys (256 programs, 132 SMs) to
-# two splits, 512 programs in 1.94 waves, 0.92 of copy bandwidth; one split (no merge launch) runs at 1.02
-# (H100, 2026-11-25, `bench attention --decode-sweep`). It also gives GPT-2 at batch 16 (192 programs over a
-# few hundred keys) one split, which a special case used to do.
+# occupancy the tile allows): rounding up sends batch 16 x 16 kv heads over 8k keys (256 programs, 132 SMs) to
+# two splits, 512 programs in 1.94 waves, against one split with no merge launch, which streams at copy
+# bandwidth (`bench attention --decode-sweep`). It also gives GPT-2 at batch 16 (192 programs over a few
+# hundred keys) one split.
 DECODE_PROGRAMS_PER_SM = 2
 DECODE_MIN_CHUNK = 64
 CHUNK_ALIGN = 128
 DECODE_TILE = (64, 4, 3)
 # A split walking a long chunk of a contiguous cache at head dims 65-128 loads its next key tile into registers
 # before the current tile's dots (``PREFETCH_NEXT``), with no cp.async stages: the compiled pipeline above
-# issues tile i+2's copies only after tile i's dots, so one tile is in flight while a tile is computed. Decode
-# alone against the pipelined loop, H100 (2026-11-26, session 20, docs/benchmarks.md Attention), fraction of
-# copy bandwidth, plain / PDL (early trigger at batch 1): batch x keys, 16 heads: 32 x 4096 (one split) 0.93 ->
-# 1.03; 16 x 8192 1.02 / 0.97 -> 1.03 / 1.03; 8 x 8192 (4096-key chunks) 0.983 / 0.99 -> 0.996 / 0.997; 1 x
-# 65536 0.987 / 0.983 -> 0.992 / 1.008; GQA (32 q, 8 kv heads): 32 x 4096 1.00 / 0.97 -> 1.02 / 1.02, 64 x 4096
-# 0.97 -> 1.03, 16 x 16384 1.01 -> 1.02; head dims 96 and 80 (32 x 4096, 16 heads, padded to 128): 0.83 ->
-# 0.92 and 0.74 -> 0.84. It loses at head dim 256 (16 x 8192, 8 heads: 1.02 -> 0.53: registers), is mixed at 64
-# (MHA 32 x 4096 0.98 / 0.91 -> 1.01 / 0.98, but 32 q / 4 kv heads, 32 x 8192: 0.93 -> 0.85), and loses on
-# shorter chunks (1 x 8192, 512 keys: 0.80 -> 0.78 with PDL; 4 x 8192, 2048 keys: 0.955 -> 0.932 with PDL) and
-# on paged caches (8 x 8192: 0.94 -> 0.89), whose rows come through the block table.
+# issues tile i+2's copies only after tile i's dots, so one tile is in flight while a tile is computed. It wins
+# on long chunks at head dims 65-128 (`flash-models bench attention --decode-batch 16,32 --decode-kv 4096,8192`:
+# one split streams at copy bandwidth), and loses at head dim 256 (registers), on shorter chunks and on paged
+# caches, whose rows come through the block table; at head dim 64 it is mixed, so it stays off there.
 PREFETCH_NEXT_MIN_CHUNK = 4096
 # Under programmatic launch with the early trigger (batch 1) the split kernel reads the start of its chunk
 # before it waits for the kernel before it (``_prefetch_kv``), in one of two ways (``_prefetch_mode``):
 # - PREFETCH_REGISTERS: the first key tiles into registers, PREFETCH_TILES_HEAD_DIM_64 of them at head dims up to
-#   64, one above (at head dim 128 two tiles, 64 KB of registers a program, spill: 0.56-0.57 of copy bandwidth at
-#   batch 1 / 8k keys / 16 heads against 0.78, measured as one 128-key dot);
+#   64, one above (at head dim 128 two tiles are 64 KB of registers a program, and spill);
 # - WAIT_IN_LOOP: the wait moves into the pipelined key loop's first step, so the tiles the pipeliner loads ahead
 #   of the loop (its first stages, in shared memory) go out before it: head dim 65-128, contiguous cache, with
 #   four stages (DECODE_TILE_WAIT_IN_LOOP, one program a SM) on chunks of WAIT_IN_LOOP_LONG_CHUNK keys or more.
-# H200 (2026-11-29, session 38, .scratch one-offs, decode alone graph-replayed as `bench attention` times it,
-# fraction of copy bandwidth, two rounds): 16 heads, head dim 128, batch 1: 8k keys (512-key chunks) 0.811-0.812
-# waiting in the loop with four stages against 0.763-0.764 for one register tile (0.757-0.771 with three
-# stages); 16k 0.927 against 0.889-0.890; 32k 0.983-0.984 against 0.967-0.968; 2k (128-key chunks) 0.498 with
-# three stages (four: 0.440) against 0.455; 32 q / 8 kv heads, 8k (256-key chunks) 0.665-0.667 with three
-# (four: 0.573-0.574) against 0.604-0.605. Head dim 64 prefers registers. Read as one 128-key dot (a first
-# form): GPT-2's shape (12 heads, 4k keys) 0.370-0.373 with two register tiles, 0.318-0.320 with one, 0.329-0.335
-# waiting in the loop; GPT-2 124M's batch-1 step 0.330-0.338 ms, 0.349-0.366 with one tile, 0.351-0.380 in the
-# loop. The shipped form attends the two tiles as two 64-key dots, the same arithmetic as plain launches (bit
-# for bit): GPT-2's step 0.337-0.341 ms against 0.352-0.355 with one tile, LLaMA-1.1B's (32 q / 4 kv heads)
-# 0.855-0.894 against 0.866-0.907 (level); `bench attention` at 12 heads, batch 1, 2k / 8k / 32k keys 0.278 /
-# 0.532 / 0.809 (the one-dot form 0.304 / 0.559 / 0.833 in an earlier call). Paged caches and head dim 256 keep
-# the register tile (not measured in the loop).
+# On an H200, waiting in the loop with four stages beats one register tile at 8k keys (the shipped mode reads
+# about 0.81 of copy bandwidth there: `flash-models bench attention --skip-train --decode-batch 1`); on 2k-key
+# caches (128-key chunks) three stages beat four, and head dim 64 prefers registers. Two register tiles are attended as two 64-key dots, the same arithmetic as plain launches (bit for
+# bit). Paged caches and head dim 256 keep the register tile (not measured in the loop).
 PREFETCH_REGISTERS, WAIT_IN_LOOP = 1, 2
 PREFETCH_TILES_HEAD_DIM_64 = 2
 WAIT_IN_LOOP_LONG_CHUNK = 512
@@ -179,15 +160,10 @@ DECODE_TILE_PREFETCH_NEXT = (64, 4, 1)
 
 # The merge kernel is one program per query row and head, a latency chain (load, reduce over the splits, store)
 # at batch 1. In one warp its reductions over the splits stay in registers and shuffles; with more, they cross
-# warps through shared memory. H100 (2026-11-26, session 22, docs/benchmarks.md Attention), decode alone with PDL,
-# fraction of copy bandwidth, 1 / 4 warps (three rounds each): batch 1, 16 heads, 16 splits: 8k keys 0.810-0.813 /
-# 0.795-0.796, 2k 0.568-0.569 / 0.540-0.547; GQA 32 q / 8 kv heads, 32 splits: 8k 0.712-0.714 / 0.645-0.646, 2k
-# 0.357-0.360 / 0.294-0.297, 32k 0.858 / 0.829-0.832; batch 16 level (1.023-1.024 / 1.024-1.025). Two warps were
-# slower than four. One warp holds (splits x head dim) float32 partials: up to COMBINE_ONE_WARP_ELEMENTS (128 a
-# thread) at head dims up to 128; bigger merges (many splits: MQA at batch 1) keep four warps, and so does head
-# dim 256, where one warp lost at batch 1 / 2k keys (0.418 against 0.429) and tied elsewhere. Other gains of
-# that call: MQA (32 q / 1 kv head) batch 8 / 8k 0.583 against 0.528; head dim 64, batch 1 / 8k 0.714 against
-# 0.700. A second H100 call: batch 1 / 8k 0.822-0.825 against 0.804-0.811.
+# warps through shared memory, which costs a short decode step several percent of copy bandwidth at batch 1
+# (`bench attention --decode-batch 1`; batch 16 is level). One warp holds (splits x head dim) float32 partials:
+# up to COMBINE_ONE_WARP_ELEMENTS (128 a thread) at head dims up to 128; bigger merges (many splits: MQA at
+# batch 1) keep four warps, and so does head dim 256, where one warp is no faster.
 COMBINE_ONE_WARP_ELEMENTS = 4096
 
 
@@ -419,10 +395,9 @@ def _prefetch_kv(device: torch.device) -> bool:
     ``_prefetch_mode``): in the early-trigger mode of programmatic dependent launch
     (``programmatic_launch(early_trigger=True)``, the decode step at batch 1), where that wait is most of a
     short decode step's attention. It relies on the chain's
-    contract (see ``flash_attn_with_kvcache``): the kernel before writes no key but the newest. On an H100
-    (2026-11-25, scripts/profile/decode_prefetch_ab.py) with the early trigger it took LLaMA-1.1B's batch-1 step
-    from 1.08-1.12 to 1.03-1.04 ms and GPT-2's from 0.358 to 0.345-0.348; at batch 16, with the trigger after
-    the wait, it cost 1-8% (GPT-2 0.47-0.49 vs 0.51-0.53 ms, LLaMA 1.46-1.48 vs 1.49-1.50). A function so that
+    contract (see ``flash_attn_with_kvcache``): the kernel before writes no key but the newest. It makes the
+    batch-1 decode step faster; at batch 16, with the trigger after the wait, reading early costs a few percent
+    (`flash-models bench generate --peers ours-pdl`), so it is off there. A function so that
     the interpreter tests can turn the reordered path on without PDL."""
     return programmatic_launch_enabled(device) == TRIGGER_BEFORE_WAIT
 
