@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from .engine import cache_and_runner
-from .sampling import choose, process_logits
+from .sampling import choose, process_logits, seen_tokens
 from .settings import GenerationSettings, resolve_settings
 
 
@@ -32,12 +32,6 @@ def _check_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty (batch, seq_len) prompt, got shape {tuple(input_ids.shape)}")
     dc = model.decoder_config
-    S = input_ids.shape[1]
-    if dc.learned_positions and S + settings.max_new_tokens > dc.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({S}) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
-            f"{dc.max_position_embeddings} positions"
-        )
     device = model.device
     input_ids = input_ids.to(device=device, dtype=torch.long)
     outside = (input_ids < 0) | (input_ids >= dc.vocab_size)
@@ -57,6 +51,13 @@ def _check_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor |
         attention_mask = attention_mask.long()
         if not attention_mask.bool().any(dim=1).all():
             raise ValueError("a row of attention_mask has no real token: every prompt needs at least one")
+    # Positions count real tokens (the cache holds them compacted): the longest row's must fit the table.
+    longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
+    if dc.learned_positions and longest + settings.max_new_tokens > dc.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
+            f"{dc.max_position_embeddings} positions"
+        )
     return input_ids, attention_mask
 
 
@@ -127,10 +128,8 @@ class Generation:
         device = self.input_ids.device
         logits = prefill_logits(model, self.input_ids, self.attention_mask, cache)
         seen = None
-        if s.repetition_penalty != 1.0:  # which tokens each row holds already (padding excluded)
-            real = torch.ones_like(self.input_ids) if self.attention_mask is None else self.attention_mask.long()
-            counts = torch.zeros(B, model.decoder_config.vocab_size, dtype=torch.long, device=device)
-            seen = counts.scatter_add_(1, self.input_ids, real) > 0
+        if s.repetition_penalty != 1.0:
+            seen = seen_tokens(self.input_ids, self.attention_mask, model.decoder_config.vocab_size)
         eos = torch.tensor(s.eos_ids, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stoppable = bool(s.eos_ids) or bool(s.stop_strings)

@@ -6,6 +6,13 @@ from __future__ import annotations
 import torch
 
 
+def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """(B, V) bool: the tokens each prompt row holds, padding excluded (what the repetition penalty starts from)."""
+    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    counts = torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.long, device=input_ids.device)
+    return counts.scatter_add_(1, input_ids, real) > 0
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """HF's rule for every token already in the row (prompt or generated): divide a positive logit by the
     penalty, multiply a negative one. ``seen`` (B, V) bool."""

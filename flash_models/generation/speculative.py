@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .generate import GenerateOutput, _check_prompt, prefill_logits
-from .sampling import process_logits
+from .sampling import process_logits, seen_tokens
 from .settings import GenerationSettings
 
 
@@ -36,13 +36,6 @@ def _check_pair(target, draft, settings: GenerationSettings) -> None:
             raise ValueError(f"{name} is not supported with draft_model ({why}); drop one of them")
 
 
-def _seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """(B, V) bool: the tokens each row holds already, padding excluded (for the repetition penalty)."""
-    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
-    counts = torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.long, device=input_ids.device)
-    return counts.scatter_add_(1, input_ids, real) > 0
-
-
 @torch.inference_mode()
 def speculative_generate(target, draft, input_ids, *, attention_mask=None, settings: GenerationSettings):
     _check_pair(target, draft, settings)
@@ -57,7 +50,7 @@ def speculative_generate(target, draft, input_ids, *, attention_mask=None, setti
         return GenerateOutput(sequences=input_ids, scores=() if settings.output_scores else None)
     room = S + max_new + k + 1
     t_cache, d_cache = target.new_kv_cache(B, room), draft.new_kv_cache(B, room)
-    seen = _seen_tokens(input_ids, attention_mask, V)
+    seen = seen_tokens(input_ids, attention_mask, V)
     first_scores = process_logits(prefill_logits(target, input_ids, attention_mask, t_cache), settings, seen=seen, step=0)
     last = first_scores.argmax(-1)  # (B,)
     draft(input_ids, attention_mask=attention_mask, kv_cache=d_cache)

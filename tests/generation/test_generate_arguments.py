@@ -46,7 +46,7 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize("kwargs,message", BAD_ARGUMENTS, ids=[next(iter(k)) + "=" + repr(k[next(iter(k))]) for k, _ in BAD_ARGUMENTS])
+@pytest.mark.parametrize("kwargs,message", BAD_ARGUMENTS, ids=[repr(kwargs) for kwargs, _ in BAD_ARGUMENTS])
 def test_a_bad_argument_is_named(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         model.generate(PROMPT, **kwargs)
@@ -101,3 +101,18 @@ def test_a_right_padded_batch_gives_each_row_what_it_gives_alone(make_hf):
         alone = model.generate(ids[row:row + 1, mask[row].bool()], **kwargs)
         assert torch.equal(out[row, 11:], alone[0, -9:]), row
     assert torch.equal(out[:, :11], ids)
+
+
+def test_the_position_limit_counts_real_tokens():
+    """Positions count each row's real tokens, so a padded batch may reach the table's end in every row."""
+    model = ours_from_hf(gpt2_hf(seed=22, n_positions=24))
+    ids = torch.randint(2, VOCAB, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ids[0, :4], mask[0, :4] = 0, 0  # both rows hold 6 real tokens: 6 + 18 fill the 24 positions
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=18, eos_token_id=[])
+    for row in range(2):
+        alone = model.generate(ids[row:row + 1, mask[row].bool()], max_new_tokens=18, eos_token_id=[])
+        assert torch.equal(out[row, 10:], alone[0, 6:])
+    with pytest.raises(ValueError, match=r"prompt \(6 tokens\) \+ max_new_tokens \(19\) exceeds the model's 24 positions"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=19)
