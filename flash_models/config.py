@@ -138,6 +138,7 @@ class AttentionConfig:
     qkv_bias: bool = True
     out_bias: bool = True
     softmax_scale: float | None = None  # None: 1/sqrt(head_dim)
+    scale_by_inverse_layer_idx: bool = False  # GPT-2's option: layer i also divides its scores by i + 1
     dropout_p: float = 0.0
     sliding_window: int | None = None
     causal: bool = True
@@ -193,6 +194,8 @@ class DecoderConfig:
     scale_residual_init: bool = False  # GPT-2: output projections init'd with std / sqrt(2 * layers)
     block: str = "pre_norm"  # one of BLOCK_KINDS
     position_offset: int = 0  # OPT: the position table has this many extra leading rows
+    # How HF's forward numbers tokens without position_ids: from the attention mask (OPT), else 0..S-1.
+    positions_from_mask: bool = False
     embed_dim: int | None = None  # token embedding width when it differs from hidden (OPT project_in/out)
     final_norm: bool = True  # False for post-norm stacks, whose blocks end normalized
 

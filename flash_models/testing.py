@@ -95,7 +95,8 @@ def assert_meta_keys_match_hf(hf_config, *, auto_class: str) -> None:
 
 
 def assert_padded_rows_equal_alone(model, vocab_size: int, *, side: str, seed: int = 0, tol: float = 1e-5) -> None:
-    """A left- or right-padded batch gives, on each row's real tokens, the logits of that row run alone."""
+    """A left- or right-padded batch gives, on each row's real tokens, the logits of that row run alone (with
+    positions counted from each row's first real token, ``mask_positions=True``)."""
     gen = torch.Generator().manual_seed(seed)
     lengths = (13, 6, 1)
     S = max(lengths)
@@ -105,7 +106,7 @@ def assert_padded_rows_equal_alone(model, vocab_size: int, *, side: str, seed: i
         real = slice(S - n, S) if side == "left" else slice(0, n)
         mask[row, real] = 1
     with torch.no_grad():
-        padded = model(ids, attention_mask=mask).logits
+        padded = model(ids, attention_mask=mask, mask_positions=True).logits
         assert torch.isfinite(padded).all(), "padded positions must not produce NaN"
         for row in range(len(lengths)):
             real = mask[row].bool()
@@ -206,18 +207,23 @@ def assert_greedy_generation_equals_hf(hf_model, ours, *, vocab_size: int, shape
 
 
 def assert_left_padded_logits_match_hf(hf_model, ours, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                                       hf_position_ids: bool = True, tol: float = 1e-5) -> None:
-    """On a padded batch our logits (positions derived from the mask) are within ``tol`` of HF's on the real
-    tokens, and finite everywhere. ``hf_position_ids`` gives HF the same positions explicitly (positions
-    counted from each row's first real token); without it HF derives them itself (OPT)."""
-    positions = {"position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)} if hf_position_ids else {}
-    with torch.no_grad():
-        ref = hf_model(input_ids, attention_mask=attention_mask, **positions).logits
-        out = ours(input_ids, attention_mask=attention_mask).logits
+                                       tol: float = 1e-5) -> None:
+    """On a padded batch our logits are within ``tol`` of HF's on the real tokens, and finite everywhere: with
+    no position_ids (both follow the family's HF rule), and with ``mask_positions=True`` against HF given
+    the same positions (counted from each row's first real token) explicitly."""
+    counted = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     real = attention_mask.bool()
-    err = max_rel_err(out[real], ref[real])
-    assert err < tol, f"real tokens differ from HF's: {err:.3g}"
-    assert torch.isfinite(out).all(), "padded positions must not produce NaN"
+    with torch.no_grad():
+        runs = {
+            "default positions": (hf_model(input_ids, attention_mask=attention_mask).logits,
+                                  ours(input_ids, attention_mask=attention_mask).logits),
+            "mask_positions=True": (hf_model(input_ids, attention_mask=attention_mask, position_ids=counted).logits,
+                                    ours(input_ids, attention_mask=attention_mask, mask_positions=True).logits),
+        }
+    for name, (ref, out) in runs.items():
+        err = max_rel_err(out[real], ref[real])
+        assert err < tol, f"{name}: real tokens differ from HF's: {err:.3g}"
+        assert torch.isfinite(out).all(), f"{name}: padded positions must not produce NaN"
 
 
 def assert_kv_cache_decode_equals_full_forward(model, input_ids: torch.Tensor, *, prefill: int, cache_len: int,

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import torch
 
 from .engine import cache_and_runner
-from .sampling import choose, process_logits
+from .sampling import choose, process_logits, seen_tokens
 from .settings import GenerationSettings, resolve_settings
 
 
@@ -21,26 +21,56 @@ class GenerateOutput:
 
 
 def _check_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: GenerationSettings):
+    """The prompt as (B, S) int64 ids on the model's device and its mask, checked: ids of the model's
+    vocabulary, a 0/1 mask of the same shape with a real token in every row, room in the position table."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
     if input_ids.dim() == 1:
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty (batch, seq_len) prompt, got shape {tuple(input_ids.shape)}")
     dc = model.decoder_config
-    S = input_ids.shape[1]
-    if dc.learned_positions and S + settings.max_new_tokens > dc.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({S}) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
-            f"{dc.max_position_embeddings} positions"
-        )
     device = model.device
-    input_ids = input_ids.to(device)
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    outside = (input_ids < 0) | (input_ids >= dc.vocab_size)
+    if bool(outside.any()):  # once per call: on CUDA the model's own check is an asynchronous assert
+        raise ValueError(f"input_ids must lie in the vocabulary [0, {dc.vocab_size}), got {int(input_ids[outside][0])}: "
+                         "check the tokenizer matches the model")
     if attention_mask is not None:
-        attention_mask = attention_mask.to(device)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a tensor of 0/1 (1 = real token), got {type(attention_mask).__name__}")
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask.unsqueeze(0)
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        attention_mask = attention_mask.to(device)
+        if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
+        attention_mask = attention_mask.long()
         if not attention_mask.bool().any(dim=1).all():
             raise ValueError("a row of attention_mask has no real token: every prompt needs at least one")
+    # Positions count real tokens (the cache holds them compacted): the longest row's must fit the table.
+    longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
+    if dc.learned_positions and longest + settings.max_new_tokens > dc.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
+            f"{dc.max_position_embeddings} positions"
+        )
     return input_ids, attention_mask
+
+
+def prefill_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+    """The prompt into ``cache`` -> (B, V) logits at each row's last real token: the last column for an
+    unpadded or left-padded row, an earlier one for a right-padded row. The cache holds only real tokens,
+    compacted, so every row continues right after its own last real token."""
+    logits = model(input_ids, attention_mask=attention_mask, kv_cache=cache).logits  # (B, S, V)
+    if attention_mask is None:
+        return logits[:, -1]
+    S = attention_mask.shape[1]
+    last = S - 1 - attention_mask.flip(1).argmax(dim=1)  # (B,) index of each row's last real token
+    return logits[torch.arange(logits.shape[0], device=logits.device), last]
 
 
 class _StopStrings:
@@ -96,12 +126,10 @@ class Generation:
         s, model = self.settings, self.model
         B = self.input_ids.shape[0]
         device = self.input_ids.device
-        logits = model(self.input_ids, attention_mask=self.attention_mask, kv_cache=cache).logits[:, -1]
+        logits = prefill_logits(model, self.input_ids, self.attention_mask, cache)
         seen = None
-        if s.repetition_penalty != 1.0:  # which tokens each row holds already (padding excluded)
-            real = torch.ones_like(self.input_ids) if self.attention_mask is None else self.attention_mask.long()
-            counts = torch.zeros(B, model.decoder_config.vocab_size, dtype=torch.long, device=device)
-            seen = counts.scatter_add_(1, self.input_ids, real) > 0
+        if s.repetition_penalty != 1.0:
+            seen = seen_tokens(self.input_ids, self.attention_mask, model.decoder_config.vocab_size)
         eos = torch.tensor(s.eos_ids, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stoppable = bool(s.eos_ids) or bool(s.stop_strings)
@@ -175,14 +203,23 @@ def generate(
     """Greedy or sampled continuation of ``input_ids`` (B, S), with HF's argument names: max_new_tokens,
     min_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id (one id or
     several; [] for none), pad_token_id, stop_strings (needs ``tokenizer``), output_scores,
-    return_dict_in_generate; or a ``transformers.GenerationConfig``. Left-pad batches and pass
-    ``attention_mask``. Finished rows continue with pad_token_id (default: the first EOS id). ``generator``
-    seeds sampling. ``draft_model`` turns on speculative decoding (greedy). ``on_token`` gets each step's
+    return_dict_in_generate; or a ``transformers.GenerationConfig``. Every argument is checked up front,
+    naming it. A batch may be left- or right-padded (pass ``attention_mask``): each row continues from its
+    own last real token, and the new tokens follow the prompt's columns as given. Finished rows continue
+    with pad_token_id (default: the first EOS id). ``generator`` seeds sampling. ``draft_model`` turns on
+    speculative decoding (greedy, the same tokens and scores as plain greedy). ``on_token`` gets each step's
     (B,) tokens."""
     settings = resolve_settings(model.config, model.decoder_config.vocab_size, generation_config, **kwargs)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if on_token is not None and not callable(on_token):
+        raise ValueError(f"on_token must be callable (it gets each step's (batch,) tokens), got {type(on_token).__name__}")
     if draft_model is not None:
         from .speculative import speculative_generate
 
+        if on_token is not None:
+            raise ValueError("on_token is not supported with draft_model: speculative decoding emits several tokens "
+                             "per row per step, a different number in each row")
         return speculative_generate(model, draft_model, input_ids, attention_mask=attention_mask, settings=settings)
     run = Generation(model, input_ids, attention_mask=attention_mask, settings=settings, generator=generator, tokenizer=tokenizer)
     for token in run:

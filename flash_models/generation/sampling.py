@@ -6,6 +6,13 @@ from __future__ import annotations
 import torch
 
 
+def seen_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """(B, V) bool: the tokens each prompt row holds, padding excluded (what the repetition penalty starts from)."""
+    real = torch.ones_like(input_ids) if attention_mask is None else attention_mask.long()
+    counts = torch.zeros(input_ids.shape[0], vocab_size, dtype=torch.long, device=input_ids.device)
+    return counts.scatter_add_(1, input_ids, real) > 0
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """HF's rule for every token already in the row (prompt or generated): divide a positive logit by the
     penalty, multiply a negative one. ``seen`` (B, V) bool."""
@@ -33,13 +40,19 @@ def filter_logits(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, m
     return logits
 
 
-def process_logits(logits: torch.Tensor, settings, *, seen: torch.Tensor | None, step: int) -> torch.Tensor:
-    """The scores the next token is chosen from (float32, (B, V)), as HF's logits processors compute them."""
+def process_logits(logits: torch.Tensor, settings, *, seen: torch.Tensor | None, step: int | torch.Tensor) -> torch.Tensor:
+    """The scores the next token is chosen from (float32, (B, V)), as HF's logits processors compute them.
+    ``step``: how many tokens the rows have generated before this one, for all rows or per row ((B,))."""
     logits = logits.float()
     if settings.repetition_penalty != 1.0 and seen is not None:
         logits = apply_repetition_penalty(logits, seen, settings.repetition_penalty)
-    if step < settings.min_new_tokens and settings.eos_ids:
-        logits[:, list(settings.eos_ids)] = float("-inf")
+    if settings.min_new_tokens and settings.eos_ids:
+        eos = list(settings.eos_ids)
+        if not isinstance(step, torch.Tensor):
+            if step < settings.min_new_tokens:
+                logits[:, eos] = float("-inf")
+        else:
+            logits[:, eos] = logits[:, eos].masked_fill((step < settings.min_new_tokens).unsqueeze(1), float("-inf"))
     if settings.do_sample:
         logits = filter_logits(logits / settings.temperature, top_k=settings.top_k, top_p=settings.top_p, min_p=settings.min_p)
     return logits

@@ -7,6 +7,8 @@ An argument flash-models does not know raises, naming the ones it does.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, fields, replace
 
 
@@ -37,19 +39,22 @@ class GenerationSettings:
     kv_block_size: int | None = None  # a paged KV cache with blocks of this many tokens (None: one static block per row)
 
     def check(self, vocab_size: int) -> None:
+        """Ranges, with HF's rules (types are checked by ``typed`` first)."""
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
-        if self.do_sample:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0, got {self.temperature}; use do_sample=False for greedy decoding")
-            if self.top_k < 0:
-                raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-            if not 0 < self.top_p <= 1:
-                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-            if not 0 <= self.min_p < 1:
-                raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        # Greedy decoding ignores the sampling settings (temperature=0 is a common way to ask for it), but a
+        # value no sampler could use is a mistake either way.
+        if self.temperature < 0 or (self.do_sample and self.temperature == 0):
+            raise ValueError(f"temperature must be > 0 with do_sample=True, got {self.temperature}; use do_sample=False "
+                             "for greedy decoding")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 disables it), got {self.repetition_penalty}")
         bad = [i for i in self.eos_ids if not 0 <= i < vocab_size]
@@ -61,6 +66,36 @@ class GenerationSettings:
             raise ValueError(f"kv_block_size must be >= 1 (or None for a static cache), got {self.kv_block_size}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+
+    def typed(self) -> GenerationSettings:
+        """These settings with every value checked against its declared type, naming the argument: ints are
+        ints (not bools, not 2.5), numbers are finite, flags are bools. Integer-like values (numpy ints)
+        become ints, real numbers floats."""
+        values = {}
+        for name in _INTS:
+            values[name] = _int(name, getattr(self, name))
+        for name in _OPTIONAL_INTS:
+            value = getattr(self, name)
+            values[name] = None if value is None else _int(name, value)
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+            values[name] = float(value)
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.compile_decode, (bool, str)):
+            raise ValueError(f"compile_decode must be True, False or a torch.compile backend name, got {self.compile_decode!r}")
+        eos = self.eos_token_id
+        if eos is not None:
+            values["eos_token_id"] = (_int("eos_token_id", eos) if not isinstance(eos, tuple)
+                                      else tuple(_int("eos_token_id", i) for i in eos))
+        stops = (self.stop_strings,) if isinstance(self.stop_strings, str) else self.stop_strings
+        if not isinstance(stops, (tuple, list)) or not all(isinstance(t, str) and t for t in stops):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {self.stop_strings!r}")
+        values["stop_strings"] = tuple(stops)
+        return replace(self, **values)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -74,6 +109,16 @@ class GenerationSettings:
 
 
 _NAMES = {f.name for f in fields(GenerationSettings)}
+_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "num_draft_tokens")
+_OPTIONAL_INTS = ("pad_token_id", "kv_block_size")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_BOOLS = ("do_sample", "output_scores", "return_dict_in_generate", "use_cuda_graph", "programmatic_launch")
+
+
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
 # HF GenerationConfig fields that have no effect for us when left at their neutral values.
 _NEUTRAL_HF = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True}
 
@@ -109,8 +154,6 @@ def resolve_settings(model_config, vocab_size: int, generation_config=None, **kw
     explicit = {k: _as_ids(v) for k, v in kwargs.items() if v is not None}
     if explicit.get("eos_token_id") == ():
         explicit["eos_token_id"] = None
-    settings = replace(settings, **explicit)
-    if isinstance(settings.stop_strings, str):
-        settings = replace(settings, stop_strings=(settings.stop_strings,))
+    settings = replace(settings, **explicit).typed()
     settings.check(vocab_size)
     return settings

@@ -138,12 +138,17 @@ class DecoderLM(nn.Module):
         kv_cache: KVCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
+        mask_positions: bool | None = None,
     ) -> CausalLMOutput:
         """input_ids (B, S). attention_mask (B, S), 1 = real token, 0 = padding; with a KV cache HF's (B,
         past + S) mask is accepted too, and only its last S columns count, since the cache keeps each row's
-        earlier real tokens compacted. Without position_ids, positions count real tokens (so left padding
-        shifts nothing). labels (B, S) are shifted inside, as in HF: the loss at position t predicts
-        labels[t + 1]; -100 is ignored.
+        earlier real tokens compacted. labels (B, S) are shifted inside, as in HF: the loss at position t
+        predicts labels[t + 1]; -100 is ignored (a mean over no labelled token is NaN, as in torch and HF).
+
+        Without position_ids, positions follow the family's HF forward: 0..S-1 in every row (OPT: counted from
+        the mask). ``mask_positions=True`` counts real tokens instead (a row's first real token is position 0,
+        so left padding shifts nothing: what generate does); False forces 0..S-1. With a KV cache positions
+        always count real tokens, since the cache holds them compacted.
 
         Packed training: input_ids (1, total) holding documents back to back, with ``cu_seqlens`` (int32
         offsets, num_docs + 1). Documents never attend across each other and positions restart at each one.
@@ -159,7 +164,7 @@ class DecoderLM(nn.Module):
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
         position_ids, mask, positions_needed = self._positions_and_mask(
-            input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens
+            input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens, mask_positions=mask_positions
         )
         rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
         hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
@@ -213,7 +218,7 @@ class DecoderLM(nn.Module):
                  for rows in (slice(0, aligned), slice(aligned, None))]
         return torch.cat(parts, dim=-1)
 
-    def _positions_and_mask(self, input_ids, attention_mask, position_ids, *, kv_cache, cu_seqlens):
+    def _positions_and_mask(self, input_ids, attention_mask, position_ids, *, kv_cache, cu_seqlens, mask_positions=None):
         """Position ids (B, S), the shared AttentionMask, and how many rotary positions the tables must cover.
 
         Without a cache, attention_mask (B, S) covers the input; with one, only its last S columns (the new
@@ -224,6 +229,9 @@ class DecoderLM(nn.Module):
         if kv_cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens (packed documents) cannot be combined with a KV cache")
+            if mask_positions is False:
+                raise ValueError("mask_positions=False cannot be combined with a KV cache: the cache holds each "
+                                 "row's real tokens compacted, so positions count real tokens")
             if kv_cache.batch_size != B:
                 raise ValueError(f"KV cache batch {kv_cache.batch_size} != input batch {B}")
             new_mask = attention_mask[:, -S:] if attention_mask is not None else None
@@ -232,13 +240,17 @@ class DecoderLM(nn.Module):
         else:
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=True, sliding_window=window,
                                         cu_seqlens=cu_seqlens)
+            needed = S
+            if mask_positions is None:
+                mask_positions = dc.positions_from_mask
             if cu_seqlens is not None:
                 derived = positions_in_documents(cu_seqlens, S).unsqueeze(0)
-            elif attention_mask is not None:
+                if S > dc.max_position_embeddings:  # positions restart per document: the longest one counts
+                    needed = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            elif attention_mask is not None and mask_positions:
                 derived = positions_from_mask(attention_mask)
             else:
                 derived = torch.arange(S, device=input_ids.device).expand(B, S)
-            needed = S
         if position_ids is None:
             position_ids = derived
         else:

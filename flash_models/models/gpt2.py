@@ -26,6 +26,10 @@ class GPT2Config:
     layer_norm_epsilon: float = 1e-5
     initializer_range: float = 0.02
     scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False  # layer i divides its attention scores by i + 1 as well
+    # HF's eager attention then computes the scores and softmax in float32 with autocast off (HF's SDPA path
+    # ignores it). Every backend of ours already does: the eager reference upcasts q and k, our kernels
+    # accumulate and normalize in float32; SDPA, as in HF, keeps torch's own precision.
     reorder_and_upcast_attn: bool = False
     tie_word_embeddings: bool = True
     bos_token_id: int | None = 50256
@@ -38,8 +42,6 @@ class GPT2Config:
     def from_hf(cls, hf: transformers.GPT2Config) -> GPT2Config:
         if hf.add_cross_attention:
             raise ValueError("GPT-2 with add_cross_attention=True (encoder-decoder use) is not supported")
-        if hf.scale_attn_by_inverse_layer_idx:
-            raise ValueError("GPT-2 with scale_attn_by_inverse_layer_idx=True is not supported")
         return cls(**{name: getattr(hf, name) for name in cls.__dataclass_fields__})
 
     def to_hf(self) -> transformers.GPT2Config:
@@ -54,6 +56,7 @@ class GPT2Config:
             attention=AttentionConfig(
                 hidden_size=self.n_embd, num_heads=self.n_head, num_kv_heads=self.n_head, head_dim=head_dim,
                 softmax_scale=None if self.scale_attn_weights else 1.0, dropout_p=self.attn_pdrop,
+                scale_by_inverse_layer_idx=self.scale_attn_by_inverse_layer_idx,
             ),
             mlp=MLPConfig(
                 hidden_size=self.n_embd, intermediate_size=self.n_inner or 4 * self.n_embd,

@@ -74,6 +74,7 @@ class OPTConfig:
             max_position_embeddings=self.max_position_embeddings,
             learned_positions=True,
             position_offset=POSITION_OFFSET,
+            positions_from_mask=True,
             embed_dim=self.word_embed_proj_dim,
             tie_word_embeddings=self.tie_word_embeddings,
             residual_dropout_p=self.dropout,

@@ -191,7 +191,8 @@ def _decoding(mask: AttentionMask) -> bool:
 
 def _eager_attention(q, k, v, mask, *, scale, dropout_p):
     """Readable reference: scores in float32, softmax, weighted sum. q (B, H, Sq, D), k/v (B, H, Sk, D)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    with torch.autocast(q.device.type, enabled=False):  # autocast would round the float32 scores' matmul down
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
@@ -221,6 +222,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.out_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
         self.softmax_scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        if cfg.scale_by_inverse_layer_idx:
+            self.softmax_scale /= layer_idx + 1
 
     def forward(
         self, x: torch.Tensor, *, mask: AttentionMask, position_ids: torch.Tensor,

@@ -267,7 +267,10 @@ class Trainer:
                 loss, _ = self.forward(batch, train=True)
                 with self._backward_thread():
                     (loss * (n * self.dist.dp_world / max(total, 1.0))).backward()
-            loss_sum += loss.detach() * n
+            # A micro-batch with no labelled token has a NaN mean loss (as torch's and HF's) and zero gradients:
+            # it has no weight in the step's average, so it is left out of the sum rather than poison it.
+            if n:
+                loss_sum += loss.detach() * n
         loss_sum = D.all_reduce_sum(loss_sum, self.dist)  # read after the optimizer step is queued
         if self.master is not None:
             self.master.grads_to_master()
@@ -403,7 +406,8 @@ class Trainer:
                 batch = self.data.collate([ds[i] for i in idx])
                 n = self.loss_units(batch, self.task)
                 loss, extra = self.forward(batch, train=False)
-                loss_sum += torch.stack([loss * n, torch.tensor(float(n), device=self.device)])
+                if n:  # no labelled token: a NaN mean loss with no weight (as in training)
+                    loss_sum += torch.stack([loss * n, torch.tensor(float(n), device=self.device)])
                 correct += extra.get("correct", 0)
         finally:
             self.model.train()

@@ -20,6 +20,12 @@ from ._triton_utils import as_rows, cdiv, eager_function, next_power_of_2, pick,
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def mean_over_labelled(total: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """``total`` / the number of labelled rows; NaN when no row is labelled, as torch's and HF's mean
+    cross-entropy give, with zero gradients (the division never sees a zero, so the backward stays finite)."""
+    return torch.where(labelled > 0, total / labelled.clamp(min=1), torch.full_like(total, float("nan")))
+
+
 def cross_entropy_ref(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -31,7 +37,8 @@ def cross_entropy_ref(
     reduction: str = "mean",
     return_lse: bool = False,
 ):
-    """Plain PyTorch reference in float32. logits (N, V), labels (N,). The mean is over non-ignored rows."""
+    """Plain PyTorch reference in float32. logits (N, V), labels (N,). The mean is over non-ignored rows (NaN
+    when every row is ignored, with zero gradients, as ``torch.nn.functional.cross_entropy``)."""
     z = logits.float() * logit_scale
     lse = torch.logsumexp(z, dim=-1)
     losses = F.cross_entropy(z, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
@@ -39,7 +46,7 @@ def cross_entropy_ref(
     if lse_square_scale:
         losses = losses + lse_square_scale * lse.square() * valid
     if reduction == "mean":
-        loss = losses.sum() / valid.sum().clamp(min=1)
+        loss = mean_over_labelled(losses.sum(), valid.sum())
     elif reduction == "sum":
         loss = losses.sum()
     else:
@@ -302,7 +309,7 @@ def _unsupported(logits: torch.Tensor, labels: torch.Tensor) -> str | None:
 def reduce_losses(losses: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str) -> torch.Tensor:
     """Per-row losses reduced as the reference does: the mean is over non-ignored rows."""
     if reduction == "mean":
-        return losses.sum() / (labels != ignore_index).sum().clamp(min=1)
+        return mean_over_labelled(losses.sum(), (labels != ignore_index).sum())
     if reduction == "sum":
         return losses.sum()
     return losses

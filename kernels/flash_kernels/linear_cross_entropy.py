@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, pick, placeholder
-from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref
+from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref, mean_over_labelled
 from .fused_dense import gemm_unsupported, optional_extension
 
 
@@ -190,7 +190,7 @@ def _lce_fwd(
                                         logit_scale=logit_scale, triton_ce=triton_ce, defer_last=True)
     dev = hidden.device
     if reduction == "mean":
-        loss = losses.sum() / (labels != ignore_index).sum().clamp(min=1)
+        loss = mean_over_labelled(losses.sum(), (labels != ignore_index).sum())
     elif reduction == "sum":
         loss = losses.sum()
     else:

@@ -21,8 +21,8 @@ def llama_hf(seed=0, **overrides):
     return random_hf_model(transformers.LlamaConfig(**{**cfg, **overrides}), seed=seed)
 
 
-def gpt2_hf(seed=0):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=128, n_embd=48, n_layer=2, n_head=4, resid_pdrop=0,
+def gpt2_hf(seed=0, n_positions=128):
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=n_positions, n_embd=48, n_layer=2, n_head=4, resid_pdrop=0,
                                   embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=1)
     return random_hf_model(cfg, seed=seed)
 

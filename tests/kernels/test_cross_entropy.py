@@ -86,9 +86,17 @@ def test_matches_torch_functional():
         assert_close(cross_entropy(logits, labels, backend="triton", **kw), want, torch.float32)
 
 
-def test_all_rows_ignored_gives_zero():
-    loss = cross_entropy(torch.randn(4, 50, device=DEVICE), torch.full((4,), -100, device=DEVICE), backend="triton")
-    assert loss.item() == 0.0
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_all_rows_ignored_gives_nan_as_torch_with_zero_gradients(backend):
+    logits = torch.randn(4, 50, device=DEVICE, requires_grad=True)
+    labels = torch.full((4,), -100, device=DEVICE)
+    want = F.cross_entropy(logits, labels)
+    assert want.isnan()  # torch's (and HF's) mean over no labelled row
+    loss = cross_entropy(logits, labels, backend=backend)
+    assert loss.isnan()
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    assert cross_entropy(logits, labels, backend=backend, reduction="sum").item() == 0.0
 
 
 def test_compile_fullgraph():

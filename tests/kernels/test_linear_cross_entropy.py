@@ -217,3 +217,14 @@ def test_gpu_llama_head():
     want = torch.autograd.grad(ref, (hidden, weight))
     for g, w in zip(got, want):
         assert_close(g, w, torch.bfloat16, scale=2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", "auto"])
+def test_all_labels_ignored_gives_nan_as_torch_with_zero_gradients(backend):
+    hidden, weight, b, labels = _inputs(torch.float32, bias=True)
+    labels = torch.full_like(labels, -100)
+    loss = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=16, backend=backend)
+    assert loss.isnan()
+    loss.backward()
+    for grad in (hidden.grad, weight.grad, b.grad):
+        assert torch.equal(grad, torch.zeros_like(grad))

@@ -89,7 +89,7 @@ def test_kv_cache_decode_equals_full_forward(name):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with torch.no_grad():
-        full = model(ids, attention_mask=mask).logits
+        full = model(ids, attention_mask=mask, mask_positions=True).logits
         cache = model.new_kv_cache(2, 15)
         pieces = [model(ids[:, :9], attention_mask=mask[:, :9], kv_cache=cache).logits]
         for t in range(9, 15):

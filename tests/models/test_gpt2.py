@@ -39,7 +39,7 @@ def test_left_padded_batch_matches_hf_with_same_positions():
     mask = torch.ones_like(ids)
     mask[0, :6] = 0
     mask[1, :1] = 0
-    assert_left_padded_logits_match_hf(hf, ours, ids, mask, tol=1e-5)  # ours derives the positions from the mask
+    assert_left_padded_logits_match_hf(hf, ours, ids, mask, tol=1e-5)
 
 
 def test_padded_rows_equal_unpadded_sequences():
@@ -50,7 +50,7 @@ def test_padded_rows_equal_unpadded_sequences():
     mask = torch.zeros_like(batch)
     mask[0], mask[1, 6:] = 1, 1
     with torch.no_grad():
-        padded = ours(batch, attention_mask=mask).logits
+        padded = ours(batch, attention_mask=mask, mask_positions=True).logits
         alone_b = ours(b).logits
     assert max_rel_err(padded[1, 6:], alone_b[0]) < 1e-5
 
@@ -74,3 +74,22 @@ def test_greedy_generation_equals_hf():
     hf = random_hf_model(gpt2_config(), seed=6)
     ours = ours_from_hf(hf)
     assert_greedy_generation_equals_hf(hf, ours, vocab_size=211, shape=(1, 9), max_new_tokens=24)
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("reorder_and_upcast_attn", [False, True])
+def test_inverse_layer_idx_scaling_and_upcast_attention_match_hf(attn_impl, reorder_and_upcast_attn):
+    """Checkpoints of the Mistral/Stanford-CRFM lineage set both options; HF's eager attention takes the
+    reordered, upcast path, its SDPA ignores that flag."""
+    cfg = gpt2_config(scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=reorder_and_upcast_attn)
+    hf = random_hf_model(cfg, seed=11, attn_implementation=attn_impl)
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    assert [b.attn.softmax_scale for b in ours.blocks] == pytest.approx([12 ** -0.5 / (i + 1) for i in range(3)])
+    ids = torch.randint(0, 211, (2, 23))
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
+    assert ours.config.to_hf().scale_attn_by_inverse_layer_idx and ours.config.to_hf().reorder_and_upcast_attn == reorder_and_upcast_attn
+
+
+def test_upcast_attention_bf16_error_bounded_by_hf_eager():
+    cfg = gpt2_config(scale_attn_by_inverse_layer_idx=True, reorder_and_upcast_attn=True)
+    assert_bf16_error_bounded(cfg, random_input_ids(211, (2, 29)), seed=12, attn_implementation="eager")

@@ -82,7 +82,7 @@ def test_our_kernels_on_a_padded_batch_stay_within_hf_bf16_error():
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     real = mask.bool()
     with torch.no_grad():
-        out = ours(ids, attention_mask=mask).logits[real].float()
+        out = ours(ids, attention_mask=mask, mask_positions=True).logits[real].float()
         theirs = hf16(ids, attention_mask=mask, position_ids=positions).logits[real].float()
         ref = hf32(ids, attention_mask=mask, position_ids=positions).logits[real]
     ok, ours_err, hf_err = low_precision_bound_ok(out, theirs, ref)

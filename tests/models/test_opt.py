@@ -44,7 +44,7 @@ def test_left_padded_batch_matches_hf_positions_with_offset(name):
     mask = torch.ones_like(ids)
     mask[0, :7] = 0
     mask[2, :18] = 0
-    assert_left_padded_logits_match_hf(hf, ours, ids, mask, hf_position_ids=False, tol=1e-5)
+    assert_left_padded_logits_match_hf(hf, ours, ids, mask, tol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["pre_norm", "post_norm_projected"])
