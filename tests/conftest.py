@@ -33,3 +33,14 @@ def _seed_per_test(request):
     seed = zlib.crc32(request.node.nodeid.encode())
     torch.manual_seed(seed)
     random.seed(seed)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models stepped token by token are dominated by thread start-up: on a shared 2-core CI box one
+    intra-op thread is tens of times faster. Restored after the test so other tests keep their setting. Test
+    files of tiny step-by-step models use it for every test (``pytestmark = pytest.mark.usefixtures(...)``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from flash_models.testing import ours_from_hf
-from tests.train.conftest import one_thread  # noqa: F401  (autouse: tiny models step by step run fastest on one thread)
 from tests.generation.test_generate import VOCAB, gpt2_hf, llama_hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models stepped one token at a time
 
 
 @pytest.fixture(scope="module")

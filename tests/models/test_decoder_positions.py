@@ -9,7 +9,8 @@ import flash_models as fm
 from flash_models.registry import get_preset
 from flash_models.testing import max_rel_err, ours_from_hf, random_hf_model
 from tests.models.test_contract import DECODERS, tiny_overrides
-from tests.train.conftest import one_thread  # noqa: F401  (autouse: tiny models run fastest on one thread)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models stepped one token at a time
 
 ONE_PER_FAMILY = list({get_preset(name).model_type: name for name in DECODERS}.values())
 

@@ -19,13 +19,9 @@ def write_corpus(path, n_docs=120, seed=0):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny models here are dominated by thread start-up: on a shared 2-core CI box one intra-op thread is
-    tens of times faster. Restored after each test so other test folders keep their setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _train_tests_on_one_thread(one_thread):
+    """Every training test steps tiny models: one intra-op thread (tests/conftest.py, ``one_thread``)."""
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture
