@@ -3,8 +3,6 @@ save_pretrained) and HF's classification losses."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,30 +10,19 @@ from torch import nn
 import flash_kernels
 
 from ..config import ATTN_IMPLS, check_choice
+from .hf_config import ModelConfig
+from .hf_protocol import HFModelProtocol
+from .outputs import EncoderOutput, HeadOutput  # noqa: F401  (the families import them from here)
 
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 
 
-@dataclass
-class EncoderOutput:
-    last_hidden_state: torch.Tensor  # (B, S, hidden)
-    pooler_output: torch.Tensor | None = None  # (B, hidden)
-
-
-@dataclass
-class HeadOutput:
-    logits: torch.Tensor | None = None  # MLM (B, S, vocab); sequence (B, labels); token (B, S, labels)
-    loss: torch.Tensor | None = None
-    last_hidden_state: torch.Tensor | None = None
-    prediction_logits: torch.Tensor | None = None  # BertForPreTraining: MLM logits
-    seq_relationship_logits: torch.Tensor | None = None  # BertForPreTraining: next-sentence logits (B, 2)
-
-
-class PretrainedModel(nn.Module):
+class PretrainedModel(HFModelProtocol, nn.Module):
     def _setup(self, config, attn_impl: str, kernel_backend: str) -> None:
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
         flash_kernels._backend.check_backend_name(kernel_backend)
-        self.config, self.attn_impl, self.kernel_backend = config, attn_impl, kernel_backend
+        self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
+        self.config = ModelConfig(config, architecture=type(self).__name__)  # wraps the family's frozen config
 
     @property
     def device(self) -> torch.device:

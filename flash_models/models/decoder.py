@@ -4,8 +4,6 @@ checkpoint rules; the residual stream lives here, readable in one place."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -20,14 +18,9 @@ from ..modules.attention import build_cached_attention_mask
 from ..modules.linear import autocast_like, dense, gemv_in_chain
 from ..modules.padding import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
-
-
-@dataclass
-class CausalLMOutput:
-    logits: torch.Tensor | None  # (B, S, vocab); None from a training forward with return_logits=False
-    loss: torch.Tensor | None = None
-    last_hidden_state: torch.Tensor | None = None
-    kv_cache: KVCache | None = None
+from .hf_config import ModelConfig
+from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, packed_documents
+from .outputs import CausalLMOutput, EncoderOutput
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -35,14 +28,17 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class DecoderLM(nn.Module):
+class DecoderLM(HFModelProtocol, nn.Module):
     """Embeddings -> N pre-norm blocks -> final norm -> LM head, over a family's ``DecoderConfig``."""
+
+    accepts_loss_kwargs = True
+    loss_type = "ForCausalLM"  # HF's name for the shifted LM loss: the Trainer counts labels[:, 1:] for num_items_in_batch
 
     def __init__(self, config, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
         super().__init__()
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
         flash_kernels._backend.check_backend_name(kernel_backend)
-        self.config = config  # the family's own frozen config (GPT2Config, LlamaConfig, ...)
+        self.config = ModelConfig(config, architecture=type(self).__name__)  # wraps the family's frozen config
         self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
         dc: DecoderConfig = config.decoder()
         self.decoder_config = dc
@@ -139,6 +135,8 @@ class DecoderLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         return_logits: bool = True,
         mask_positions: bool | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        **hf_kwargs,
     ) -> CausalLMOutput:
         """input_ids (B, S). attention_mask (B, S), 1 = real token, 0 = padding; with a KV cache HF's (B,
         past + S) mask is accepted too, and only its last S columns count, since the cache keeps each row's
@@ -155,12 +153,17 @@ class DecoderLM(nn.Module):
         Give labels = -100 at each document's first token if the previous document must not predict it.
 
         ``return_logits=False`` with labels (training): the LM head and the loss run fused in vocabulary chunks
-        (flash_kernels.linear_cross_entropy), the (B, S, vocab) logits are never stored and ``logits`` is None."""
+        (flash_kernels.linear_cross_entropy), the (B, S, vocab) logits are never stored and ``logits`` is None.
+
+        ``num_items_in_batch`` (transformers.Trainer with gradient accumulation): the loss is the sum of the
+        token losses divided by it, not their mean. ``hf_kwargs``: what HF's trainers and collators pass besides
+        (``use_cache``, FlashAttention's ``cu_seq_lens_q/k``, ...; see ``hf_protocol.packed_documents``)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
         if S == 0:
             raise ValueError("input_ids is empty: give at least one token")
+        cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs)
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
         position_ids, mask, positions_needed = self._positions_and_mask(
@@ -169,9 +172,9 @@ class DecoderLM(nn.Module):
         rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
         hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
         if labels is not None and not return_logits:
-            return CausalLMOutput(logits=None, loss=self.fused_loss(hidden, labels), last_hidden_state=hidden)
+            return CausalLMOutput(loss=self.fused_loss(hidden, labels, num_items_in_batch), last_hidden_state=hidden)
         logits = self._logits(hidden)
-        loss = self.loss(logits, labels) if labels is not None else None
+        loss = self.loss(logits, labels, num_items_in_batch) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
 
     def decode_step(self, tokens: torch.Tensor, cache: KVCache, rope_tables) -> torch.Tensor:
@@ -264,14 +267,17 @@ class DecoderLM(nn.Module):
             kv_cache.reserve(S)  # last: nothing is accounted for when a check above fails
         return position_ids, mask, needed
 
-    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        """The shifted LM loss: the mean over labelled tokens, or their sum / ``num_items_in_batch``."""
         if labels.shape != logits.shape[:2]:
             raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids {tuple(logits.shape[:2])}")
         shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
         shifted_labels = labels[:, 1:].reshape(-1)
-        return flash_kernels.cross_entropy(shifted_logits, shifted_labels, backend=self.kernel_backend)
+        loss = flash_kernels.cross_entropy(shifted_logits, shifted_labels, backend=self.kernel_backend,
+                                           reduction="mean" if num_items_in_batch is None else "sum")
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
 
-    def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def fused_loss(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         """The shifted LM loss straight from the final hidden states (B, S, H), without the logits."""
         if labels.shape != hidden.shape[:2]:
             raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids {tuple(hidden.shape[:2])}")
@@ -281,10 +287,34 @@ class DecoderLM(nn.Module):
             hidden, weight, bias = autocast_like(hidden, weight, bias)
         else:
             hidden = hidden.to(weight.dtype)
-        return flash_kernels.linear_cross_entropy(
+        loss = flash_kernels.linear_cross_entropy(
             hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, labels[:, 1:].reshape(-1), bias=bias,
-            backend=self.kernel_backend,
+            backend=self.kernel_backend, reduction="mean" if num_items_in_batch is None else "sum",
         )
+        return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+    # ----------------------------------------------------------------------------------------------------
+    # HF names TRL's fused LM head uses: the backbone's final hidden states, and the LM head's weight and bias.
+    @classmethod
+    def can_generate(cls) -> bool:
+        return True
+
+    @property
+    def base_model(self):
+        """What HF calls the model without its LM head: called like the forward (without labels), it returns
+        an output whose ``last_hidden_state`` is the final hidden states (B, S, hidden)."""
+        return self.hidden_states
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cu_seqlens=None, **hf_kwargs) -> EncoderOutput:
+        B, S = input_ids.shape
+        cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, None, cu_seqlens, hf_kwargs)
+        position_ids, mask, needed = self._positions_and_mask(input_ids, attention_mask, position_ids, kv_cache=None,
+                                                              cu_seqlens=cu_seqlens)
+        rope_tables = self.rotary.tables(needed, input_ids.device) if self.rotary is not None else None
+        return EncoderOutput(last_hidden_state=self._backbone(input_ids, position_ids, mask, rope_tables, None))
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head if self.lm_head is not None else TiedOutputEmbeddings(self.embed.tokens)
 
     # ----------------------------------------------------------------------------------------------------
     # Generation and saving live in higher layers (generation/, checkpoint/); these methods are the HF-style

@@ -19,6 +19,7 @@ from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
 from ..modules.cuda_graphs import GraphedInference, replays_graph
 from ..registry import Family, Preset, register_family, register_preset
 from .common import PretrainedModel
+from .outputs import VisionOutput
 
 GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "")
 ARCHITECTURES = (None, "ViTModel", "ViTForImageClassification")  # None: built from timm
@@ -115,15 +116,9 @@ class ViTConfig:
         return hf
 
 
-@dataclass
-class VisionOutput:
-    logits: torch.Tensor | None  # (B, classes); None without a head
-    loss: torch.Tensor | None = None
-    last_hidden_state: torch.Tensor | None = None  # (B, prefix + patches, hidden), after the final norm
-    pooler_output: torch.Tensor | None = None  # pooled features (HF ViTModel: its tanh pooler)
-
-
 class VisionTransformer(PretrainedModel):
+    main_input_name = "pixel_values"
+
     def __init__(self, config: ViTConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
         super().__init__()
         self._setup(config, attn_impl, kernel_backend)

@@ -88,7 +88,7 @@ def _with_sequence_head(base: nn.Module, num_labels: int) -> nn.Module:
     if isinstance(base, BertForSequenceClassification) and base.config.num_labels == num_labels:
         return base
     encoder = base if isinstance(base, BertModel) else base.bert
-    config = dataclasses.replace(base.config, architecture="BertForSequenceClassification",
+    config = dataclasses.replace(base.config.typed, architecture="BertForSequenceClassification",
                                  labels=tuple(f"LABEL_{i}" for i in range(num_labels)))
     model = BertForSequenceClassification(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
     missing, unexpected = model.bert.load_state_dict(encoder.state_dict(), strict=False)

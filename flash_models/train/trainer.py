@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..backward import backward_on_this_thread
 from ..checkpoint.atomic import atomic_folder
 from ..checkpoint.files import owned_by_model_save
+from ..modules.recompute import checkpoint_blocks
 from . import distributed as D
 from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -63,17 +64,11 @@ def block_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
-    """Recompute every ``every``-th block's activations in backward (non-reentrant, RNG state preserved so
-    dropout recomputes identically). The wrapper strips its own prefix from state-dict keys."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
+    """Recompute every ``every``-th block's activations in backward (modules.recompute.checkpoint_blocks)."""
     blocks = block_list(model)
     if blocks is None:
         raise ValueError(f"train.activation_checkpointing: cannot find the transformer blocks of {type(model).__name__}")
-    for i in range(0, len(blocks), every):
-        if hasattr(blocks[i], "recompute_norm_outputs"):  # the whole block is recomputed: nothing to add
-            blocks[i].recompute_norm_outputs = False
-        blocks[i] = checkpoint_wrapper(blocks[i])
+    checkpoint_blocks(blocks, every=every)
 
 
 @dataclass

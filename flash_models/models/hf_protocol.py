@@ -1,0 +1,166 @@
+"""What ``transformers.Trainer``, TRL and PEFT call on a model, implemented on ours without inheriting
+``PreTrainedModel`` (which would make every model carry HF's config class, loading machinery and generation
+mixin): the activation-checkpointing switches, the embeddings accessors, ``can_generate``, ``from_pretrained``,
+and a ``load_state_dict`` that also reads HF's canonical layout (what ``save_pretrained`` and transformers write,
+and what ``flash_models.hf.SavePretrainedCallback`` leaves in the Trainer's checkpoints).
+
+Every model class mixes this in; the decoder and the task heads set the class attributes that differ."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..modules import Embeddings
+from ..modules.recompute import checkpoint_blocks, is_checkpointed, uncheckpoint_blocks
+
+
+class HFModelProtocol:
+    main_input_name = "input_ids"  # the Trainer counts input tokens of this input
+    supports_gradient_checkpointing = True
+    # Whether the forward takes ``num_items_in_batch`` and normalizes its loss by it (the Trainer then leaves
+    # gradient accumulation's averaging to the loss). Token-level LM losses do; per-example losses do not.
+    accepts_loss_kwargs = False
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        return False
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        """``flash_models.from_pretrained(path, **kwargs)``, checked to give this class."""
+        from ..checkpoint import from_pretrained  # a higher layer: imported on use
+
+        model = from_pretrained(path, **kwargs)
+        if not isinstance(model, cls):
+            raise ValueError(f"{path} holds a {type(model).__name__}, not a {cls.__name__}; "
+                             "use flash_models.from_pretrained to get whichever class the checkpoint names")
+        return model
+
+    # ----------------------------------------------------------------------------------------------------
+    def _transformer_blocks(self) -> nn.ModuleList:
+        blocks = [m for name, m in self.named_modules() if name.rsplit(".", 1)[-1] == "blocks" and isinstance(m, nn.ModuleList)]
+        assert len(blocks) == 1, f"{type(self).__name__} keeps its transformer blocks in one ModuleList named blocks"
+        return blocks[0]
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, *,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Recompute every ``every_n_layers``-th block in the backward instead of keeping its activations
+        (``modules.recompute.checkpoint_blocks``); ``activation_checkpointing_kwargs`` go to
+        torch.utils.checkpoint (``use_reentrant`` defaults to False). Called by ``transformers.Trainer`` for
+        ``TrainingArguments(gradient_checkpointing=True)``."""
+        if offload:
+            raise ValueError("activation checkpointing with offload=True (saved activations on the CPU) is not "
+                             "supported by flash-models models; leave offload off")
+        blocks = self._transformer_blocks()
+        uncheckpoint_blocks(blocks)  # a second call with other settings replaces the first
+        checkpoint_blocks(blocks, every=every_n_layers, **dict(activation_checkpointing_kwargs or {}))
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, *,
+                                      every_n_layers: int = 1, offload: bool = False) -> None:
+        """HF's older name for ``activation_checkpointing_enable``."""
+        self.activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload)
+
+    def activation_checkpointing_disable(self) -> None:
+        uncheckpoint_blocks(self._transformer_blocks())
+
+    gradient_checkpointing_disable = activation_checkpointing_disable
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(is_checkpointed(block) for block in self._transformer_blocks())
+
+    is_activation_checkpointing = is_gradient_checkpointing
+
+    # ----------------------------------------------------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``)."""
+        tables = [m.tokens for m in self.modules() if isinstance(m, Embeddings)]
+        if len(tables) != 1:
+            raise ValueError(f"{type(self).__name__} has no token embedding table (it does not read input_ids)")
+        return tables[0]
+
+    def enable_input_require_grads(self) -> None:
+        """Make the embeddings' output require grad, so that checkpointed blocks of a model whose embeddings are
+        frozen (PEFT adapters) still get a backward (HF's method of the same name)."""
+        def hook(module, args, output):
+            output.requires_grad_(True)
+
+        self._require_grads_hook = self.get_input_embeddings().register_forward_hook(hook)
+
+    def disable_input_require_grads(self) -> None:
+        self._require_grads_hook.remove()
+
+    # ----------------------------------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, which also reads HF's canonical layout: a state dict with keys this
+        model does not have is converted by the family's checkpoint rules first (every key must match one;
+        unmatched keys raise, listing them). ``transformers.Trainer`` resumes a checkpoint this way."""
+        own = set(self.state_dict())
+        if not set(state_dict) <= own:
+            from ..checkpoint.remap import hf_to_ours  # a higher layer: imported on use
+            from ..checkpoint.rules import rules_for
+
+            state_dict = hf_to_ours(dict(state_dict), rules_for(self.config))
+        return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+
+class TiedOutputEmbeddings(nn.Module):
+    """The LM head of a model whose output projection is its token embedding table: ``weight`` is the table and
+    there is no bias. What ``get_output_embeddings()`` returns where HF's model would have a tied ``lm_head``."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.embedding = embedding
+        self.bias = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.weight)
+
+
+def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs: dict):
+    """The document offsets (``cu_seqlens``) of a causal LM call, from what HF's trainers and collators pass.
+
+    - ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (and ``max_length_q/k``, ``seq_idx``): FlashAttention's varlen
+      arguments, which padding-free collators (TRL's ``padding_free=True``, ``DataCollatorWithFlattening``) add to
+      one packed row: the documents' offsets.
+    - Otherwise one row (1, S) without an attention mask or cache whose ``position_ids`` restart: each restart
+      begins a document (HF's rule for packed rows: a position that does not follow its predecessor), as HF's
+      own models read them. This reads the positions on the host.
+    - ``use_cache`` is accepted and has no effect: the forward keeps a cache only when given a ``kv_cache``.
+    Flags asking for outputs we do not return (``output_attentions`` / ``output_hidden_states`` True,
+    ``return_dict`` False) and unknown names raise."""
+    kwargs = dict(hf_kwargs)
+    kwargs.pop("use_cache", None)
+    for flag in ("output_attentions", "output_hidden_states"):
+        if kwargs.pop(flag, False):
+            raise ValueError(f"{flag}=True is not supported by flash-models models: they return the last hidden "
+                             "state only (out.last_hidden_state)")
+    if kwargs.pop("return_dict", True) is False:
+        raise ValueError("return_dict=False is not supported: the output already indexes like a tuple "
+                         "(out[0], out.to_tuple())")
+    cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
+    for name in ("max_length_q", "max_length_k", "seq_idx"):  # derived from the offsets where needed
+        kwargs.pop(name, None)
+    if kwargs:
+        raise TypeError(f"forward() got unexpected keyword arguments {sorted(kwargs)}")
+    if cu_q is not None:
+        if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+            raise ValueError("cu_seq_lens_q != cu_seq_lens_k: a packed causal LM batch has the same documents for "
+                             "queries and keys")
+        if cu_seqlens is not None:
+            raise ValueError("pass the document offsets once: cu_seqlens or cu_seq_lens_q, not both")
+        return cu_q.to(device=input_ids.device, dtype=torch.int32)
+    if (cu_seqlens is None and position_ids is not None and attention_mask is None and kv_cache is None
+            and input_ids.shape[0] == 1 and input_ids.shape[1] > 1):
+        positions = position_ids.reshape(-1)
+        starts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+        if starts.numel():
+            bounds = [torch.zeros(1, dtype=starts.dtype, device=starts.device), starts,
+                      torch.full((1,), positions.numel(), dtype=starts.dtype, device=starts.device)]
+            return torch.cat(bounds).to(torch.int32)
+    return cu_seqlens
