@@ -156,11 +156,17 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
             raise ValueError("pass the document offsets once: cu_seqlens or cu_seq_lens_q, not both")
         return cu_q.to(device=input_ids.device, dtype=torch.int32)
     if (cu_seqlens is None and position_ids is not None and attention_mask is None and kv_cache is None
-            and input_ids.shape[0] == 1 and input_ids.shape[1] > 1):
-        positions = position_ids.reshape(-1)
-        starts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
-        if starts.numel():
-            bounds = [torch.zeros(1, dtype=starts.dtype, device=starts.device), starts,
-                      torch.full((1,), positions.numel(), dtype=starts.dtype, device=starts.device)]
-            return torch.cat(bounds).to(torch.int32)
+            and input_ids.shape[0] == 1):
+        return offsets_from_positions(position_ids)
     return cu_seqlens
+
+
+def offsets_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """A packed row's document offsets (int32, documents + 1) from its positions (1, S) or (S,): a document
+    starts wherever a position does not follow its predecessor (HF's rule). None when the row is one document."""
+    positions = position_ids.reshape(-1)
+    starts = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+    if not starts.numel():
+        return None
+    ends = torch.tensor([0, positions.numel()], dtype=starts.dtype, device=starts.device)
+    return torch.cat([ends[:1], starts, ends[1:]]).to(torch.int32)

@@ -1,0 +1,100 @@
+"""Our attention kernels inside HF's own models, through transformers' official extension points.
+
+``register()`` adds ``"fm_attention"`` to ``transformers.AttentionInterface`` (the attention function) and to
+``AttentionMaskInterface`` (the mask each layer receives: FlashAttention-2's, a (B, keys) padding mask or None),
+so ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="fm_attention")`` or
+``model.set_attn_implementation("fm_attention")`` runs ``flash_kernels.flash_attn_func`` /
+``flash_attn_varlen_func``, forward and backward, in any HF model that calls its attention through the interface
+(Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2/3, GPT-2, Phi3, ... all of transformers' modern decoders).
+
+What it reads from HF's call, as HF's FlashAttention-2 integration does:
+- a padded batch: the padding mask; queries and keys are unpadded to packed documents, the output padded back
+  (padding rows are zero);
+- a packed row (padding-free collators): ``cu_seq_lens_q/k`` when the collator gives them, else restarts of
+  ``position_ids`` in a (1, S) row without a mask;
+- ``is_causal`` (the module's, or the call's), ``scaling``, ``dropout``, ``sliding_window`` (W keys: the query
+  and the W - 1 before it) and ``softcap``; with a KV cache (more keys than queries) the causal diagonal is
+  aligned bottom-right.
+Attention sinks (``s_aux``) and returned attention weights are not supported and raise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+import flash_kernels
+
+from ..models.hf_protocol import offsets_from_positions
+
+# transformers reads any implementation name containing "flash" as a request for a FlashAttention kernel from
+# the Hub (utils.generic.is_flash_attention_requested), so the name avoids that word.
+ATTN_IMPLEMENTATION = "fm_attention"
+
+
+def register(*, backend: str = "auto") -> str:
+    """Register our attention as ``attn_implementation="fm_attention"`` in transformers and return that name.
+    ``backend`` is the kernel backend every call uses ("auto": our Triton kernels on CUDA for supported dtypes
+    and head dims, else the PyTorch reference; "triton" or "reference" to insist). Calling again replaces the
+    registered backend."""
+    flash_kernels._backend.check_backend_name(backend)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, functools.partial(flash_models_attention, backend=backend))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def flash_models_attention(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None, *, backend: str = "auto", **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention-function signature: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) -> ((B, Sq, Hq, D), None)."""
+    if s_aux is not None:
+        raise ValueError("attn_implementation='fm_attention' does not support attention sinks (s_aux); use 'eager' or 'sdpa'")
+    if kwargs.get("output_attentions"):
+        raise ValueError("attn_implementation='fm_attention' does not return attention weights; use 'eager'")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise ValueError(f"attn_implementation='fm_attention' takes a (batch, keys) padding mask, got a mask of shape "
+                         f"{tuple(attention_mask.shape)}: was it registered with register()?")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
+    B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
+    window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None and Sk > sliding_window else (-1, -1)
+    options = dict(causal=module.is_causal if is_causal is None else is_causal, softmax_scale=scaling, window_size=window,
+                   softcap=softcap or 0.0, dropout_p=dropout, backend=backend)
+    if attention_mask is not None:
+        return _padded(q, k, v, attention_mask.bool(), options), None
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None and B == 1 and Sq == Sk and kwargs.get("position_ids") is not None:
+        cu_seqlens = offsets_from_positions(kwargs["position_ids"])
+    if cu_seqlens is not None:
+        cu_k = kwargs.get("cu_seq_lens_k", cu_seqlens)
+        max_q = kwargs.get("max_length_q") or int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        max_k = kwargs.get("max_length_k") or int((cu_k[1:] - cu_k[:-1]).max())
+        out = flash_kernels.flash_attn_varlen_func(
+            q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+            cu_seqlens_q=cu_seqlens.to(torch.int32), cu_seqlens_k=cu_k.to(torch.int32), max_seqlen_q=max_q,
+            max_seqlen_k=max_k, **options,
+        )
+        return out.view(B, Sq, *out.shape[1:]), None
+    return flash_kernels.flash_attn_func(q, k, v, **options), None
+
+
+def _padded(q, k, v, mask, options) -> torch.Tensor:
+    """Attention over a padded batch as packed documents: mask (B, Sk) marks real keys; the queries are the last
+    Sq positions of each row."""
+    B, Sq = q.shape[:2]
+    q_mask = mask[:, -Sq:]
+    k_lens, q_lens = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)
+    cu_k = torch.nn.functional.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_q = torch.nn.functional.pad(q_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    q_rows, k_rows = q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1)
+    out = flash_kernels.flash_attn_varlen_func(
+        q.flatten(0, 1)[q_rows], k.flatten(0, 1)[k_rows], v.flatten(0, 1)[k_rows], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(k_lens.max()), **options,
+    )  # (real queries, Hq, D)
+    padded = out.new_zeros(B * Sq, *out.shape[1:]).index_copy(0, q_rows, out)
+    return padded.view(B, Sq, *out.shape[1:])

@@ -1,0 +1,44 @@
+"""``SavePretrainedCallback``: transformers.Trainer checkpoints of our models that load as models.
+
+The Trainer saves a model that is not a ``PreTrainedModel`` as its bare ``state_dict`` (our internal layout,
+no config.json), which neither ``flash_models.from_pretrained`` nor transformers can read. With this callback,
+every checkpoint folder holds what ``model.save_pretrained`` writes instead (config.json and HF's canonical
+weights), and ``resume_from_checkpoint`` still works: our ``load_state_dict`` reads HF's layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+log = logging.getLogger(__name__)
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class SavePretrainedCallback(TrainerCallback):
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if model is None or not hasattr(model, "save_pretrained") or not hasattr(model.config, "typed"):
+            raise ValueError("SavePretrainedCallback writes flash-models models; the Trainer's model is "
+                             f"{type(model).__name__}")
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        # Written beside the checkpoint, then moved in file by file: the Trainer's other files (optimizer,
+        # scheduler, RNG and trainer state) stay where they are.
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-pretrained-", dir=args.output_dir))
+        try:
+            model.save_pretrained(staging)
+            for name in _WEIGHT_FILES:
+                if (folder / name).exists() and not (staging / name).exists():
+                    (folder / name).unlink()  # the Trainer's state dict in our internal layout
+            for item in staging.iterdir():
+                os.replace(item, folder / item.name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("wrote %s as a pretrained model folder", folder)
