@@ -39,6 +39,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
         flash_kernels._backend.check_backend_name(kernel_backend)
         self.config = ModelConfig(config, architecture=type(self).__name__)  # wraps the family's frozen config
+        self._generation_config = None  # made on first use (generation_config)
         self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
         dc: DecoderConfig = config.decoder()
         self.decoder_config = dc
@@ -312,6 +313,23 @@ class DecoderLM(HFModelProtocol, nn.Module):
                                                               cu_seqlens=cu_seqlens)
         rope_tables = self.rotary.tables(needed, input_ids.device) if self.rotary is not None else None
         return EncoderOutput(last_hidden_state=self._backbone(input_ids, position_ids, mask, rope_tables, None))
+
+    @property
+    def generation_config(self):
+        """HF's ``GenerationConfig`` of this model, made from the config's token ids on first use (TRL aligns its
+        ids with the tokenizer's). ``generate`` takes the token ids from ``model.config``; pass
+        ``generation_config=model.generation_config`` for its other settings."""
+        if self._generation_config is None:
+            import transformers  # HF's class, made on use: the model files do not need transformers to load
+
+            c = self.config
+            self._generation_config = transformers.GenerationConfig(
+                bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id, pad_token_id=c.pad_token_id)
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self._generation_config = value
 
     def get_output_embeddings(self) -> nn.Module:
         return self.lm_head if self.lm_head is not None else TiedOutputEmbeddings(self.embed.tokens)

@@ -72,6 +72,11 @@ class HFModelProtocol:
 
     is_activation_checkpointing = is_gradient_checkpointing
 
+    def add_model_tags(self, tags: str | list[str]) -> None:
+        """Tags for the model card (TRL adds "trl", "sft"): kept in ``model_tags``, in order, once each."""
+        current = self.__dict__.setdefault("model_tags", [])
+        current.extend(tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in current)
+
     # ----------------------------------------------------------------------------------------------------
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``)."""

@@ -1,0 +1,57 @@
+"""Our causal LM in TRL's SFTTrainer: chat template, completion-only loss, packing without padding; the same
+losses as HF's model from the same weights."""
+
+import datasets
+import pytest
+import transformers
+from trl import SFTConfig, SFTTrainer
+
+import flash_models as fm
+from flash_models.checkpoint.tokenizer import load_gguf_tokenizer
+from flash_models.testing import ours_from_hf, random_hf_model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_gguf_tokenizer(fm.smollm2_gguf())  # SmolLM2's tokenizer and chat template, offline
+
+
+def chat_dataset(seed: int) -> datasets.Dataset:
+    """Conversational prompt/completion pairs: the loss covers the assistant's completion only."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(8):
+        a, b = rng.randrange(100), rng.randrange(100)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} plus {b}?"}],
+                     "completion": [{"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]})
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_sft_matches_hf(tmp_path, tokenizer, packing):
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=True)
+    data = chat_dataset(seed=0)
+
+    def run(model, name):
+        args = SFTConfig(output_dir=str(tmp_path / name), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                         report_to=[], use_cpu=True, logging_steps=1, save_strategy="no", max_length=64, seed=0, data_seed=0,
+                         packing=packing, padding_free=packing, disable_tqdm=True,
+                         bf16=False)  # SFTConfig defaults to bf16 autocast; fp32 for a tight comparison
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        return [e for e in trainer.state.log_history if "loss" in e]
+
+    hf = random_hf_model(config, seed=1)
+    ours = ours_from_hf(hf)
+    expected, got = run(hf, "hf"), run(ours, "ours")
+    assert len(got) == 2
+    for theirs, mine in zip(expected, got):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+        assert mine["num_tokens"] == theirs["num_tokens"]
+        assert mine["mean_token_accuracy"] == pytest.approx(theirs["mean_token_accuracy"], abs=1e-6)
+    assert ours.config.eos_token_id == tokenizer.eos_token_id  # TRL aligned the config with its tokenizer
+    assert "sft" in ours.model_tags
