@@ -1,0 +1,31 @@
+"""PEFT LoRA on our causal LM (our fused projections are the targets: qkv, out_proj, gate_up, down), in the Trainer."""
+
+import peft
+import torch
+from transformers import Trainer, TrainingArguments
+
+from flash_models.testing import ours_from_hf, random_hf_model
+from test_hf_trainer import lm_dataset, tiny_llama_config
+
+
+def test_lora_adapters_train_and_only_they_change(tmp_path):
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=1))
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        before = ours(ids).logits
+    model = peft.get_peft_model(ours, peft.LoraConfig(r=4, target_modules=["qkv", "out_proj", "gate_up", "down"]))
+    with torch.no_grad():  # LoRA's B starts at zero: the adapted model computes the base model
+        torch.testing.assert_close(model(input_ids=ids).logits, before)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, activation_checkpointing=True)
+    Trainer(model=model, args=args, train_dataset=lm_dataset(8, seed=0)).train()
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert len(lora) == 2 * 4 * 2  # A and B of four projections in two blocks
+    assert all(p.requires_grad for p in lora.values())
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        after = merged(ids).logits
+    assert not torch.allclose(after, before)  # the adapters learned something, and the forward used them
+    changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])]
+    assert changed and all(any(t in k for t in ("qkv", "out_proj", "gate_up", "down")) for k in changed)
