@@ -9,6 +9,7 @@ Reported: tokens/s, MFU (6N + 12*L*D*S FLOPs per token against a measured bf16 m
 
     flash-models bench train [--cases gpt2,gpt2-medium,llama-1b] [--steps 20] [--out bench-train.json]
     flash-models bench train --dry-run      # tiny shapes on the CPU: exercises every code path, times nothing real
+    flash-models bench train --hf-trainer   # the same models inside transformers.Trainer (bench/train_hf.py)
 """
 
 from __future__ import annotations
@@ -120,7 +121,14 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default="bench-train.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, eager sides only unless --sides says otherwise")
+    parser.add_argument("--hf-trainer", action="store_true",
+                        help="the sides inside transformers.Trainer instead (bench/train_hf.py): ours, hf, hf+liger, hf+fm_attention")
     args = parser.parse_args(argv)
+    if args.hf_trainer:
+        from .train_hf import run
+
+        args.sides = None if args.sides == ",".join(SIDES) else args.sides
+        return run(args, cases=CASES, dry_cases=DRY_CASES, no_dropout=no_dropout)
     if args.dry_run:
         device, table = torch.device("cpu"), DRY_CASES
         sides = args.sides.split(",") if args.sides != ",".join(SIDES) else ["ours", "hf"]
