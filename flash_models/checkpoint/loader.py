@@ -105,6 +105,7 @@ def from_pretrained(
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
     model.name_or_path = str(name_or_path)
+    model.config.name_or_path = str(name_or_path)  # HF's place for it (TRL names the model and finds its tokenizer by it)
     return model.eval()
 
 
