@@ -1,0 +1,75 @@
+"""What HF's tools read on our models: ModelOutput behaviour of outputs, model.config as a config they can set,
+HF's packed-row conventions in the causal LM forward."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import transformers
+
+from flash_models.models.outputs import CausalLMOutput, HeadOutput
+from flash_models.testing import ours_from_hf, random_hf_model
+from test_hf_trainer import VOCAB, tiny_llama_config
+
+
+def test_outputs_index_like_hf_model_outputs():
+    loss, logits = torch.rand(()), torch.randn(2, 3, 5)
+    out = CausalLMOutput(logits=logits, loss=loss)
+    assert list(out.keys()) == ["loss", "logits"]  # HF's order; None fields are not keys
+    assert out[0] is loss and out["logits"] is logits and out.logits is logits and out[1:] == (logits,)
+    assert out.to_tuple() == (loss, logits) and isinstance(out, dict) and "kv_cache" not in out
+    with pytest.raises(KeyError):
+        out["last_hidden_state"]
+    out.last_hidden_state = torch.zeros(1)
+    assert list(out) == ["loss", "logits", "last_hidden_state"]
+    out["loss"] = None
+    assert out.loss is None and list(out) == ["logits", "last_hidden_state"]
+    with pytest.raises(KeyError, match="no field"):
+        out["logits_"] = logits
+    with pytest.raises(TypeError):
+        out.update(loss=loss)
+    # accelerate's convert_outputs_to_fp32 rebuilds an output as type(out)(dict); pickling and copies keep it.
+    rebuilt = HeadOutput({"logits": logits, "loss": loss})
+    assert list(rebuilt) == ["loss", "logits"] and rebuilt.logits is logits
+    for again in (pickle.loads(pickle.dumps(rebuilt)), copy.deepcopy(rebuilt)):
+        assert list(again) == ["loss", "logits"] and torch.equal(again.logits, logits)
+
+
+def test_model_config_takes_run_time_settings_and_keeps_the_architecture():
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=0))
+    config = ours.config
+    config.use_cache = False
+    config.output_router_logits = False
+    assert config.use_cache is False and config.output_router_logits is False
+    assert config.model_type == "llama" and config.architectures == ["LlamaForCausalLM"]
+    assert config.get_text_config() is config and config.is_encoder_decoder is False  # read from HF's config
+    with pytest.raises(AttributeError, match="hidden_size.*cannot change"):
+        config.hidden_size = 64
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        config.nonsense
+    config.eos_token_id = [5, 6]  # TRL aligns token ids with its tokenizer: the typed config is replaced
+    assert config.typed.eos_token_id == (5, 6) and config.to_dict()["eos_token_id"] == [5, 6]
+    assert config.to_dict()["use_cache"] is False and '"model_type": "llama"' in config.to_json_string()
+    assert config == copy.deepcopy(ours).config and config != ours_from_hf(random_hf_model(
+        transformers.LlamaConfig(**{**tiny_llama_config().to_dict(), "num_hidden_layers": 1}), seed=0)).config
+
+
+def test_packed_row_positions_mark_documents():
+    """Without cu_seqlens, a (1, S) row whose position_ids restart is documents that do not see each other."""
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=1))
+    lengths = [5, 3, 6]
+    docs = [torch.randint(0, VOCAB, (1, n)) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    with torch.no_grad():
+        alone = torch.cat([ours(doc).logits[0] for doc in docs])
+        packed = ours(torch.cat(docs, 1), position_ids=positions).logits[0]
+        offsets = torch.tensor([0, 5, 8, 14], dtype=torch.int32)
+        given = ours(torch.cat(docs, 1), cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=6,
+                     max_length_k=6, use_cache=False).logits[0]
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(given, alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="unexpected keyword arguments \\['bogus'\\]"):
+        ours(docs[0], bogus=1)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        ours(docs[0], output_hidden_states=True)
