@@ -78,12 +78,12 @@ class HFModelProtocol:
         current.extend(tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in current)
 
     # ----------------------------------------------------------------------------------------------------
-    def get_input_embeddings(self) -> nn.Embedding:
-        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``)."""
+    def get_input_embeddings(self) -> nn.Embedding | None:
+        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``); None for a
+        model that reads no tokens (ViT)."""
         tables = [m.tokens for m in self.modules() if isinstance(m, Embeddings)]
-        if len(tables) != 1:
-            raise ValueError(f"{type(self).__name__} has no token embedding table (it does not read input_ids)")
-        return tables[0]
+        assert len(tables) <= 1, f"{type(self).__name__} has one token table at most"
+        return tables[0] if tables else None
 
     def enable_input_require_grads(self) -> None:
         """Make the embeddings' output require grad, so that checkpointed blocks of a model whose embeddings are
@@ -91,7 +91,10 @@ class HFModelProtocol:
         def hook(module, args, output):
             output.requires_grad_(True)
 
-        self._require_grads_hook = self.get_input_embeddings().register_forward_hook(hook)
+        table = self.get_input_embeddings()
+        if table is None:
+            raise ValueError(f"{type(self).__name__} has no token embedding table to hook; freeze fewer layers instead")
+        self._require_grads_hook = table.register_forward_hook(hook)
 
     def disable_input_require_grads(self) -> None:
         self._require_grads_hook.remove()

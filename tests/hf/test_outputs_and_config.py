@@ -73,3 +73,15 @@ def test_packed_row_positions_mark_documents():
         ours(docs[0], bogus=1)
     with pytest.raises(ValueError, match="output_hidden_states"):
         ours(docs[0], output_hidden_states=True)
+
+
+def test_frozen_embeddings_with_checkpointing_still_train_the_blocks():
+    """PEFT's set-up: embeddings frozen, blocks checkpointed; enable_input_require_grads keeps a backward."""
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=2))
+    ours.get_input_embeddings().weight.requires_grad_(False)
+    ours.gradient_checkpointing_enable()
+    ours.enable_input_require_grads()
+    ids = torch.randint(0, VOCAB, (2, 6))
+    ours(ids, labels=ids).loss.backward()
+    assert ours.blocks[0].attn.qkv.weight.grad is not None
+    ours.disable_input_require_grads()
