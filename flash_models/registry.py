@@ -1,48 +1,35 @@
-"""model_type -> family (config class, model class), and named presets.
+"""model_type -> family, and named presets, collected from the families' own records.
 
-Dispatch is an exact lookup of the checkpoint's HF ``config.model_type``; no name sniffing.
+Dispatch is an exact lookup of the checkpoint's HF ``config.model_type``; no name sniffing. Each family file
+in ``flash_models.models`` declares one ``Family`` (config, model, checkpoint rules, presets, test size);
+this module only indexes them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from .models import FAMILIES, Family, Preset
+from .models.checkpoint_rules import RuleSet
 
-from torch import nn
-
-
-@dataclass(frozen=True)
-class Family:
-    model_type: str
-    config_cls: type  # our frozen config, with from_hf / to_hf
-    model_cls: Callable[..., nn.Module]  # our nn.Module class, or a function of our config picking one (BERT heads)
-    hf_auto_class: str = "AutoModelForCausalLM"  # the transformers class that reads what we save (presets)
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A named model size: HF config fields for ``model_type``. ``create_model(name)`` builds it random-init."""
-
-    name: str
-    model_type: str
-    hf_config: dict = field(default_factory=dict)
-    description: str = ""
-
+__all__ = ["Family", "Preset", "families", "get_family", "get_preset", "list_models", "register_family", "rules_for"]
 
 _FAMILIES: dict[str, Family] = {}
 _PRESETS: dict[str, Preset] = {}
 
 
 def register_family(family: Family) -> None:
+    """Add a family (and its presets): every family in flash_models.models is added at import; call this for
+    one defined elsewhere."""
     if family.model_type in _FAMILIES:
         raise ValueError(f"model_type {family.model_type!r} is registered twice")
+    taken = [p.name for p in family.presets if p.name in _PRESETS]
+    if taken:
+        raise ValueError(f"preset(s) {taken} are registered twice")
     _FAMILIES[family.model_type] = family
+    _PRESETS.update((p.name, p) for p in family.presets)
 
 
-def register_preset(preset: Preset) -> None:
-    if preset.name in _PRESETS:
-        raise ValueError(f"preset {preset.name!r} is registered twice")
-    _PRESETS[preset.name] = preset
+for _family in FAMILIES:
+    register_family(_family)
 
 
 def get_family(model_type: str) -> Family:
@@ -59,6 +46,11 @@ def get_preset(name: str) -> Preset:
         return _PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; available: {sorted(_PRESETS)}") from None
+
+
+def rules_for(config) -> RuleSet:
+    """The checkpoint rules of our config's family (HF layout <-> ours)."""
+    return get_family(config.model_type).rules(config)
 
 
 def families() -> list[str]:

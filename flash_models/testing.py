@@ -10,7 +10,7 @@ import transformers
 
 from .checkpoint.loader import build_model, from_pretrained
 from .checkpoint.remap import hf_to_ours
-from .checkpoint.rules import rules_for
+from .registry import rules_for
 
 
 def randomize_(model: torch.nn.Module, *, seed: int = 0, std: float = 0.05) -> torch.nn.Module:

@@ -65,7 +65,7 @@ def _per_step_ms(generate, new_tokens: int, repeats: int, device: torch.device) 
 def _hf_twin(ours):
     """The HF model with our model's weights (through save_pretrained's canonical layout, in memory)."""
     from ..checkpoint.remap import ours_to_hf
-    from ..checkpoint.rules import rules_for
+    from ..registry import rules_for
 
     with torch.device(ours.device):
         hf = transformers.AutoModelForCausalLM.from_config(ours.config.to_hf(), dtype=ours.dtype, attn_implementation="sdpa")

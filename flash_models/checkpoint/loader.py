@@ -11,14 +11,12 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 
-from .. import models as _families  # noqa: F401  (importing it registers every family)
 from ..config import check_finite_values
-from ..registry import get_family, get_preset
+from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, resolve_gguf, resolve_model_dir
 from .remap import check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
-from .rules import rules_for
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +36,9 @@ def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "au
     """Our model for an HF config, on ``device`` (meta: no memory, for loading or inspecting)."""
     check_finite_values(hf_config.to_dict())
     family = get_family(hf_config.model_type)
-    config = family.config_cls.from_hf(hf_config)
+    config = family.config_class.from_hf(hf_config)
     with torch.device(device):
-        return family.model_cls(config, attn_impl=attn_impl, kernel_backend=kernel_backend)
+        return family.model_class(config, attn_impl=attn_impl, kernel_backend=kernel_backend)
 
 
 def _read_hf_config(directory: Path):

@@ -1,90 +1,22 @@
-"""State-dict remapping as data: anchored templates plus small named transforms, each with an inverse.
+"""State-dict remapping: applies a family's rules (``flash_models.models.checkpoint_rules``: anchored
+templates plus small named transforms, each with an inverse) to a state dict, in either direction.
 
-A ``Rule`` maps one of our keys to one or more HF keys, e.g. our fused ``blocks.{layer}.attn.qkv.weight``
-to HF's ``model.layers.{layer}.self_attn.{q,k,v}_proj.weight``. Templates are matched with ``re.fullmatch``
-after escaping, with ``{layer}`` (or any ``{name}``) standing for a number. Every checkpoint key must be
-claimed by a rule or an ignore pattern; anything else is an error that lists the keys.
+Every checkpoint key must be claimed by a rule or an ignore pattern; anything else is an error that lists
+the keys.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-Tensors = list[torch.Tensor]
+from ..models.checkpoint_rules import Rule, RuleSet, Tensors
 
 
 class CheckpointKeyError(ValueError):
     """Checkpoint keys that do not fit the model: missing ones, unexpected ones, or both (listed)."""
-
-
-@dataclass(frozen=True)
-class Transform:
-    name: str
-    to_ours: Callable[[Tensors], torch.Tensor]
-    to_hf: Callable[[torch.Tensor], Tensors]
-
-
-IDENTITY = Transform("identity", lambda parts: parts[0], lambda t: [t])
-# HF's GPT-2 stores linear weights as Conv1D (in_features, out_features).
-TRANSPOSE = Transform("conv1d_transpose", lambda parts: parts[0].t().contiguous(), lambda t: [t.t().contiguous()])
-
-
-def concat(sizes: tuple[int, ...], *, dim: int = 0, name: str = "concat") -> Transform:
-    """Fuse parts along ``dim`` (q/k/v into qkv, gate/up into gate_up); the inverse splits by ``sizes``."""
-    return Transform(
-        f"{name}{sizes}",
-        lambda parts: torch.cat(parts, dim=dim),
-        lambda t: [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)],
-    )
-
-
-def then(first: Transform, second: Transform) -> Transform:
-    """Apply ``first`` to the parts, then ``second`` to the single result (and the reverse on the way back)."""
-    return Transform(
-        f"{first.name}+{second.name}",
-        lambda parts: second.to_ours([first.to_ours(parts)]),
-        lambda t: first.to_hf(second.to_hf(t)[0]),
-    )
-
-
-@dataclass(frozen=True)
-class Rule:
-    ours: str
-    hf: tuple[str, ...]
-    transform: Transform = IDENTITY
-
-    def __post_init__(self):
-        if isinstance(self.hf, str):
-            object.__setattr__(self, "hf", (self.hf,))
-
-
-@dataclass(frozen=True)
-class RuleSet:
-    """A family's rules for one config. ``base_prefix`` (e.g. "transformer.") is added to keys of checkpoints
-    saved from the bare base model (the original GPT-2 files have no prefix); keys under ``head_prefixes``
-    keep theirs."""
-
-    rules: tuple[Rule, ...]
-    ignore: tuple[str, ...] = ()  # regexes of HF keys that carry nothing we need (buffers, tied copies)
-    base_prefix: str = ""
-    head_prefixes: tuple[str, ...] = ()
-    # (regex, replacement) renames, applied in order with re.sub, for key names of older transformers versions
-    legacy_keys: tuple[tuple[str, str], ...] = ()
-
-    def normalize_hf_key(self, key: str) -> str:
-        for pattern, replacement in self.legacy_keys:
-            key = re.sub(pattern, replacement, key)
-        if self.base_prefix and not key.startswith(self.base_prefix) and not key.startswith(self.head_prefixes):
-            return self.base_prefix + key
-        return key
-
-    def is_ignored(self, key: str) -> bool:
-        return any(re.fullmatch(pattern, key) for pattern in self.ignore)
 
 
 _PLACEHOLDER = re.compile(r"\\\{(\w+)\\\}")

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models.vit import ViTConfig, VisionTransformer
+from ..models.vit import ViTConfig, VisionTransformer, timm_vit_rules
 from .loader import resolve_dtype
 from .remap import hf_to_ours
-from .rules import timm_vit_rules
 
 
 def vit_config_from_timm(model: nn.Module) -> ViTConfig:

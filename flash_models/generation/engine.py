@@ -12,6 +12,7 @@ import weakref
 import torch
 from flash_kernels import programmatic_launch as programmatic_launch_context
 
+from ..models.protocols import CausalDecoder
 from ..modules.kv_cache import KVCache
 
 CACHE_LEN_BUCKET = 256  # cache lengths are rounded up to this, so a captured graph serves many prompt sizes
@@ -25,7 +26,7 @@ class DecodeRunner:
     inductor's own kernels do not take part in the chain, and a compiled step is meant to give what the plain
     eager step gives."""
 
-    def __init__(self, model, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False,
+    def __init__(self, model: CausalDecoder, cache: KVCache, *, use_cuda_graph: bool = True, compile: bool | str = False,
                  programmatic_launch: bool = False):
         self.model, self.cache = model, cache
         self.programmatic_launch = programmatic_launch and not compile
@@ -101,7 +102,7 @@ _POOL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def cache_and_runner(
-    model, batch_size: int, needed_len: int, *, use_cuda_graph: bool, block_size: int | None = None,
+    model: CausalDecoder, batch_size: int, needed_len: int, *, use_cuda_graph: bool, block_size: int | None = None,
     compile: bool | str = False, programmatic_launch: bool = False,
 ) -> tuple[KVCache, DecodeRunner]:
     """An empty KV cache of at least ``needed_len`` positions and the decode runner for it. On CUDA with

@@ -3,74 +3,16 @@ with HF's argument names. Returns prompt + new tokens as HF does, or a ``Generat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
+from ..models.protocols import CausalDecoder, check_causal_decoder
 from .engine import cache_and_runner
+from .prompt import GenerateOutput, check_prompt, prefill_logits
 from .sampling import choose, process_logits, seen_tokens
 from .settings import GenerationSettings, resolve_settings
-
-
-@dataclass
-class GenerateOutput:
-    sequences: torch.Tensor  # (B, S + T)
-    scores: tuple[torch.Tensor, ...] | None = None  # T x (B, V): the processed scores each token was chosen from
-    logprobs: torch.Tensor | None = None  # (B, T): log-probability of each chosen token under those scores
-
-
-def _check_prompt(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: GenerationSettings):
-    """The prompt as (B, S) int64 ids on the model's device and its mask, checked: ids of the model's
-    vocabulary, a 0/1 mask of the same shape with a real token in every row, room in the position table."""
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValueError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
-    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
-        raise ValueError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
-    if input_ids.dim() == 1:
-        input_ids = input_ids.unsqueeze(0)
-    if input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise ValueError(f"input_ids must be a non-empty (batch, seq_len) prompt, got shape {tuple(input_ids.shape)}")
-    dc = model.decoder_config
-    device = model.device
-    input_ids = input_ids.to(device=device, dtype=torch.long)
-    outside = (input_ids < 0) | (input_ids >= dc.vocab_size)
-    if bool(outside.any()):  # once per call: on CUDA the model's own check is an asynchronous assert
-        raise ValueError(f"input_ids must lie in the vocabulary [0, {dc.vocab_size}), got {int(input_ids[outside][0])}: "
-                         "check the tokenizer matches the model")
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor):
-            raise ValueError(f"attention_mask must be a tensor of 0/1 (1 = real token), got {type(attention_mask).__name__}")
-        if attention_mask.dim() == 1:
-            attention_mask = attention_mask.unsqueeze(0)
-        if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
-        attention_mask = attention_mask.to(device)
-        if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
-        attention_mask = attention_mask.long()
-        if not attention_mask.bool().any(dim=1).all():
-            raise ValueError("a row of attention_mask has no real token: every prompt needs at least one")
-    # Positions count real tokens (the cache holds them compacted): the longest row's must fit the table.
-    longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
-    if dc.learned_positions and longest + settings.max_new_tokens > dc.max_position_embeddings:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
-            f"{dc.max_position_embeddings} positions"
-        )
-    return input_ids, attention_mask
-
-
-def prefill_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
-    """The prompt into ``cache`` -> (B, V) logits at each row's last real token: the last column for an
-    unpadded or left-padded row, an earlier one for a right-padded row. The cache holds only real tokens,
-    compacted, so every row continues right after its own last real token."""
-    logits = model(input_ids, attention_mask=attention_mask, kv_cache=cache).logits  # (B, S, V)
-    if attention_mask is None:
-        return logits[:, -1]
-    S = attention_mask.shape[1]
-    last = S - 1 - attention_mask.flip(1).argmax(dim=1)  # (B,) index of each row's last real token
-    return logits[torch.arange(logits.shape[0], device=logits.device), last]
+from .speculative import speculative_generate
 
 
 class _StopStrings:
@@ -92,9 +34,11 @@ class _StopStrings:
 class Generation:
     """One generate call as an iterator over steps: each ``next`` yields the (B,) tokens of one step."""
 
-    def __init__(self, model, input_ids, *, attention_mask=None, settings: GenerationSettings, generator=None, tokenizer=None):
+    def __init__(self, model: CausalDecoder, input_ids, *, attention_mask=None, settings: GenerationSettings, generator=None,
+                 tokenizer=None):
+        check_causal_decoder(model)
         self.model, self.settings, self.generator = model, settings, generator
-        self.input_ids, self.attention_mask = _check_prompt(model, input_ids, attention_mask, settings)
+        self.input_ids, self.attention_mask = check_prompt(model, input_ids, attention_mask, settings)
         self.stops = _StopStrings(tokenizer, settings.stop_strings)
         self.tokens: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
@@ -189,7 +133,7 @@ class Generation:
 
 @torch.inference_mode()
 def generate(
-    model,
+    model: CausalDecoder,
     input_ids: torch.Tensor,
     *,
     attention_mask: torch.Tensor | None = None,
@@ -209,14 +153,13 @@ def generate(
     with pad_token_id (default: the first EOS id). ``generator`` seeds sampling. ``draft_model`` turns on
     speculative decoding (greedy, the same tokens and scores as plain greedy). ``on_token`` gets each step's
     (B,) tokens."""
+    check_causal_decoder(model)
     settings = resolve_settings(model.config, model.decoder_config.vocab_size, generation_config, **kwargs)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (it gets each step's (batch,) tokens), got {type(on_token).__name__}")
     if draft_model is not None:
-        from .speculative import speculative_generate
-
         if on_token is not None:
             raise ValueError("on_token is not supported with draft_model: speculative decoding emits several tokens "
                              "per row per step, a different number in each row")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from .generate import GenerateOutput, _check_prompt, prefill_logits
+from ..models.protocols import CausalDecoder
+from .prompt import GenerateOutput, check_prompt, prefill_logits
 from .sampling import process_logits, seen_tokens
 from .settings import GenerationSettings
 
 
-def _check_pair(target, draft, settings: GenerationSettings) -> None:
-    if not hasattr(draft, "decoder_config"):
+def _check_pair(target: CausalDecoder, draft, settings: GenerationSettings) -> None:
+    if not isinstance(draft, CausalDecoder):
         raise ValueError(f"draft_model must be a flash-models decoder LM, got {type(draft).__name__}")
     if target.decoder_config.vocab_size != draft.decoder_config.vocab_size:
         raise ValueError(
@@ -37,10 +38,10 @@ def _check_pair(target, draft, settings: GenerationSettings) -> None:
 
 
 @torch.inference_mode()
-def speculative_generate(target, draft, input_ids, *, attention_mask=None, settings: GenerationSettings):
+def speculative_generate(target: CausalDecoder, draft: CausalDecoder, input_ids, *, attention_mask=None, settings: GenerationSettings):
     _check_pair(target, draft, settings)
-    input_ids, attention_mask = _check_prompt(target, input_ids, attention_mask, settings)
-    _check_prompt(draft, input_ids, attention_mask, settings)  # the draft's own position table must hold it too
+    input_ids, attention_mask = check_prompt(target, input_ids, attention_mask, settings)
+    check_prompt(draft, input_ids, attention_mask, settings)  # the draft's own position table must hold it too
     B, S = input_ids.shape
     k, max_new, device = settings.num_draft_tokens, settings.max_new_tokens, input_ids.device
     V = target.decoder_config.vocab_size

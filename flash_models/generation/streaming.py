@@ -12,6 +12,8 @@ from typing import Iterator
 
 import torch
 
+from ..models.protocols import check_causal_decoder
+
 
 class TextStream:
     def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
@@ -46,6 +48,8 @@ def stream(
     receives each token id as it comes (for timing)."""
     from .generate import Generation
     from .settings import resolve_settings
+
+    check_causal_decoder(model)
 
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream takes one prompt (1, seq_len), got batch {input_ids.shape[0]}")

@@ -1,20 +1,30 @@
-"""Model families. Importing this package registers every family and preset."""
+"""Model families. Every module (or package) here that defines ``FAMILY`` is one family: importing this
+package imports each of them, collects their records in ``FAMILIES`` and makes the names each one lists in
+``__all__`` importable from here (``flash_models.models.LlamaForCausalLM``). Adding a family adds no line here."""
 
-from .bert import BertConfig, BertForMaskedLM, BertForPreTraining, BertForSequenceClassification, BertForTokenClassification, BertModel
+import importlib
+import pkgutil
+
 from .decoder import CausalLMOutput, DecoderLM
-from .gpt2 import GPT2Config, GPT2LMHeadModel
-from .gpt_neox import GPTNeoXConfig, GPTNeoXForCausalLM
-from .gptj import GPTJConfig, GPTJForCausalLM
-from .llama import LlamaConfig, LlamaForCausalLM
-from .mistral import MistralConfig, MistralForCausalLM
-from .opt import OPTConfig, OPTForCausalLM
-from .qwen2 import Qwen2Config, Qwen2ForCausalLM
-from .vit import ViTConfig, VisionTransformer
+from .family import Family, Preset
 
-__all__ = [
-    "BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification", "BertForTokenClassification",
-    "BertModel", "ViTConfig", "VisionTransformer",
-    "CausalLMOutput", "DecoderLM", "GPT2Config", "GPT2LMHeadModel", "GPTJConfig", "GPTJForCausalLM", "GPTNeoXConfig",
-    "GPTNeoXForCausalLM", "LlamaConfig", "LlamaForCausalLM", "MistralConfig", "MistralForCausalLM", "OPTConfig",
-    "OPTForCausalLM", "Qwen2Config", "Qwen2ForCausalLM",
-]
+__all__ = ["CausalLMOutput", "DecoderLM", "FAMILIES", "Family", "Preset"]
+
+
+def _collect() -> tuple[Family, ...]:
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda info: info.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if family is None:
+            continue
+        assert isinstance(family, Family), f"{module.__name__}.FAMILY is a {type(family).__name__}, not a Family"
+        for name in module.__all__:
+            assert name not in globals(), f"{module.__name__} exports {name!r}, which another module exports too"
+            globals()[name] = getattr(module, name)
+            __all__.append(name)
+        found.append(family)
+    return tuple(found)
+
+
+FAMILIES: tuple[Family, ...] = _collect()

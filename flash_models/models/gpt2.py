@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import transformers
+from typing import TYPE_CHECKING
 
 from ..config import AttentionConfig, DecoderConfig, MLPConfig, head_dim_of
-from ..registry import Family, Preset, register_family, register_preset
+from .checkpoint_rules import IDENTITY, TRANSPOSE, Rule, RuleSet, layer_rules, lm_head
 from .decoder import DecoderLM
+from .family import Family, Preset, hf_class
+
+if TYPE_CHECKING:
+    import transformers
+
+__all__ = ["GPT2Config", "GPT2LMHeadModel"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class GPT2Config:
     pad_token_id: int | None = None
 
     model_type = "gpt2"
+    hf_config_class = "GPT2Config"
 
     @classmethod
     def from_hf(cls, hf: transformers.GPT2Config) -> GPT2Config:
@@ -45,7 +51,7 @@ class GPT2Config:
         return cls(**{name: getattr(hf, name) for name in cls.__dataclass_fields__})
 
     def to_hf(self) -> transformers.GPT2Config:
-        return transformers.GPT2Config(**{name: getattr(self, name) for name in self.__dataclass_fields__})
+        return hf_class(self.hf_config_class)(**{name: getattr(self, name) for name in self.__dataclass_fields__})
 
     def decoder(self) -> DecoderConfig:
         head_dim = head_dim_of(self.n_embd, self.n_head)
@@ -78,11 +84,38 @@ class GPT2LMHeadModel(DecoderLM):
     config_class = GPT2Config
 
 
-register_family(Family("gpt2", GPT2Config, GPT2LMHeadModel))
-for _name, _sizes in {
+def gpt2_rules(config: GPT2Config) -> RuleSet:
+    """HF's GPT-2 stores its linears as Conv1D, (in, out): transposed to ours."""
+    p = "transformer."
+    linear = {}
+    for ours, hf in {"attn.qkv": "attn.c_attn", "attn.out_proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}.items():
+        linear[f"{ours}.weight"] = ((f"{hf}.weight",), TRANSPOSE)
+        linear[f"{ours}.bias"] = ((f"{hf}.bias",), IDENTITY)
+    norms = {f"norm{i}.{w}": ((f"ln_{i}.{w}",), IDENTITY) for i in (1, 2) for w in ("weight", "bias")}
+    rules = layer_rules(p, "h", linear, norms) + [
+        Rule("embed.tokens.weight", f"{p}wte.weight"),
+        Rule("embed.positions.weight", f"{p}wpe.weight"),
+        Rule("norm_f.weight", f"{p}ln_f.weight"),
+        Rule("norm_f.bias", f"{p}ln_f.bias"),
+    ]
+    ignore = [r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"]
+    lm_head(config, rules, ignore)
+    return RuleSet(tuple(rules), ignore=tuple(ignore), base_prefix=p, head_prefixes=("lm_head.",))
+
+
+def gpt2_tiny(preset: dict) -> dict:
+    return dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1,
+                attn_pdrop=0.1)
+
+
+_SIZES = {
     "gpt2": dict(n_embd=768, n_layer=12, n_head=12),
     "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16),
     "gpt2-large": dict(n_embd=1280, n_layer=36, n_head=20),
     "gpt2-xl": dict(n_embd=1600, n_layer=48, n_head=25),
-}.items():
-    register_preset(Preset(_name, "gpt2", _sizes, description=f"GPT-2 {_name.removeprefix('gpt2').strip('-') or 'small'}"))
+}
+FAMILY = Family(
+    config_class=GPT2Config, model_class=GPT2LMHeadModel, rules=gpt2_rules, tiny=gpt2_tiny,
+    presets=tuple(Preset(name, "gpt2", sizes, description=f"GPT-2 {name.removeprefix('gpt2').strip('-') or 'small'}")
+                  for name, sizes in _SIZES.items()),
+)

@@ -4,13 +4,17 @@ variant), partial half-split rotary (``partial_rotary_factor``, the old ``rotary
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import transformers
+from typing import TYPE_CHECKING
 
 from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig, head_dim_of
-from ..registry import Family, Preset, register_family, register_preset
+from .checkpoint_rules import Rule, RuleSet, Transform, layer_rules, linears, lm_head, norms
 from .decoder import DecoderLM
-from .llama import hf_token_ids, token_ids
+from .family import Family, Preset, hf_class, hf_token_ids, token_ids
+
+if TYPE_CHECKING:
+    import transformers
+
+__all__ = ["GPTNeoXConfig", "GPTNeoXForCausalLM"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class GPTNeoXConfig:
     pad_token_id: int | None = None
 
     model_type = "gpt_neox"
+    hf_config_class = "GPTNeoXConfig"
     _PLAIN = (
         "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
         "attention_dropout", "hidden_dropout", "classifier_dropout", "max_position_embeddings", "initializer_range",
@@ -59,7 +64,7 @@ class GPTNeoXConfig:
                    eos_token_id=token_ids(hf.eos_token_id))
 
     def to_hf(self) -> transformers.GPTNeoXConfig:
-        return transformers.GPTNeoXConfig(
+        return hf_class(self.hf_config_class)(
             **{name: getattr(self, name) for name in self._PLAIN}, eos_token_id=hf_token_ids(self.eos_token_id),
             rope_parameters=self.rope_or_default().to_hf_parameters(partial_rotary_factor=self.partial_rotary_factor),
         )
@@ -96,12 +101,51 @@ class GPTNeoXForCausalLM(DecoderLM):
     config_class = GPTNeoXConfig
 
 
-register_family(Family("gpt_neox", GPTNeoXConfig, GPTNeoXForCausalLM))
-for _name, (_hidden, _layers, _heads) in {"pythia-160m": (768, 12, 12), "pythia-1b": (2048, 16, 8)}.items():
-    register_preset(Preset(
-        _name, "gpt_neox",
-        dict(vocab_size=50304, hidden_size=_hidden, num_hidden_layers=_layers, num_attention_heads=_heads,
-             intermediate_size=4 * _hidden, rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-             max_position_embeddings=2048),
-        description=f"Pythia shape: {_layers} layers, hidden {_hidden}, parallel residual, 25% rotary",
-    ))
+def _heads_interleaved_qkv(num_heads: int) -> Transform:
+    """GPT-NeoX fuses qkv per head, rows ordered (head, [q k v], dim); ours are ([q k v], head, dim)."""
+
+    def to_ours(parts):
+        w = parts[0]
+        return w.reshape(num_heads, 3, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape).contiguous()
+
+    def to_hf(t):
+        return [t.reshape(3, num_heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()]
+
+    return Transform(f"neox_qkv(heads={num_heads})", to_ours, to_hf)
+
+
+def gpt_neox_rules(config: GPTNeoXConfig) -> RuleSet:
+    p = "gpt_neox."
+    qkv = _heads_interleaved_qkv(config.num_attention_heads)
+    attn = {"attn.qkv.weight": (("attention.query_key_value.weight",), qkv)}
+    if config.attention_bias:
+        attn["attn.qkv.bias"] = (("attention.query_key_value.bias",), qkv)
+    attn.update(linears({"attn.out_proj": "attention.dense"}, bias=config.attention_bias))
+    mlp = linears({"mlp.fc1": "mlp.dense_h_to_4h", "mlp.fc2": "mlp.dense_4h_to_h"}, bias=True)
+    rules = layer_rules(p, "layers", attn, mlp, norms({"norm1": "input_layernorm", "norm2": "post_attention_layernorm"})) + [
+        Rule("embed.tokens.weight", f"{p}embed_in.weight"),
+        Rule("norm_f.weight", f"{p}final_layer_norm.weight"),
+        Rule("norm_f.bias", f"{p}final_layer_norm.bias"),
+    ]
+    ignore = [r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias|rotary_emb\.inv_freq)", r"gpt_neox\.rotary_emb\.inv_freq"]
+    lm_head(config, rules, ignore)
+    return RuleSet(tuple(rules), ignore=tuple(ignore), base_prefix=p, head_prefixes=("lm_head.",),
+                   legacy_keys=((r"^embed_out\.weight$", "lm_head.weight"),))  # transformers < 5 named the head embed_out
+
+
+def gpt_neox_tiny(preset: dict) -> dict:
+    return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128,
+                max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+FAMILY = Family(
+    config_class=GPTNeoXConfig, model_class=GPTNeoXForCausalLM, rules=gpt_neox_rules, tiny=gpt_neox_tiny,
+    presets=tuple(
+        Preset(name, "gpt_neox",
+               dict(vocab_size=50304, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                    intermediate_size=4 * hidden, rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                    max_position_embeddings=2048),
+               description=f"Pythia shape: {layers} layers, hidden {hidden}, parallel residual, 25% rotary")
+        for name, (hidden, layers, heads) in {"pythia-160m": (768, 12, 12), "pythia-1b": (2048, 16, 8)}.items()
+    ),
+)

@@ -4,20 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-import transformers
-
 from ..config import AttentionConfig, DecoderConfig, MLPConfig, RopeConfig
-from ..registry import Family, Preset, register_family, register_preset
+from .checkpoint_rules import IDENTITY, Rule, RuleSet, concat, layer_rules, lm_head
 from .decoder import DecoderLM
+from .family import Family, Preset, hf_class, hf_token_ids, token_ids
 
-
-def token_ids(value) -> int | tuple[int, ...] | None:
-    """HF allows one id or a list (e.g. several EOS ids); keep lists as tuples so the config stays frozen."""
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
-def hf_token_ids(value):
-    return list(value) if isinstance(value, tuple) else value
+__all__ = ["LlamaConfig", "LlamaForCausalLM"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +35,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
 
     model_type = "llama"
-    hf_config_class = transformers.LlamaConfig
+    hf_config_class = "LlamaConfig"
     # Fields copied as they are between HF's config and ours.
     _PLAIN = (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -73,7 +65,7 @@ class LlamaConfig:
         return hf.head_dim or hf.hidden_size // hf.num_attention_heads
 
     def to_hf(self):
-        return self.hf_config_class(
+        return hf_class(self.hf_config_class)(
             **{name: getattr(self, name) for name in self._PLAIN},
             rope_parameters=self.rope_or_default().to_hf_parameters(),
             bos_token_id=hf_token_ids(self.bos_token_id),
@@ -122,23 +114,60 @@ class LlamaForCausalLM(DecoderLM):
     config_class = LlamaConfig
 
 
-register_family(Family("llama", LlamaConfig, LlamaForCausalLM))
-register_preset(Preset(
-    "llama-1b", "llama",
-    dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-         num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5),
-    description="TinyLlama-1.1B shape: 22 layers, hidden 2048, GQA 32/4",
-))
-register_preset(Preset(
-    "smollm2-135m", "llama",
-    dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-         num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
-         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1, eos_token_id=2),
-    description="SmolLM2-135M shape: 30 layers, hidden 576, GQA 9/3, tied embeddings",
-))
-register_preset(Preset(
-    "llama-7b", "llama",
-    dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-         num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
-    description="LLaMA-2-7B shape",
-))
+def llama_rules(config: LlamaConfig) -> RuleSet:
+    """HF's separate q/k/v and gate/up projections <-> our fused ones; Qwen2's bias on q/k/v only."""
+    p = "model."
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    qkv_sizes = (hq * d, hkv * d, hkv * d)
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    attn = {"attn.qkv.weight": (tuple(f"{n}.weight" for n in qkv), concat(qkv_sizes)),
+            "attn.out_proj.weight": (("self_attn.o_proj.weight",), IDENTITY)}
+    qkv_bias, out_bias = config.attention_biases()
+    if qkv_bias:
+        attn["attn.qkv.bias"] = (tuple(f"{n}.bias" for n in qkv), concat(qkv_sizes))
+    if out_bias:
+        attn["attn.out_proj.bias"] = (("self_attn.o_proj.bias",), IDENTITY)
+    inter = config.intermediate_size
+    mlp = {
+        "mlp.gate_up.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), concat((inter, inter))),
+        "mlp.down.weight": (("mlp.down_proj.weight",), IDENTITY),
+    }
+    if config.mlp_bias:
+        mlp["mlp.gate_up.bias"] = (("mlp.gate_proj.bias", "mlp.up_proj.bias"), concat((inter, inter)))
+        mlp["mlp.down.bias"] = (("mlp.down_proj.bias",), IDENTITY)
+    norms = {"norm1.weight": (("input_layernorm.weight",), IDENTITY), "norm2.weight": (("post_attention_layernorm.weight",), IDENTITY)}
+    rules = layer_rules(p, "layers", attn, mlp, norms) + [
+        Rule("embed.tokens.weight", f"{p}embed_tokens.weight"),
+        Rule("norm_f.weight", f"{p}norm.weight"),
+    ]
+    ignore = [r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq"]
+    lm_head(config, rules, ignore)
+    return RuleSet(tuple(rules), ignore=tuple(ignore), base_prefix=p, head_prefixes=("lm_head.",))
+
+
+def llama_like_tiny(preset: dict) -> dict:
+    """Test size for LLaMA-like presets, keeping the preset's ratio of query to key/value heads."""
+    heads = preset.get("num_attention_heads", 32)
+    ratio = heads // preset.get("num_key_value_heads", heads)
+    return dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=max(1, 4 // ratio), vocab_size=128, max_position_embeddings=64)
+
+
+FAMILY = Family(
+    config_class=LlamaConfig, model_class=LlamaForCausalLM, rules=llama_rules, tiny=llama_like_tiny,
+    presets=(
+        Preset("llama-1b", "llama",
+               dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                    num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048, rms_norm_eps=1e-5),
+               description="TinyLlama-1.1B shape: 22 layers, hidden 2048, GQA 32/4"),
+        Preset("smollm2-135m", "llama",
+               dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, bos_token_id=1, eos_token_id=2),
+               description="SmolLM2-135M shape: 30 layers, hidden 576, GQA 9/3, tied embeddings"),
+        Preset("llama-7b", "llama",
+               dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, rms_norm_eps=1e-5),
+               description="LLaMA-2-7B shape"),
+    ),
+)

@@ -4,13 +4,17 @@ blocks (``do_layer_norm_before``), and project_in/project_out when ``word_embed_
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import transformers
+from typing import TYPE_CHECKING
 
 from ..config import AttentionConfig, DecoderConfig, MLPConfig, head_dim_of
-from ..registry import Family, Preset, register_family, register_preset
+from .checkpoint_rules import Rule, RuleSet, concat, layer_rules, linears, lm_head, norms
 from .decoder import DecoderLM
-from .llama import hf_token_ids, token_ids
+from .family import Family, Preset, hf_class, hf_token_ids, token_ids
+
+if TYPE_CHECKING:
+    import transformers
+
+__all__ = ["OPTConfig", "OPTForCausalLM"]
 
 POSITION_OFFSET = 2  # fairseq reserved the first two rows of OPT's position table
 
@@ -36,6 +40,7 @@ class OPTConfig:
     eos_token_id: int | tuple[int, ...] | None = 2
 
     model_type = "opt"
+    hf_config_class = "OPTConfig"
     _PLAIN = (
         "vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim", "max_position_embeddings", "do_layer_norm_before",
         "word_embed_proj_dim", "dropout", "attention_dropout", "num_attention_heads", "activation_function", "init_std",
@@ -53,7 +58,7 @@ class OPTConfig:
         return cls(**{name: getattr(hf, name) for name in cls._PLAIN}, eos_token_id=token_ids(hf.eos_token_id))
 
     def to_hf(self) -> transformers.OPTConfig:
-        return transformers.OPTConfig(**{name: getattr(self, name) for name in self._PLAIN},
+        return hf_class(self.hf_config_class)(**{name: getattr(self, name) for name in self._PLAIN},
                                       eos_token_id=hf_token_ids(self.eos_token_id))
 
     def decoder(self) -> DecoderConfig:
@@ -88,10 +93,43 @@ class OPTForCausalLM(DecoderLM):
     config_class = OPTConfig
 
 
-register_family(Family("opt", OPTConfig, OPTForCausalLM))
-register_preset(Preset("opt-125m", "opt", dict(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
-                                                word_embed_proj_dim=768),
-                       description="OPT-125m shape: pre-norm, 12 layers, hidden 768"))
-register_preset(Preset("opt-350m", "opt", dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
-                                                word_embed_proj_dim=512, do_layer_norm_before=False),
-                       description="OPT-350m shape: post-norm, project_in/out 512 <-> 1024"))
+def opt_rules(config: OPTConfig) -> RuleSet:
+    p = "model.decoder."
+    h, bias = config.hidden_size, config.enable_bias
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    attn = {"attn.qkv.weight": (tuple(f"{n}.weight" for n in qkv), concat((h,) * 3))}
+    if bias:
+        attn["attn.qkv.bias"] = (tuple(f"{n}.bias" for n in qkv), concat((h,) * 3))
+    attn.update(linears({"attn.out_proj": "self_attn.out_proj"}, bias=bias))
+    mlp = linears({"mlp.fc1": "fc1", "mlp.fc2": "fc2"}, bias=bias)
+    rules = layer_rules(p, "layers", attn, mlp, norms({"norm1": "self_attn_layer_norm", "norm2": "final_layer_norm"})) + [
+        Rule("embed.tokens.weight", f"{p}embed_tokens.weight"),
+        Rule("embed.positions.weight", f"{p}embed_positions.weight"),
+    ]
+    if config.do_layer_norm_before:
+        rules += [Rule("norm_f.weight", f"{p}final_layer_norm.weight"), Rule("norm_f.bias", f"{p}final_layer_norm.bias")]
+    if config.word_embed_proj_dim != h:
+        rules += [Rule("embed.project_in.weight", f"{p}project_in.weight"), Rule("project_out.weight", f"{p}project_out.weight")]
+    ignore: list[str] = []
+    lm_head(config, rules, ignore)
+    return RuleSet(tuple(rules), ignore=tuple(ignore), base_prefix="model.", head_prefixes=("lm_head.",))
+
+
+def opt_tiny(preset: dict) -> dict:
+    """Keeps a preset's project_in/out (OPT-350m) by keeping word_embed_proj_dim != hidden_size."""
+    projected = preset.get("word_embed_proj_dim", preset.get("hidden_size")) != preset.get("hidden_size")
+    return dict(hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4, vocab_size=128,
+                max_position_embeddings=64, word_embed_proj_dim=32 if projected else 64, dropout=0.1)
+
+
+FAMILY = Family(
+    config_class=OPTConfig, model_class=OPTForCausalLM, rules=opt_rules, tiny=opt_tiny,
+    presets=(
+        Preset("opt-125m", "opt", dict(hidden_size=768, num_hidden_layers=12, ffn_dim=3072, num_attention_heads=12,
+                                       word_embed_proj_dim=768),
+               description="OPT-125m shape: pre-norm, 12 layers, hidden 768"),
+        Preset("opt-350m", "opt", dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
+                                       word_embed_proj_dim=512, do_layer_norm_before=False),
+               description="OPT-350m shape: post-norm, project_in/out 512 <-> 1024"),
+    ),
+)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import transformers
+from .family import Family, Preset
+from .llama import LlamaConfig, LlamaForCausalLM, llama_like_tiny, llama_rules
 
-from ..registry import Family, Preset, register_family, register_preset
-from .llama import LlamaConfig, LlamaForCausalLM
+__all__ = ["Qwen2Config", "Qwen2ForCausalLM"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Qwen2Config(LlamaConfig):
     max_window_layers: int = 28
 
     model_type = "qwen2"
-    hf_config_class = transformers.Qwen2Config
+    hf_config_class = "Qwen2Config"
     _PLAIN = tuple(n for n in LlamaConfig._PLAIN if n not in ("attention_bias", "mlp_bias", "head_dim")) + (
         "use_sliding_window", "sliding_window", "max_window_layers",
     )
@@ -47,11 +47,14 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     config_class = Qwen2Config
 
 
-register_family(Family("qwen2", Qwen2Config, Qwen2ForCausalLM))
-register_preset(Preset(
-    "qwen2-0.5b", "qwen2",
-    dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-         num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, max_window_layers=24),
-    description="Qwen2-0.5B shape: 24 layers, hidden 896, GQA 14/2, qkv bias, tied embeddings",
-))
+FAMILY = Family(
+    config_class=Qwen2Config, model_class=Qwen2ForCausalLM, rules=llama_rules, tiny=llama_like_tiny,
+    presets=(
+        Preset("qwen2-0.5b", "qwen2",
+               dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                    tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                    max_window_layers=24),
+               description="Qwen2-0.5B shape: 24 layers, hidden 896, GQA 14/2, qkv bias, tied embeddings"),
+    ),
+)

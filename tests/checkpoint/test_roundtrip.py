@@ -9,8 +9,7 @@ import transformers
 import flash_models as fm
 from flash_models.checkpoint.loader import build_model
 from flash_models.checkpoint.remap import hf_to_ours, ours_to_hf
-from flash_models.checkpoint.rules import rules_for
-from flash_models.registry import get_family, get_preset
+from flash_models.registry import get_family, get_preset, rules_for
 from flash_models.testing import hf_tied_keys, max_rel_err, random_hf_model
 
 TINY = {

@@ -1,4 +1,4 @@
-"""Vision Transformer (HF ``model_type`` "vit", and timm's ``VisionTransformer``): patch embedding, class (and
+"""The Vision Transformer (HF ``model_type`` "vit", and timm's ``VisionTransformer``): patch embedding, class (and
 register) tokens, learned position embedding, pre-norm blocks on the shared modules, pooling and a head.
 
 One config covers both sources: HF's ViT is the timm options class_token=True, global_pool="token", no
@@ -7,113 +7,16 @@ not build (LayerScale, qk-norm, attention pooling, stochastic depth, other norms
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
 
-from ..config import AttentionConfig, MLPConfig, check_choice, head_dim_of
-from ..modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
-from ..modules.cuda_graphs import GraphedInference, replays_graph
-from ..registry import Family, Preset, register_family, register_preset
-from .common import PretrainedModel
-from .outputs import VisionOutput
-
-GLOBAL_POOLS = ("token", "avg", "max", "avgmax", "")
-ARCHITECTURES = (None, "ViTModel", "ViTForImageClassification")  # None: built from timm
-
-
-@dataclass(frozen=True)
-class ViTConfig:
-    image_size: int = 224
-    patch_size: int = 16
-    num_channels: int = 3
-    hidden_size: int = 768
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-    intermediate_size: int = 3072
-    hidden_act: str = "gelu"
-    layer_norm_eps: float = 1e-6
-    qkv_bias: bool = True
-    patch_bias: bool = True  # timm drops the patch projection's bias when pre_norm is on
-    class_token: bool = True
-    reg_tokens: int = 0
-    no_embed_class: bool = False  # timm: position embeddings only on patches, not on prefix tokens
-    pre_norm: bool = False
-    final_norm: bool = True
-    fc_norm: bool | None = None  # timm: None = norm after pooling for avg/max pools
-    global_pool: str = "token"
-    num_classes: int = 1000  # 0: no head
-    pooler: bool = False  # HF ViTModel's dense + tanh on the class token
-    hidden_dropout_prob: float = 0.0
-    attention_probs_dropout_prob: float = 0.0
-    initializer_range: float = 0.02
-    architecture: str | None = None
-    labels: tuple[str, ...] = ()  # HF id2label, in id order
-    encoder_stride: int = 16  # HF field kept for the round trip (masked image modeling only)
-
-    model_type = "vit"
-
-    def __post_init__(self):
-        check_choice("global_pool", self.global_pool, GLOBAL_POOLS)
-        check_choice("architecture", self.architecture, ARCHITECTURES)
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
-        if self.global_pool == "token" and not self.class_token:
-            raise ValueError("global_pool='token' needs a class token")
-
-    @property
-    def use_fc_norm(self) -> bool:
-        return self.global_pool in ("avg", "max", "avgmax") if self.fc_norm is None else self.fc_norm
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        return int(self.class_token) + self.reg_tokens
-
-    @property
-    def num_patches(self) -> int:
-        return (self.image_size // self.patch_size) ** 2
-
-    @classmethod
-    def from_hf(cls, hf: transformers.ViTConfig) -> ViTConfig:
-        architecture = hf.architectures[0] if hf.architectures else "ViTModel"
-        if architecture not in ARCHITECTURES:
-            raise ValueError(f"ViT architecture {architecture!r} is not supported; supported: {ARCHITECTURES[1:]}")
-        if hf.pooler_act != "tanh" or hf.pooler_output_size != hf.hidden_size:
-            raise ValueError("ViT pooler other than tanh over hidden_size outputs is not supported")
-        for name in ("image_size", "patch_size"):
-            if not isinstance(getattr(hf, name), int):
-                raise ValueError(f"ViT with a non-square {name} {getattr(hf, name)} is not supported")
-        classify = architecture == "ViTForImageClassification"
-        return cls(
-            image_size=hf.image_size, patch_size=hf.patch_size, num_channels=hf.num_channels, hidden_size=hf.hidden_size,
-            num_hidden_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
-            intermediate_size=hf.intermediate_size, hidden_act=hf.hidden_act, layer_norm_eps=hf.layer_norm_eps,
-            qkv_bias=hf.qkv_bias, num_classes=hf.num_labels if classify else 0, pooler=not classify,
-            hidden_dropout_prob=hf.hidden_dropout_prob, attention_probs_dropout_prob=hf.attention_probs_dropout_prob,
-            initializer_range=hf.initializer_range, architecture=architecture, encoder_stride=hf.encoder_stride,
-            labels=tuple(hf.id2label[i] for i in range(hf.num_labels)),
-        )
-
-    def to_hf(self) -> transformers.ViTConfig:
-        hf_shaped = (self.class_token and self.patch_bias and not self.reg_tokens and not self.no_embed_class and not self.pre_norm
-                     and self.final_norm and not self.use_fc_norm and self.global_pool == "token")
-        if not hf_shaped or (self.num_classes and self.pooler):
-            raise ValueError("this ViT (timm options: registers, avg/max pooling, fc_norm, pre-norm ...) has no HF "
-                             "ViT layout to save to; save its state_dict instead")
-        labels = self.labels or tuple(f"LABEL_{i}" for i in range(self.num_classes or 2))
-        hf = transformers.ViTConfig(
-            image_size=self.image_size, patch_size=self.patch_size, num_channels=self.num_channels,
-            hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads, intermediate_size=self.intermediate_size,
-            hidden_act=self.hidden_act, layer_norm_eps=self.layer_norm_eps, qkv_bias=self.qkv_bias,
-            hidden_dropout_prob=self.hidden_dropout_prob, attention_probs_dropout_prob=self.attention_probs_dropout_prob,
-            initializer_range=self.initializer_range, encoder_stride=self.encoder_stride, id2label=dict(enumerate(labels)),
-        )
-        hf.architectures = ["ViTForImageClassification" if self.num_classes else "ViTModel"]
-        return hf
+from ...config import AttentionConfig, MLPConfig, head_dim_of
+from ...modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
+from ...modules.cuda_graphs import GraphedInference, replays_graph
+from ..outputs import VisionOutput
+from ..pretrained import PretrainedModel
+from .config import ViTConfig
 
 
 class VisionTransformer(PretrainedModel):
@@ -241,13 +144,3 @@ class VisionTransformer(PretrainedModel):
         if kind == "avgmax":
             return 0.5 * (patches.mean(1) + patches.amax(1))
         return x  # "": no pooling, the head sees every token
-
-
-register_family(Family("vit", ViTConfig, VisionTransformer, hf_auto_class="AutoModelForImageClassification"))
-for _name, (_d, _layers, _heads) in {"vit-b16": (768, 12, 12), "vit-l16": (1024, 24, 16)}.items():
-    register_preset(Preset(
-        _name, "vit",
-        dict(hidden_size=_d, num_hidden_layers=_layers, num_attention_heads=_heads, intermediate_size=4 * _d,
-             image_size=224, patch_size=16, num_labels=1000, architectures=["ViTForImageClassification"]),
-        description=f"ViT-{_name[4].upper()}/16 at 224 px, ImageNet-1k head",
-    ))

@@ -1,0 +1,71 @@
+"""What plain and speculative decoding share: the prompt's checks, the prefill that fills the KV cache, and
+the output type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.protocols import CausalDecoder
+from .settings import GenerationSettings
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # (B, S + T)
+    scores: tuple[torch.Tensor, ...] | None = None  # T x (B, V): the processed scores each token was chosen from
+    logprobs: torch.Tensor | None = None  # (B, T): log-probability of each chosen token under those scores
+
+
+def check_prompt(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: GenerationSettings):
+    """The prompt as (B, S) int64 ids on the model's device and its mask, checked: ids of the model's
+    vocabulary, a 0/1 mask of the same shape with a real token in every row, room in the position table."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise ValueError(f"input_ids must hold integer token ids (torch.long), got dtype {input_ids.dtype}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids must be a non-empty (batch, seq_len) prompt, got shape {tuple(input_ids.shape)}")
+    dc = model.decoder_config
+    device = model.device
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    outside = (input_ids < 0) | (input_ids >= dc.vocab_size)
+    if bool(outside.any()):  # once per call: on CUDA the model's own check is an asynchronous assert
+        raise ValueError(f"input_ids must lie in the vocabulary [0, {dc.vocab_size}), got {int(input_ids[outside][0])}: "
+                         "check the tokenizer matches the model")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ValueError(f"attention_mask must be a tensor of 0/1 (1 = real token), got {type(attention_mask).__name__}")
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask.unsqueeze(0)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
+        attention_mask = attention_mask.to(device)
+        if attention_mask.is_complex() or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (real token)")
+        attention_mask = attention_mask.long()
+        if not attention_mask.bool().any(dim=1).all():
+            raise ValueError("a row of attention_mask has no real token: every prompt needs at least one")
+    # Positions count real tokens (the cache holds them compacted): the longest row's must fit the table.
+    longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
+    if dc.learned_positions and longest + settings.max_new_tokens > dc.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
+            f"{dc.max_position_embeddings} positions"
+        )
+    return input_ids, attention_mask
+
+
+def prefill_logits(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+    """The prompt into ``cache`` -> (B, V) logits at each row's last real token: the last column for an
+    unpadded or left-padded row, an earlier one for a right-padded row. The cache holds only real tokens,
+    compacted, so every row continues right after its own last real token."""
+    logits = model(input_ids, attention_mask=attention_mask, kv_cache=cache).logits  # (B, S, V)
+    if attention_mask is None:
+        return logits[:, -1]
+    S = attention_mask.shape[1]
+    last = S - 1 - attention_mask.flip(1).argmax(dim=1)  # (B,) index of each row's last real token
+    return logits[torch.arange(logits.shape[0], device=logits.device), last]

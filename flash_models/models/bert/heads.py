@@ -1,0 +1,147 @@
+"""BERT's task heads on a BertModel: masked LM, pretraining (MLM + next sentence), sequence and token
+classification. The checkpoint's ``architectures`` picks the class (exact lookup), BertModel for none."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...modules import Norm
+from ...modules.mlp import activation
+from ..losses import classification_loss, cross_entropy
+from ..outputs import HeadOutput
+from .config import ARCHITECTURES, BertConfig
+from .model import BertModel, BertPreTrainedModel
+
+
+class MaskedLMHead(nn.Module):
+    """dense -> activation -> LayerNorm -> decoder (tied to the word embeddings unless untied) + bias."""
+
+    def __init__(self, config: BertConfig, *, kernel_backend: str):
+        super().__init__()
+        self.activation, self.kernel_backend = config.hidden_act, kernel_backend
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.norm = Norm(config.hidden_size, kind="layer_norm", eps=config.layer_norm_eps, kernel_backend=kernel_backend)
+        self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(activation(self.dense(hidden), self.activation, backend=self.kernel_backend))
+        weight = word_embeddings if self.decoder is None else self.decoder.weight
+        return F.linear(hidden, weight, self.bias)
+
+
+class _BertWithHead(BertPreTrainedModel):
+    """self.bert plus the head each subclass adds in ``head()``; weights initialized once everything exists."""
+
+    pooler = False
+
+    def __init__(self, config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
+        super().__init__()
+        self._setup(config, attn_impl, kernel_backend)
+        self.bert = BertModel(config, attn_impl=attn_impl, kernel_backend=kernel_backend, add_pooling_layer=self.pooler)
+        self.head(config)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        super().init_weights()
+        for module in self.modules():
+            if isinstance(module, MaskedLMHead):  # HF zeroes the MLM output bias
+                nn.init.zeros_(module.bias)
+
+    def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16):
+        """The encoder's ``BertModel.use_cuda_graphs``; the head runs eagerly after it."""
+        self.bert.use_cuda_graphs(enabled, max_graphs=max_graphs)
+        return self
+
+    @staticmethod
+    def labelled_sequences(logits: torch.Tensor, labels: torch.Tensor, packed: bool) -> torch.Tensor:
+        """The per-sequence logits that ``labels`` covers. A packed batch may carry more sequences than labels
+        (the padding sequences of a CUDA-graph bucket come last): its first len(labels) sequences are scored."""
+        if not packed:
+            return logits
+        if labels.shape[0] > logits.shape[0]:
+            raise ValueError(f"{labels.shape[0]} labels for a packed batch of {logits.shape[0]} sequences")
+        return logits[: labels.shape[0]]
+
+    def classifier_dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.config.classifier_dropout if self.config.classifier_dropout is not None else self.config.hidden_dropout_prob
+        return F.dropout(x, p, self.training)
+
+
+class BertForMaskedLM(_BertWithHead):
+    def head(self, config):
+        self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen).last_hidden_state
+        logits = self.mlm(hidden, self.bert.embed.tokens.weight)
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+class BertForPreTraining(_BertWithHead):
+    pooler = True
+
+    def head(self, config):
+        self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
+        self.nsp = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
+                next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen)
+        mlm_logits = self.mlm(out.last_hidden_state, self.bert.embed.tokens.weight)
+        nsp_logits = self.nsp(out.pooler_output)
+        loss = None
+        if labels is not None and next_sentence_label is not None:  # HF: the sum, only when both are given
+            nsp = self.labelled_sequences(nsp_logits, next_sentence_label, cu_seqlens is not None)
+            loss = cross_entropy(mlm_logits, labels) + cross_entropy(nsp, next_sentence_label)
+        return HeadOutput(prediction_logits=mlm_logits, seq_relationship_logits=nsp_logits, loss=loss,
+                          last_hidden_state=out.last_hidden_state)
+
+
+class BertForSequenceClassification(_BertWithHead):
+    pooler = True
+
+    def head(self, config):
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                        max_seqlen=max_seqlen)
+        logits = self.classifier(self.classifier_dropout(out.pooler_output))  # (B or N sequences, num_labels)
+        loss = None
+        if labels is not None:
+            scored = self.labelled_sequences(logits, labels, cu_seqlens is not None)
+            loss = classification_loss(scored, labels, problem_type=self.config.problem_type)
+        return HeadOutput(logits=logits, loss=loss, last_hidden_state=out.last_hidden_state)
+
+
+class BertForTokenClassification(_BertWithHead):
+    def head(self, config):
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
+                cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen).last_hidden_state
+        logits = self.classifier(self.classifier_dropout(hidden))  # (B, S, num_labels), or (1, total, ...) packed
+        loss = cross_entropy(logits, labels) if labels is not None else None
+        return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
+
+
+CLASSES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification)
+}
+assert tuple(CLASSES) == ARCHITECTURES
+
+
+def build_bert(config: BertConfig, *, attn_impl: str = "auto", kernel_backend: str = "auto") -> nn.Module:
+    """The class the config's architecture names (``from_pretrained`` of a base checkpoint gives BertModel)."""
+    return CLASSES[config.architecture](config, attn_impl=attn_impl, kernel_backend=kernel_backend)
