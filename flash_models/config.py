@@ -142,6 +142,7 @@ class AttentionConfig:
     dropout_p: float = 0.0
     sliding_window: int | None = None
     causal: bool = True
+    qk_norm_eps: float | None = None  # Qwen3: each q and k head RMS-normalized over its channels, before rotary
 
     def __post_init__(self):
         check_positive(hidden_size=self.hidden_size, num_attention_heads=self.num_heads,

@@ -78,6 +78,10 @@ class LlamaConfig:
     def sliding_window_size(self) -> int | None:
         return None
 
+    def qk_norm_eps(self) -> float | None:
+        """The epsilon of a per-head RMSNorm on q and k (Qwen3); None: no such norm."""
+        return None
+
     def attention_biases(self) -> tuple[bool, bool]:
         """(qkv projection bias, output projection bias)."""
         return self.attention_bias, self.attention_bias
@@ -91,7 +95,7 @@ class LlamaConfig:
                 hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
                 num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, qkv_bias=self.attention_biases()[0],
                 out_bias=self.attention_biases()[1], dropout_p=self.attention_dropout,
-                sliding_window=self.sliding_window_size(),
+                sliding_window=self.sliding_window_size(), qk_norm_eps=self.qk_norm_eps(),
             ),
             mlp=MLPConfig(
                 hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, activation=self.hidden_act,

@@ -30,8 +30,8 @@ class Qwen2Config(LlamaConfig):
         windowed = [i for i, kind in enumerate(hf.layer_types) if kind != "full_attention"]
         if windowed:
             raise ValueError(
-                f"Qwen2 with sliding-window layers {windowed} (use_sliding_window=True) is not supported: "
-                "flash-models applies one window to every layer"
+                f"{cls.__name__.removesuffix('Config')} with sliding-window layers {windowed} (use_sliding_window=True) "
+                "is not supported: flash-models applies one window to every layer"
             )
         return super().from_hf(hf)
 

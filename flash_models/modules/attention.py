@@ -27,6 +27,7 @@ import flash_kernels
 from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
 from .linear import chained_linear, linear
+from .norm import Norm
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernels take any head dim up to this (flash_kernels.attention.MAX_HEAD_DIM, FlashAttention-2's limit); a
@@ -221,6 +222,10 @@ class Attention(nn.Module):
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.qkv_bias)
         self.out_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm_eps is not None:
+            self.q_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False)
+            self.k_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False)
         self.softmax_scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
         if cfg.scale_by_inverse_layer_idx:
             self.softmax_scale /= layer_idx + 1
@@ -242,6 +247,9 @@ class Attention(nn.Module):
         else:
             qkv = linear(x, self.qkv, backend=backend, recompute_weight_cast=self.recompute_weight_casts)
         qkv = qkv.view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
+        if self.q_norm is not None:  # before every path below (packed, decode, cached), so each sees normed heads
+            q, k, v = qkv.split((hq, hkv, hkv), dim=2)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=2)
         q_dim = hq * cfg.head_dim
         if kv_cache is None and mask.key_padding is None and self.backend_for(qkv) == "flash":
             # Training and cacheless prefill: attend over the packed projection, so the backward writes one

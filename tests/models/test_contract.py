@@ -1,43 +1,20 @@
-"""Contract tests every registered preset gets automatically, at a tiny size that keeps the preset's options
-(tied head, GQA ratio, activation): forward+backward with no NaN and a gradient for every parameter,
-KV-cache decoding equal to a full forward (decoders), and a save -> load round trip."""
+"""Contract tests every registered preset gets automatically, at its family's test size (``Family.tiny``, which
+keeps the preset's options: tied head, GQA ratio, activation): forward+backward with no NaN and a gradient for
+every parameter, KV-cache decoding equal to a full forward (decoders), and a save -> load round trip. A new
+family gets them by existing; what differs between kinds of model (inputs, which output) follows the HF auto
+class that reads the family's checkpoints, not the family."""
 
 import pytest
 import torch
 
 import flash_models as fm
+from flash_models.models.protocols import CausalDecoder
 from flash_models.registry import get_family, get_preset
 from flash_models.testing import max_rel_err, randomize_
 
 
 def tiny_overrides(preset):
-    hf = preset.hf_config
-    if preset.model_type == "gpt2":
-        return dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
-    if preset.model_type in ("llama", "mistral", "qwen2"):
-        ratio = hf.get("num_attention_heads", 32) // hf.get("num_key_value_heads", hf.get("num_attention_heads", 32))
-        tiny = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=max(1, 4 // ratio), vocab_size=128, max_position_embeddings=64)
-        if preset.model_type == "mistral":
-            tiny["sliding_window"] = 6  # shorter than the test sequences, so the window is exercised
-        return tiny
-    if preset.model_type == "gpt_neox":
-        return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128,
-                    max_position_embeddings=64, hidden_dropout=0.1, attention_dropout=0.1)
-    if preset.model_type == "gptj":
-        return dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, vocab_size=128, n_positions=64, resid_pdrop=0.1,
-                    embd_pdrop=0.1, attn_pdrop=0.1)
-    if preset.model_type == "opt":
-        projected = hf.get("word_embed_proj_dim", hf.get("hidden_size")) != hf.get("hidden_size")
-        return dict(hidden_size=64, num_hidden_layers=2, ffn_dim=96, num_attention_heads=4, vocab_size=128,
-                    max_position_embeddings=64, word_embed_proj_dim=32 if projected else 64, dropout=0.1)
-    if preset.model_type == "bert":
-        return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, vocab_size=128,
-                    max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    if preset.model_type == "vit":
-        return dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, image_size=32,
-                    patch_size=8, num_labels=10, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
-    raise AssertionError(f"add tiny sizes for model_type {preset.model_type!r}")
+    return get_family(preset.model_type).tiny(preset.hf_config)
 
 
 def is_decoder(name):
@@ -48,15 +25,15 @@ DECODERS = [name for name in fm.list_models() if is_decoder(name)]
 
 
 def training_loss(model, name):
-    """A loss that reaches every parameter: the LM loss, the ViT classification loss, or for a bare encoder a
+    """A loss that reaches every parameter: the LM loss, the image classification loss, or for a bare encoder a
     function of both of its outputs."""
-    model_type = get_preset(name).model_type
-    if model_type == "vit":
+    auto_class = get_family(get_preset(name).model_type).hf_auto_class
+    if auto_class == "AutoModelForImageClassification":
         c = model.config
         out = model(torch.randn(2, c.num_channels, c.image_size, c.image_size), labels=torch.randint(0, c.num_classes, (2,)))
         return out.logits, out.loss
-    ids = torch.randint(0, 128, (2, 17))
-    if model_type == "bert":
+    ids = torch.randint(0, tiny_overrides(get_preset(name))["vocab_size"], (2, 17))
+    if auto_class == "AutoModel":
         mask = torch.ones_like(ids)
         mask[1, 12:] = 0
         out = model(ids, attention_mask=mask, token_type_ids=torch.randint(0, 2, ids.shape))
@@ -85,7 +62,7 @@ def test_forward_backward_reaches_every_parameter(name):
 @pytest.mark.parametrize("name", DECODERS)
 def test_kv_cache_decode_equals_full_forward(name):
     model = tiny_model(name).eval()
-    ids = torch.randint(0, 128, (2, 15))
+    ids = torch.randint(0, model.decoder_config.vocab_size, (2, 15))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with torch.no_grad():
@@ -107,3 +84,12 @@ def test_save_load_round_trip(name, tmp_path):
     assert type(again) is type(model) and again.config == model.config
     for (key, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), key
+
+
+@pytest.mark.parametrize("name", fm.list_models())
+def test_generation_protocol_is_offered_by_decoders_only(name):
+    model = fm.create_model(name, device="meta", **tiny_overrides(get_preset(name)))
+    assert isinstance(model, CausalDecoder) == (name in DECODERS)
+    if name not in DECODERS:
+        with pytest.raises(TypeError, match="cannot generate"):
+            fm.generation.generate(model, torch.zeros(1, 3, dtype=torch.long))

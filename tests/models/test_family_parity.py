@@ -1,0 +1,71 @@
+"""Parity with transformers for every registered preset, at its family's test size (``Family.tiny``): our
+model holding a random HF model's weights gives HF's outputs in fp32, the checkpoint rules round-trip HF's
+state dict bit for bit, and transformers reads what ``save_pretrained`` writes. A new family gets these by
+existing; its own test file adds what is particular to it (other configs, padding, generation, bf16)."""
+
+import pytest
+import torch
+import transformers
+
+import flash_models as fm
+from flash_models.registry import get_family, get_preset
+from flash_models.testing import (
+    assert_round_trip_bit_identical, assert_saved_model_read_by_transformers, max_rel_err, ours_from_hf,
+    random_hf_model,
+)
+
+
+def tiny_hf_config(name):
+    preset = get_preset(name)
+    fields = {**preset.hf_config, **get_family(preset.model_type).tiny(preset.hf_config)}
+    return transformers.AutoConfig.for_model(preset.model_type, **fields)
+
+
+def inputs_for(auto_class, hf_config, seed):
+    """Forward keyword arguments for a model read by ``auto_class``, and the outputs to compare."""
+    gen = torch.Generator().manual_seed(seed)
+    if auto_class == "AutoModelForImageClassification":
+        size = (3, hf_config.num_channels, hf_config.image_size, hf_config.image_size)
+        return {"pixel_values": torch.randn(size, generator=gen)}, ("logits",)
+    ids = torch.randint(0, hf_config.vocab_size, (3, 17), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding
+    mask[2, :4] = 0  # left padding
+    if auto_class == "AutoModel":  # an encoder
+        types = torch.randint(0, hf_config.type_vocab_size, ids.shape, generator=gen)
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}, ("last_hidden_state", "pooler_output")
+    assert auto_class == "AutoModelForCausalLM", f"add inputs for {auto_class}"
+    return {"input_ids": ids}, ("logits",)
+
+
+def real_tokens(tensor, inputs):
+    mask = inputs.get("attention_mask")
+    return tensor[mask.bool()] if mask is not None and tensor.dim() == 3 else tensor
+
+
+@pytest.mark.parametrize("name", fm.list_models())
+def test_fp32_outputs_match_hf(name):
+    auto_class = get_family(get_preset(name).model_type).hf_auto_class
+    hf_config = tiny_hf_config(name)
+    hf = random_hf_model(hf_config, seed=1, auto_class=auto_class, attn_implementation="eager")
+    ours = ours_from_hf(hf)
+    inputs, outputs = inputs_for(auto_class, hf_config, seed=1)
+    with torch.no_grad():
+        ref, out = hf(**inputs), ours(**inputs)
+    for field in outputs:
+        err = max_rel_err(real_tokens(getattr(out, field), inputs), real_tokens(getattr(ref, field), inputs))
+        assert err < 1e-5, f"{field} differs from HF's: {err:.3g}"
+    if auto_class == "AutoModelForCausalLM":
+        ids = inputs["input_ids"]
+        with torch.no_grad():
+            assert torch.allclose(ours(ids, labels=ids).loss, hf(ids, labels=ids).loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", fm.list_models())
+def test_rules_round_trip_and_transformers_reads_what_we_save(name, tmp_path):
+    auto_class = get_family(get_preset(name).model_type).hf_auto_class
+    hf_config = tiny_hf_config(name)
+    hf = random_hf_model(hf_config, seed=2, auto_class=auto_class, attn_implementation="eager")
+    assert_round_trip_bit_identical(hf)
+    inputs, outputs = inputs_for(auto_class, hf_config, seed=2)
+    assert_saved_model_read_by_transformers(hf, tmp_path, inputs, auto_class=auto_class, output=outputs[0])
