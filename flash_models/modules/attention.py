@@ -224,8 +224,8 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(q_dim, cfg.hidden_size, bias=cfg.out_bias)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm_eps is not None:
-            self.q_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False)
-            self.k_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False)
+            self.q_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False, kernel_backend=kernel_backend)
+            self.k_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False, kernel_backend=kernel_backend)
         self.softmax_scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
         if cfg.scale_by_inverse_layer_idx:
             self.softmax_scale /= layer_idx + 1

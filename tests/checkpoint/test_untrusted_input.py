@@ -79,7 +79,7 @@ def test_mis_sized_q_proj_names_the_key_and_both_shapes(tmp_path):
 def test_fused_parts_that_do_not_fit_name_their_keys():
     """Below the loader's shape check: the remap transforms themselves name the checkpoint keys."""
     from flash_models.checkpoint.remap import hf_to_ours
-    from flash_models.checkpoint.rules import rules_for
+    from flash_models.registry import rules_for
 
     model = fm.create_model("llama-1b", num_hidden_layers=1, hidden_size=32, intermediate_size=48,
                             num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
