@@ -5,8 +5,7 @@ import transformers
 import flash_models as fm
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_fp32_parity, assert_meta_keys_match_hf, assert_padded_rows_equal_alone,
-    assert_round_trip_bit_identical, max_rel_err, ours_from_hf,
-    random_hf_model, random_input_ids,
+    assert_round_trip_bit_identical, max_rel_err, ours_from_hf, random_hf_model, random_input_ids,
 )
 
 VOCAB = 199
