@@ -144,17 +144,19 @@ def assert_fp32_parity(hf_model, ours, input_ids: torch.Tensor, *, labels: torch
 
 def assert_bf16_error_bounded(hf_config, inputs, *, seed: int, output: str = "logits",
                               auto_class: str = "AutoModelForCausalLM", attn_implementation: str = "sdpa",
-                              k: float = 2.0, atol: float = 1e-3) -> None:
+                              attn_impl: str = "auto", kernel_backend: str = "auto", k: float = 2.0,
+                              atol: float = 1e-3) -> None:
     """Our bf16 twin of a random fp32 HF model of ``hf_config`` (weights from ``seed``) has an error against
     that fp32 model within ``low_precision_bound_ok`` of HF's own bf16 model's error, on ``output``.
 
     ``inputs`` are the forward's keyword arguments (``input_ids=...``), or a callable returning them, called
     once the models are built (so ids drawn from torch's global RNG follow the seed). With an
-    ``attention_mask`` the outputs are compared on the real tokens only."""
+    ``attention_mask`` the outputs are compared on the real tokens only. ``attn_impl`` and ``kernel_backend`` pick
+    our backends (e.g. our kernels, through Triton's interpreter on a CPU)."""
     hf32 = random_hf_model(hf_config, seed=seed, auto_class=auto_class, attn_implementation=attn_implementation)
     hf16 = random_hf_model(hf_config, seed=seed, auto_class=auto_class, attn_implementation=attn_implementation)
     hf16 = hf16.to(torch.bfloat16)
-    ours16 = ours_from_hf(hf32, dtype=torch.bfloat16)
+    ours16 = ours_from_hf(hf32, attn_impl=attn_impl, kernel_backend=kernel_backend, dtype=torch.bfloat16)
     inputs = _resolve(inputs)
     with torch.no_grad():
         ref = _real_tokens(getattr(hf32(**inputs), output), inputs)

@@ -5,8 +5,8 @@ import transformers
 import flash_models as fm
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf,
-    assert_kv_cache_decode_equals_full_forward, assert_padded_rows_equal_alone, low_precision_bound_ok, max_rel_err,
-    ours_from_hf, random_hf_model, random_input_ids,
+    assert_kv_cache_decode_equals_full_forward, assert_padded_rows_equal_alone, max_rel_err, ours_from_hf,
+    random_hf_model, random_input_ids,
 )
 
 VOCAB = 173
@@ -76,18 +76,8 @@ def test_per_layer_sliding_window_is_refused():
 def test_our_kernels_on_a_padded_batch_stay_within_hf_bf16_error():
     """attn_impl='flash' and kernel_backend='triton' (on a CPU through Triton's interpreter): the q/k norms run
     as our RMSNorm kernel over each head, before rotary and varlen attention over the unpadded rows."""
-    cfg = qwen3_config(num_hidden_layers=2)
-    hf32 = random_hf_model(cfg, seed=7)
-    hf16 = random_hf_model(cfg, seed=7).to(torch.bfloat16)
-    ours = ours_from_hf(hf32, attn_impl="flash", kernel_backend="triton", dtype=torch.bfloat16)
     ids = torch.randint(0, VOCAB, (2, 13))
     mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    real = mask.bool()
-    with torch.no_grad():
-        out = ours(ids, attention_mask=mask).logits[real].float()
-        theirs = hf16(ids, attention_mask=mask, position_ids=positions).logits[real].float()
-        ref = hf32(ids, attention_mask=mask, position_ids=positions).logits[real]
-    ok, ours_err, hf_err = low_precision_bound_ok(out, theirs, ref)
-    assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
+    mask[1, 9:] = 0  # right padding: HF's positions count from 0 as ours do
+    assert_bf16_error_bounded(qwen3_config(num_hidden_layers=2), {"input_ids": ids, "attention_mask": mask}, seed=7,
+                              attn_impl="flash", kernel_backend="triton")
