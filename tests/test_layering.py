@@ -37,6 +37,8 @@ UPWARD_ENTRY_POINTS = {
     ("flash_models.models.decoder", "flash_models.generation"): "DecoderLM.generate",
     ("flash_models.models.decoder", "flash_models.checkpoint"): "DecoderLM.save_pretrained",
     ("flash_models.models.pretrained", "flash_models.checkpoint"): "PretrainedModel.save_pretrained",
+    ("flash_models.models.hf_protocol", "flash_models.checkpoint"): "Model.from_pretrained, load_state_dict of HF's layout",
+    ("flash_models.models.hf_protocol", "flash_models.registry"): "load_state_dict of HF's layout (the family's rules)",
 }
 
 

@@ -106,8 +106,8 @@ class HFModelProtocol:
         unmatched keys raise, listing them). ``transformers.Trainer`` resumes a checkpoint this way."""
         own = set(self.state_dict())
         if not set(state_dict) <= own:
-            from ..checkpoint.remap import hf_to_ours  # a higher layer: imported on use
-            from ..checkpoint.rules import rules_for
+            from ..checkpoint.remap import hf_to_ours  # higher layers: imported on use
+            from ..registry import rules_for
 
             state_dict = hf_to_ours(dict(state_dict), rules_for(self.config))
         return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
