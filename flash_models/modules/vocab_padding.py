@@ -62,3 +62,24 @@ def zero_vocab_padding(module: nn.Module, vocab_size: int) -> None:
     """Zero the pad rows (beyond ``vocab_size``) of ``module``'s own parameters, e.g. after a random init."""
     for param in module.parameters(recurse=False):
         param[vocab_size:].zero_()
+
+
+class RealVocabHead(nn.Module):
+    """An LM head as callers outside the model see it (HF's ``get_output_embeddings``: TRL's fused loss reads its
+    ``weight`` and ``bias``): views of the padded head's first ``vocab_size`` rows, so that gradients reach the
+    parameters and no pad column enters a softmax."""
+
+    def __init__(self, head: nn.Module, vocab_size: int):
+        super().__init__()
+        self.head, self.vocab_size = head, vocab_size
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight[: self.vocab_size]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.head.bias is None else self.head.bias[: self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(hidden, self.weight, self.bias)
