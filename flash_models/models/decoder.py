@@ -283,6 +283,10 @@ class DecoderLM(HFModelProtocol, nn.Module):
                 derived = torch.arange(S, device=input_ids.device).expand(B, S)
         if position_ids is None:
             position_ids = derived
+        elif torch.compiler.is_compiling():
+            # A host read would break the graph: the tables cover the model's positions, and positions past them
+            # go unchecked, as labels do under torch.compile (flash_kernels.cross_entropy).
+            needed = max(needed, dc.max_position_embeddings)
         else:
             needed = max(needed, int(position_ids.max()) + 1)
         if dc.learned_positions and needed > dc.max_position_embeddings:
