@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
         return run(args, cases=CASES, dry_cases=DRY_CASES, no_dropout=no_dropout)
     if args.dry_run:
         device, table = torch.device("cpu"), DRY_CASES
-        sides = args.sides.split(",") if args.sides != ",".join(SIDES) else ["loop:ours", "loop:hf", "ours", "hf"]
+        sides = args.sides.split(",") if args.sides != ",".join(SIDES) else ["ours", "hf"]
         steps, warmup = min(args.steps, 2), min(args.warmup, 1)
     else:
         if not torch.cuda.is_available():
