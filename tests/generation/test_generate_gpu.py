@@ -100,7 +100,7 @@ def test_head_logits_equal_the_plain_head(vocab, bias, vocab_multiple):
     """The head over an odd vocabulary: padded (the default), one aligned GEMM cut to the real vocabulary;
     unpadded, two GEMMs (aligned rows, then the rest). Either gives the plain linear's logits, with or without a
     head bias, for decode-step and prompt shapes."""
-    config = small("gpt2", vocab_size=vocab).config
+    config = small("gpt2", vocab_size=vocab).config.typed
     with torch.device("cuda"):
         model = GPT2LMHeadModel(config, vocab_multiple=vocab_multiple).to(torch.bfloat16).eval()
     if bias:  # a head with a bias (GPT-J's), on this GPT-2 for the test

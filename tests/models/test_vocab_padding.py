@@ -33,7 +33,7 @@ def pair(name: str, seed: int = 0):
     hf_config = CONFIGS[name]()
     padded = build_model(hf_config, kernel_backend="reference", device="cpu")
     randomize_(padded, seed=seed)
-    plain = type(padded)(padded.config, kernel_backend="reference", vocab_multiple=1)
+    plain = type(padded)(padded.config.typed, kernel_backend="reference", vocab_multiple=1)
     plain.load_state_dict(padded.state_dict(), strict=True)
     return padded, plain
 
