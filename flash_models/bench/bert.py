@@ -11,6 +11,12 @@ backward replayed from CUDA graphs, as ``train.cuda_graphs`` runs text classific
 graph's memory is its private pool). The sides of a grid point are timed in interleaved rounds (``--rounds``),
 each reporting its best.
 
+Mode "finetune" is the user's path: BertForSequenceClassification (2 labels, fp32 weights, ours and HF's from
+the same random init) fine-tuned in the plain loop a tutorial shows, eager: ``loss = model(ids,
+attention_mask=mask, labels=labels).loss`` under bf16 autocast, ``loss.backward()`` inside
+``fm.backward_on_this_thread()``, a fused AdamW step and ``zero_grad``, on the same padded batches. Its
+max_diff compares the classifier logits before any step.
+
 ``--dry-run`` runs the whole script on tiny shapes on the CPU (wall-clock timer, fp32 and HF sdpa): it checks
 the code path, not speed.
 """
@@ -25,6 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from ..backward import backward_on_this_thread
 from ..registry import get_preset
 from ..testing import ours_from_hf
 from ..train.classification import collate_packed_classification
@@ -58,6 +65,45 @@ def build_pair(preset: str, *, dtype, device, dry_run: bool):
     hf = transformers.BertModel._from_config(hf_config, attn_implementation="sdpa")
     ours = ours_from_hf(hf, attn_impl="auto")
     return hf.to(device=device, dtype=dtype), ours.to(device=device, dtype=dtype)
+
+
+def build_classifier_pair(preset: str, *, device, dry_run: bool):
+    """HF BertForSequenceClassification (sdpa, 2 labels) with random weights, and ours with the same weights, in
+    float32: the fine-tuning loop autocasts."""
+    spec = get_preset(preset)
+    fields = {**spec.hf_config, **(TINY if dry_run else {}), "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+              "num_labels": 2, "architectures": ["BertForSequenceClassification"]}
+    torch.manual_seed(0)
+    hf = transformers.BertForSequenceClassification._from_config(transformers.BertConfig(**fields), attn_implementation="sdpa")
+    ours = ours_from_hf(hf, attn_impl="auto")
+    return hf.to(device=device), ours.to(device=device)
+
+
+def _finetune_step(model, ids, mask, labels):
+    """One step of the plain fine-tuning loop (see the module docstring), with the model's own fused AdamW."""
+    device = ids.device
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=device.type == "cuda")
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        with backward_on_this_thread():
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _finetune_sides(classifiers, ids, mask, labels) -> tuple[dict, dict]:
+    """({side: (model, step)}, {side: max_diff}) of the fine-tuning mode; the difference of our classifier
+    logits from HF's is taken first, before any step changes the weights."""
+    hf, ours = classifiers
+    with torch.inference_mode():
+        diff = (ours.eval()(ids, attention_mask=mask).logits.float()
+                - hf.eval()(input_ids=ids, attention_mask=mask).logits.float()).abs().max().item()
+    sides = {name: (model.train(), _finetune_step(model, ids, mask, labels)) for name, model in (("HF sdpa", hf), ("ours", ours))}
+    return sides, {"ours": diff}
 
 
 @torch.inference_mode()
@@ -140,6 +186,7 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
     for preset in presets:
         hf, ours = build_pair(preset, dtype=dtype, device=device, dry_run=dry_run)
         graphed = copy.deepcopy(ours)
+        classifiers = build_classifier_pair(preset, device=device, dry_run=dry_run) if "finetune" in modes else None
         vocab = hf.config.vocab_size
         for seq in seqlens:
             batch = max(1, tokens // seq)
@@ -147,8 +194,14 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                 ids, mask = make_batch(batch, seq, padding, vocab, device)
                 useful = int(mask.sum())
                 diff = _max_diff(ours, hf, ids, mask)
+                labels = torch.randint(0, 2, (batch,), device=device, generator=torch.Generator(device).manual_seed(seq))
                 for mode in modes:
-                    sides = _sides(mode, hf, ours, graphed, ids, mask, seq)
+                    if mode == "finetune":
+                        sides, diffs = _finetune_sides(classifiers, ids, mask, labels)
+                    else:
+                        sides = _sides(mode, hf, ours, graphed, ids, mask, seq)
+                        diffs = {"ours": diff, "ours+graphs": _packed_max_diff(graphed, hf, ids, mask, seq)
+                                 if mode == "training" else _max_diff(graphed, hf, ids, mask)}
                     warmup = 5 if cuda else 1
                     times = best_of_rounds({name: lambda step=step: time_fn(step, device=device, warmup=warmup,
                                                                              repeats=repeats).median_ms
@@ -157,17 +210,13 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                         ms = times[name]
                         # A graph's memory is its private pool, allocated at capture, which a replay's peak misses.
                         peak = peak_memory_bytes(step) / 2**20 if cuda and model is not graphed else None
-                        max_diff = None if model is hf else diff
-                        if model is graphed:
-                            max_diff = (_packed_max_diff(graphed, hf, ids, mask, seq) if mode == "training"
-                                        else _max_diff(graphed, hf, ids, mask))
                         result.add(model=preset, seq=seq, batch=batch, padding=f"{1 - useful / mask.numel():.0%}",
                                    mode=mode, impl=name, ms=ms, useful_tok_s=useful / (ms * 1e-3), peak_MiB=peak,
-                                   speedup=None if model is hf else times["HF sdpa"] / ms, max_diff=max_diff)
+                                   speedup=None if name == "HF sdpa" else times["HF sdpa"] / ms, max_diff=diffs.get(name))
                     log.info("%s S=%d pad=%.0f%% %s: %s", preset, seq, 100 * padding, mode,
                              ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
         graphed.use_cuda_graphs(False)
-        del hf, ours, graphed
+        del hf, ours, graphed, classifiers
         if cuda:
             torch.cuda.empty_cache()
 
@@ -178,7 +227,7 @@ def main(argv=None):
     p.add_argument("--models", default="bert-base,bert-large", help="registered BERT presets")
     p.add_argument("--seqlens", default="128,512")
     p.add_argument("--paddings", default="0,0.5", help="fractions of padding tokens")
-    p.add_argument("--modes", default="inference,training")
+    p.add_argument("--modes", default="inference,training,finetune")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seq_len of every batch")
     p.add_argument("--repeats", type=int, default=20)
     add_rounds_argument(p, "grid point")

@@ -3,7 +3,8 @@ code, and liger-kernel where it is installed, in one process on one GPU.
 
 Shapes (bf16): norms 16k x 4096; rotary on LLaMA-7B q and k (4 x 4096 tokens, 32 heads of 128); SwiGLU /
 GeGLU / GELU on LLaMA-7B's MLP (8k tokens x 11008); cross-entropy 8k x 50304 and 8k x 128256; fused LM head +
-CE H=4096, V=128256, 16k tokens; the cuBLASLt GELU MLP at GPT-2 sizes (16k tokens, 768 -> 3072 -> 768).
+CE at real checkpoints' heads (LINEAR_CE_HEADS: GPT-2's 50257, LLaMA's 32000, SmolLM2's 49152, Qwen2's 151936,
+LLaMA-3's 128256, each at its hidden size); the cuBLASLt GELU MLP at GPT-2 sizes (16k tokens, 768 -> 3072 -> 768).
 Memory-bound rows report GB/s from a minimal byte count (every tensor read or written once) and that as a
 fraction of the measured device copy bandwidth; CE and linear+CE report peak memory. Every side's backward
 runs on the calling thread, as the Trainer runs it. The sides of a case are timed in interleaved rounds
@@ -79,7 +80,7 @@ def _time_sides(case: Case, rounds: int, back_to_back: bool = True, graphs: bool
     steps, errors, peaks = {}, {}, {}
     for name, fn in case.impls.items():
         try:
-            steps[name] = fwd_bwd_step(fn, case.inputs)
+            steps[name] = fwd_bwd_step(fn, getattr(fn, "inputs", case.inputs))  # a side may name its own
             if case.memory:  # eager, after a warm-up step, and before any graph's memory pool exists
                 steps[name]()
                 peaks[name] = peak_memory_bytes(steps[name]) / 2**30
@@ -294,24 +295,46 @@ def cross_entropy_cases(compile_peer: bool) -> list[Case]:
     return cases
 
 
+# (label, tokens, hidden size, vocabulary): real checkpoints' LM heads at a training step's token count.
+LINEAR_CE_HEADS = (
+    ("GPT-2", 16384, 768, 50257),
+    ("LLaMA-1.1B", 8192, 2048, 32000),
+    ("SmolLM2-135M", 16384, 576, 49152),
+    ("Qwen2-0.5B", 8192, 896, 151936),
+    ("LLaMA-3-8B", 16384, 4096, 128256),
+)
+
+
 def linear_cross_entropy_cases(compile_peer: bool) -> list[Case]:
     from flash_kernels import linear_cross_entropy
 
-    n, h, vocab = 16384, 4096, 128256
-    hidden, weight = _param(n, h), _param(vocab, h, scale=h ** -0.5)
-    labels = torch.randint(0, vocab, (n,), device=DEVICE)
+    cases = []
+    for label, n, h, vocab in LINEAR_CE_HEADS:
+        hidden, weight = _param(n, h), _param(vocab, h, scale=h ** -0.5)
+        labels = torch.randint(0, vocab, (n,), device=DEVICE)
 
-    def eager():
-        return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+        def eager(hidden=hidden, weight=weight, labels=labels):
+            return F.cross_entropy(F.linear(hidden, weight).float(), labels)
 
-    def liger():
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+        def liger(hidden=hidden, weight=weight, labels=labels):
+            from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-        return lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
+            return lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
 
-    impls = _with_peers(eager, lambda: linear_cross_entropy(hidden, weight, labels), compile_peer=compile_peer,
-                        liger=liger)
-    return [Case("linear+cross_entropy", f"{n}x{h}->V{vocab}", impls, [hidden, weight], memory=True, repeats=5)]
+        extra = {}
+        if vocab % 128:  # what our models run: the head padded once, at construction (modules/vocab_padding.py)
+            padded = F.pad(weight.detach(), (0, 0, 0, -vocab % 128)).requires_grad_()
+
+            def padded_head(hidden=hidden, padded=padded, labels=labels, vocab=vocab):
+                return linear_cross_entropy(hidden, padded, labels, vocab_size=vocab)
+
+            padded_head.inputs = [hidden, padded]
+            extra["ours padded head"] = padded_head
+        impls = _with_peers(eager, lambda hidden=hidden, weight=weight, labels=labels: linear_cross_entropy(
+            hidden, weight, labels), compile_peer=compile_peer, liger=liger, extra_ours=extra)
+        cases.append(Case("linear+cross_entropy", f"{label} {n}x{h}->V{vocab}", impls, [hidden, weight], memory=True,
+                          repeats=5))
+    return cases
 
 
 def fused_dense_cases(compile_peer: bool) -> list[Case]:

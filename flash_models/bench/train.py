@@ -1,13 +1,23 @@
 """`flash-models bench train`: training throughput, ours vs HF transformers, in one process on one GPU.
 
-Every side runs the same ``flash_models.train.Trainer`` step (same synthetic batches, same fused AdamW, same
-global batch, bf16 autocast) and differs only in the model: ours (fused kernels, flash attention), HF with
-sdpa, and each with torch.compile; ours+graphs replays each forward+backward from CUDA graphs
-(``train.cuda_graphs``). Steps are timed as ``fit`` runs them (``Trainer.iter_steps``: the next step is queued
-before the previous loss is read), every side alike. Cases: GPT-2 124M at 16x1024, GPT-2 355M at 8x1024, LLaMA 1.1B at 4x2048.
+The ``loop:`` sides are the user's path, the headline: exactly the plain loop README.md shows (no Trainer),
+``loss = model(ids, labels=ids).loss`` under bf16 autocast, ``loss.backward()`` inside
+``fm.backward_on_this_thread()``, a fused AdamW step and ``zero_grad``, for ours and HF (sdpa) built from the
+same random weights, and each through torch.compile. Each side runs its steps back to back, with no host read
+in between, and is timed over the whole window.
+
+The other sides run the same ``flash_models.train.Trainer`` step (same synthetic batches, same fused AdamW, same
+global batch, bf16 autocast, gradient clipping) and differ only in the model: ours (fused kernels, flash
+attention), HF with sdpa, and each with torch.compile; ours+graphs replays each forward+backward from CUDA
+graphs (``train.cuda_graphs``). Steps are timed as ``fit`` runs them (``Trainer.iter_steps``: the next step is
+queued before the previous loss is read), every side alike.
+
+Cases are real checkpoints' shapes with their real vocabularies: GPT-2 124M (16x1024) and 355M (8x1024) at
+50257, LLaMA 1.1B (4x2048) at 32000, SmolLM2-135M and 360M (8x2048) at 49152, Qwen2-0.5B (4x2048) at 151936.
+The ``@50304`` cases pad GPT-2's vocabulary in the config (not a real checkpoint's): extra rows, labelled.
 Reported: tokens/s, MFU (6N + 12*L*D*S FLOPs per token against a measured bf16 matmul peak), peak memory.
 
-    flash-models bench train [--cases gpt2,gpt2-medium,llama-1b] [--steps 20] [--out bench-train.json]
+    flash-models bench train [--cases gpt2,llama-1b] [--sides loop:ours,loop:hf] [--steps 20] [--out bench-train.json]
     flash-models bench train --dry-run      # tiny shapes on the CPU: exercises every code path, times nothing real
     flash-models bench train --hf-trainer   # the same models inside transformers.Trainer (bench/train_hf.py)
 """
@@ -18,12 +28,16 @@ import argparse
 import gc
 import logging
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 import transformers
 
-from ..checkpoint.loader import create_model
+from ..backward import backward_on_this_thread
+from ..checkpoint.loader import build_model, create_model
+from ..checkpoint.remap import hf_to_ours
+from ..checkpoint.rules import rules_for
 from ..registry import get_preset
 from ..train import Trainer, load_config
 from ..train.metrics import flops_per_token, measure_matmul_peak
@@ -38,34 +52,121 @@ class Case:
     batch: int
     seq_len: int
     overrides: tuple = ()
+    note: str = ""  # what sets the case apart from the real checkpoint, shown in the table
 
 
+SMOLLM2_360M = (("hidden_size", 960), ("intermediate_size", 2560), ("num_hidden_layers", 32),
+                ("num_attention_heads", 15), ("num_key_value_heads", 5))
+PADDED = "vocabulary padded to 50304 in the config (not the checkpoint's)"
 CASES = {
-    "gpt2": Case("gpt2", 16, 1024, (("vocab_size", 50304),)),
-    "gpt2-medium": Case("gpt2-medium", 8, 1024, (("vocab_size", 50304),)),
+    "gpt2": Case("gpt2", 16, 1024),
+    "gpt2-medium": Case("gpt2-medium", 8, 1024),
     "llama-1b": Case("llama-1b", 4, 2048),
+    "smollm2-135m": Case("smollm2-135m", 8, 2048),
+    "smollm2-360m": Case("smollm2-135m", 8, 2048, SMOLLM2_360M),
+    "qwen2-0.5b": Case("qwen2-0.5b", 4, 2048),
+    "gpt2@50304": Case("gpt2", 16, 1024, (("vocab_size", 50304),), note=PADDED),
+    "gpt2-medium@50304": Case("gpt2-medium", 8, 1024, (("vocab_size", 50304),), note=PADDED),
 }
-DRY_CASES = {
-    "gpt2": Case("gpt2", 2, 32, (("n_layer", 2), ("n_embd", 64), ("n_head", 4), ("vocab_size", 512))),
+DRY_CASES = {  # odd vocabularies, as the real ones: the padded LM head runs
+    "gpt2": Case("gpt2", 2, 32, (("n_layer", 2), ("n_embd", 64), ("n_head", 4), ("vocab_size", 257))),
     "llama-1b": Case("llama-1b", 2, 32, (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96),
-                                           ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 512))),
+                                           ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 301))),
 }
-SIDES = ("ours", "ours+graphs", "ours+compile", "hf", "hf+compile")
-COLUMNS = ["case", "side", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "reserved_GiB", "x_vs_hf", "x_vs_hf_compile"]
+LOOP_SIDES = ("loop:ours", "loop:ours+compile", "loop:hf", "loop:hf+compile")
+SIDES = LOOP_SIDES + ("ours", "ours+graphs", "ours+compile", "hf", "hf+compile")
+COLUMNS = ["case", "side", "vocab", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "reserved_GiB",
+           "x_vs_hf", "x_vs_hf_compile", "note"]
 
 
 def no_dropout(preset: str) -> dict:
-    keys = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",)}
+    keys = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"), "llama": ("attention_dropout",),
+            "qwen2": ("attention_dropout",)}
     return {k: 0.0 for k in keys[get_preset(preset).model_type]}
 
 
-def build(side: str, case: Case, device: torch.device) -> torch.nn.Module:
-    overrides = {**no_dropout(case.preset), **dict(case.overrides)}
-    if side.startswith("ours"):
-        return create_model(case.preset, **overrides)
+def hf_config_for(case: Case):
     spec = get_preset(case.preset)
-    hf_config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.hf_config, **overrides})
-    return transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+    overrides = {**no_dropout(case.preset), **dict(case.overrides)}
+    return transformers.AutoConfig.for_model(spec.model_type, **{**spec.hf_config, **overrides})
+
+
+def build(side: str, case: Case, device: torch.device) -> torch.nn.Module:
+    if side.startswith("ours"):
+        return create_model(case.preset, **{**no_dropout(case.preset), **dict(case.overrides)})
+    return transformers.AutoModelForCausalLM.from_config(hf_config_for(case), attn_implementation="sdpa")
+
+
+def same_weights_model(side: str, case: Case, device: torch.device) -> torch.nn.Module:
+    """The ``loop:`` sides' model, in training mode: HF's random init from a fixed seed, so that ours (the same
+    tensors through the checkpoint rules, as from_pretrained loads them) and HF's start from the same weights."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_config_for(case), attn_implementation="sdpa")
+    if side.startswith("loop:hf"):
+        return hf.train()
+    ours = build_model(hf.config, device=device)
+    ours.load_state_dict(hf_to_ours(hf.state_dict(), rules_for(ours.config)), strict=True)
+    return ours.train()
+
+
+def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
+    """The plain loop README.md shows, timed over ``steps`` back-to-back steps after ``warmup`` (compilation)."""
+    model = same_weights_model(side, case, device)
+    fpt = flops_per_token(model, case.seq_len)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if side.endswith("+compile"):
+        model = torch.compile(model)
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device).manual_seed(1)
+    batches = [torch.randint(0, vocab, (case.batch, case.seq_len), device=device, generator=gen) for _ in range(4)]
+
+    def step(ids):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        with backward_on_this_thread():
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(warmup):
+        step(batches[i % len(batches)])
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for i in range(steps):
+        loss = step(batches[i % len(batches)])
+    _sync(device)
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    row = _row(side, case, step_ms, fpt, peak_flops, device, final_loss=loss.item())
+    del model, opt, batches, loss
+    _release(device)
+    return row
+
+
+def _row(side: str, case: Case, step_ms: float, fpt: float, peak_flops: float, device: torch.device, **extra) -> dict:
+    tokens_per_s = case.batch * case.seq_len / (step_ms * 1e-3)
+    # A graph's activations live in its private pool, allocated once at capture: replays allocate nothing, so
+    # the allocated peak misses them. The reserved peak counts the pool.
+    peak_mem, reserved = ((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device.type == "cuda"
+                          else (0, 0))
+    return {"side": side, "vocab": hf_config_for(case).vocab_size, "batch": case.batch, "seq": case.seq_len,
+            "step_ms": step_ms, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak_flops,
+            "peak_GiB": peak_mem / 2**30, "reserved_GiB": reserved / 2**30, "flops_per_token": fpt,
+            "note": case.note, **extra}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def trainer_for(side: str, case: Case, device: torch.device) -> Trainer:
@@ -84,6 +185,8 @@ def trainer_for(side: str, case: Case, device: torch.device) -> Trainer:
 
 
 def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
+    if side in LOOP_SIDES:
+        return measure_loop(side, case, device, steps=steps, warmup=warmup, peak_flops=peak_flops)
     trainer = trainer_for(side, case, device)
     fpt = flops_per_token(trainer.model, case.seq_len)
     trainer.train_step()  # compile / autotune / capture outside the timed region
@@ -96,19 +199,9 @@ def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: 
     # the mean is the window's throughput. Pipelined steps alternate long and short intervals where the host
     # falls behind, and there the median read 4-9% under the window (GPT-2, H100, docs/benchmarks.md, session 23).
     step_ms = statistics.fmean(r["seconds"] for r in records) * 1e3
-    peak_mem = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    # A graph's activations live in its private pool, allocated once at capture: replays allocate nothing, so
-    # the allocated peak misses them. The reserved peak counts the pool.
-    reserved = torch.cuda.max_memory_reserved() if device.type == "cuda" else 0
-    tokens_per_s = case.batch * case.seq_len / (step_ms * 1e-3)
-    row = {"case": case.preset, "side": side, "batch": case.batch, "seq": case.seq_len, "step_ms": step_ms,
-           "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak_flops, "peak_GiB": peak_mem / 2**30,
-           "reserved_GiB": reserved / 2**30,
-           "flops_per_token": fpt, "final_loss": records[-1]["loss"]}
+    row = _row(side, case, step_ms, fpt, peak_flops, device, final_loss=records[-1]["loss"])
     del trainer
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    _release(device)
     return row
 
 
@@ -146,10 +239,12 @@ def main(argv: list[str] | None = None) -> BenchResult:
     result.env["matmul_peak_tflops"] = peak / 1e12
     result.env["dry_run"] = args.dry_run
     for name in names:
-        rows = [measure(side, table[name], device, steps=steps, warmup=warmup, peak_flops=peak) for side in sides]
+        rows = [{"case": name, **measure(side, table[name], device, steps=steps, warmup=warmup, peak_flops=peak)}
+                for side in sides]
         base = {r["side"]: r["tokens_per_s"] for r in rows}
         for row in rows:
-            for column, side in (("x_vs_hf", "hf"), ("x_vs_hf_compile", "hf+compile")):
+            prefix = "loop:" if row["side"] in LOOP_SIDES else ""  # a loop side against HF's loop side
+            for column, side in (("x_vs_hf", prefix + "hf"), ("x_vs_hf_compile", prefix + "hf+compile")):
                 if side in base:  # a ratio against a side that did not run is left blank, not NaN
                     row[column] = row["tokens_per_s"] / base[side]
             result.add(**row)

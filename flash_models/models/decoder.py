@@ -18,6 +18,9 @@ from ..modules.attention import build_cached_attention_mask
 from ..modules.linear import autocast_like, dense, gemv_in_chain
 from ..modules.padding import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
+from ..modules.vocab_padding import (
+    VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, zero_vocab_padding,
+)
 from .hf_config import ModelConfig
 from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, packed_documents
 from .outputs import CausalLMOutput, EncoderOutput
@@ -29,12 +32,17 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLM(HFModelProtocol, nn.Module):
-    """Embeddings -> N pre-norm blocks -> final norm -> LM head, over a family's ``DecoderConfig``."""
+    """Embeddings -> N pre-norm blocks -> final norm -> LM head, over a family's ``DecoderConfig``.
+
+    The token embedding and the LM head hold the vocabulary padded to a multiple of ``vocab_multiple`` (128: see
+    modules/vocab_padding.py) for aligned GEMMs; state dicts, checkpoints, logits, losses and generation see
+    the real vocabulary only. ``vocab_multiple=1`` keeps the real shapes."""
 
     accepts_loss_kwargs = True
     loss_type = "ForCausalLM"  # HF's name for the shifted LM loss: the Trainer counts labels[:, 1:] for num_items_in_batch
 
-    def __init__(self, config, *, attn_impl: str = "auto", kernel_backend: str = "auto"):
+    def __init__(self, config, *, attn_impl: str = "auto", kernel_backend: str = "auto",
+                 vocab_multiple: int = VOCAB_MULTIPLE):
         super().__init__()
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
         flash_kernels._backend.check_backend_name(kernel_backend)
@@ -45,14 +53,17 @@ class DecoderLM(HFModelProtocol, nn.Module):
         self.decoder_config = dc
         self.embed = Embeddings(
             dc.vocab_size, dc.hidden_size, max_positions=dc.max_position_embeddings if dc.learned_positions else None,
-            token_dim=dc.embed_dim, position_offset=dc.position_offset,
+            token_dim=dc.embed_dim, position_offset=dc.position_offset, vocab_multiple=vocab_multiple,
         )
         self.rotary = RotaryEmbedding(dc.rope) if dc.rope is not None else None
         self.blocks = nn.ModuleList(self._block(dc, i) for i in range(dc.num_layers))
         self.norm_f = self._norm() if dc.final_norm else None
         token_dim = dc.embed_dim or dc.hidden_size
         self.project_out = nn.Linear(dc.hidden_size, token_dim, bias=False) if token_dim != dc.hidden_size else None
-        self.lm_head = None if dc.tie_word_embeddings else nn.Linear(token_dim, dc.vocab_size, bias=dc.lm_head_bias)
+        self.lm_head = None
+        if not dc.tie_word_embeddings:
+            self.lm_head = nn.Linear(token_dim, padded_vocab_size(dc.vocab_size, vocab_multiple), bias=dc.lm_head_bias)
+            hide_vocab_padding(self.lm_head, dc.vocab_size)
         self.init_weights()
 
     def _norm(self) -> Norm:
@@ -99,6 +110,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
             for block in self.blocks:
                 for proj in (block.attn.out_proj, getattr(block.mlp, "fc2", None) or block.mlp.down):
                     nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * dc.num_layers))
+        for table in (self.embed.tokens, self.lm_head):
+            if table is not None:
+                zero_vocab_padding(table, dc.vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -109,6 +123,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return self.embed.tokens.weight.dtype
 
     def output_embeddings(self) -> torch.Tensor:
+        """The LM head's weight (V_padded, hidden): rows past ``decoder_config.vocab_size`` are zero padding."""
         return self.embed.tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def new_kv_cache(
@@ -134,7 +149,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         *,
         kv_cache: KVCache | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        return_logits: bool = True,
+        return_logits: bool | None = None,
         mask_positions: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         **hf_kwargs,
@@ -153,8 +168,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
         offsets, num_docs + 1). Documents never attend across each other and positions restart at each one.
         Give labels = -100 at each document's first token if the previous document must not predict it.
 
-        ``return_logits=False`` with labels (training): the LM head and the loss run fused in vocabulary chunks
-        (flash_kernels.linear_cross_entropy), the (B, S, vocab) logits are never stored and ``logits`` is None.
+        ``return_logits``: None (the default) means logits unless the model is training and labels are given. A
+        forward without logits and with labels runs the LM head and the loss fused in token chunks
+        (flash_kernels.linear_cross_entropy): the (B, S, vocab) logits are never stored and ``logits`` is None.
+        So ``model.train(); model(ids, labels=ids).loss`` gets the fused loss; ``return_logits=True`` keeps the
+        logits for whoever needs them (the loss is then computed from them), ``False`` drops them in eval too.
 
         ``num_items_in_batch`` (transformers.Trainer with gradient accumulation): the loss is the sum of the
         token losses divided by it, not their mean. ``hf_kwargs``: what HF's trainers and collators pass besides
@@ -172,9 +190,12 @@ class DecoderLM(HFModelProtocol, nn.Module):
         )
         rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
         hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
+        if return_logits is None:
+            return_logits = labels is None or not self.training
         if labels is not None and not return_logits:
             return CausalLMOutput(loss=self.fused_loss(hidden, labels, num_items_in_batch), last_hidden_state=hidden)
-        logits = self._logits(hidden)
+        # Whole, not a view of the padded head's output: HF-style callers .view() the logits.
+        logits = self._logits(hidden).contiguous()
         loss = self.loss(logits, labels, num_items_in_batch) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
 
@@ -209,15 +230,20 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., V). On CUDA with a vocabulary that is not a multiple of 64 (GPT-2's 50257), the
-        rows up to the last multiple of 64 and the few after it are two GEMMs, concatenated: for an odd output
-        width cuBLAS falls back to unaligned kernels, 96 us instead of about 20 for GPT-2's batch-16 decode
-        step on an H200, a sixth of the whole step."""
+        """(..., hidden) -> (..., V), V the real vocabulary: with a padded head, a view of its output (row stride
+        V_padded), so the pad columns never reach a softmax or an argmax.
+
+        With an unpadded head (``vocab_multiple=1``) on CUDA whose vocabulary is not a multiple of 64 (GPT-2's
+        50257), the rows up to the last multiple of 64 and the few after it are two GEMMs, concatenated: for an
+        odd output width cuBLAS falls back to unaligned kernels, 96 us instead of about 20 for GPT-2's batch-16
+        decode step on an H200, a sixth of the whole step."""
         weight = self.output_embeddings()
         bias = self.lm_head.bias if self.lm_head is not None else None
+        vocab = self.decoder_config.vocab_size
         aligned = weight.shape[0] // 64 * 64
         if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight, self.kernel_backend):
-            return dense(hidden, weight, bias, backend=self.kernel_backend)  # our GEMV takes any width
+            logits = dense(hidden, weight, bias, backend=self.kernel_backend)  # our GEMV takes any width
+            return logits if weight.shape[0] == vocab else logits[..., :vocab]
         parts = [nn.functional.linear(hidden, weight[rows], bias[rows] if bias is not None else None)
                  for rows in (slice(0, aligned), slice(aligned, None))]
         return torch.cat(parts, dim=-1)
@@ -257,6 +283,10 @@ class DecoderLM(HFModelProtocol, nn.Module):
                 derived = torch.arange(S, device=input_ids.device).expand(B, S)
         if position_ids is None:
             position_ids = derived
+        elif torch.compiler.is_compiling():
+            # A host read would break the graph: the tables cover the model's positions, and positions past them
+            # go unchecked, as labels do under torch.compile (flash_kernels.cross_entropy).
+            needed = max(needed, dc.max_position_embeddings)
         else:
             needed = max(needed, int(position_ids.max()) + 1)
         if dc.learned_positions and needed > dc.max_position_embeddings:
@@ -290,7 +320,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
             hidden = hidden.to(weight.dtype)
         loss = flash_kernels.linear_cross_entropy(
             hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, labels[:, 1:].reshape(-1), bias=bias,
-            backend=self.kernel_backend, reduction="mean" if num_items_in_batch is None else "sum",
+            vocab_size=self.decoder_config.vocab_size, backend=self.kernel_backend,
+            reduction="mean" if num_items_in_batch is None else "sum",
         )
         return loss if num_items_in_batch is None else loss / num_items_in_batch
 
@@ -332,7 +363,10 @@ class DecoderLM(HFModelProtocol, nn.Module):
         self._generation_config = value
 
     def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head if self.lm_head is not None else TiedOutputEmbeddings(self.embed.tokens)
+        """The LM head with the real vocabulary's rows (the padding hidden: ``RealVocabHead``)."""
+        head = self.lm_head if self.lm_head is not None else TiedOutputEmbeddings(self.embed.tokens)
+        vocab = self.decoder_config.vocab_size
+        return head if head.weight.shape[0] == vocab else RealVocabHead(head, vocab)
 
     # ----------------------------------------------------------------------------------------------------
     # Generation and saving live in higher layers (generation/, checkpoint/); these methods are the HF-style

@@ -10,6 +10,7 @@ import flash_kernels
 from flash_kernels._backend import check_ids_in_range
 
 from .norm import Norm
+from .vocab_padding import hide_vocab_padding, padded_vocab_size, zero_vocab_padding
 
 
 class Embeddings(nn.Module):
@@ -18,10 +19,17 @@ class Embeddings(nn.Module):
     def __init__(
         self, vocab_size: int, hidden_size: int, *, max_positions: int | None = None, padding_idx: int | None = None,
         token_dim: int | None = None, position_offset: int = 0, type_vocab_size: int | None = None,
+        vocab_multiple: int = 1,
     ):
+        """``vocab_multiple``: the token table holds rows up to that multiple (modules/vocab_padding.py), which
+        state dicts never show; ids are checked against the real ``vocab_size``."""
         super().__init__()
         token_dim = token_dim or hidden_size
-        self.tokens = nn.Embedding(vocab_size, token_dim, padding_idx=padding_idx)
+        self.vocab_size = vocab_size
+        self.tokens = nn.Embedding(padded_vocab_size(vocab_size, vocab_multiple), token_dim, padding_idx=padding_idx)
+        if self.tokens.num_embeddings != vocab_size:
+            zero_vocab_padding(self.tokens, vocab_size)
+            hide_vocab_padding(self.tokens, vocab_size)
         self.project_in = nn.Linear(token_dim, hidden_size, bias=False) if token_dim != hidden_size else None
         self.position_offset = position_offset
         self.positions = nn.Embedding(max_positions + position_offset, hidden_size) if max_positions is not None else None
@@ -50,7 +58,7 @@ class Embeddings(nn.Module):
                   position_ids: torch.Tensor | None = None, *, static_input: bool = False) -> None:
         """Token ids within the vocabulary, token types and positions within their tables (see
         ``check_ids_in_range``, also for ``static_input``)."""
-        vocab = self.tokens.num_embeddings
+        vocab = self.vocab_size
         check_ids_in_range(input_ids, vocab, message=f"input_ids must lie in [0, {vocab}): check the tokenizer matches the model",
                            static_input=static_input)
         for name, ids, table, offset in (("token_type_ids", token_type_ids, self.token_types, 0),

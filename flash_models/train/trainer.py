@@ -97,7 +97,8 @@ class Trainer:
         raw = model if model is not None else build_model(cfg)
         self.task = cfg.model.task
         # Our decoder LMs can skip the logits (fused LM head + loss); HF models and classifiers cannot.
-        self.fused_loss = t.fused_loss and self.task == "causal_lm" and hasattr(raw, "fused_loss")
+        self.ours_lm = self.task == "causal_lm" and hasattr(raw, "fused_loss")
+        self.fused_loss = t.fused_loss and self.ours_lm
         # What the throughput and MFU count as tokens: text tokens, or a ViT's patches and prefix tokens per image.
         self.tokens_per_image = _tokens_per_image(raw) if self.task == "image_classification" else None
         vocab = _vocab_size(raw)
@@ -219,8 +220,8 @@ class Trainer:
         CUDA graphs can capture it."""
         if self.task == "causal_lm":
             kwargs = {"cu_seqlens": batch["cu_seqlens"]} if "cu_seqlens" in batch else {}
-            if self.fused_loss:
-                kwargs["return_logits"] = False
+            if self.ours_lm:  # explicit: the model's default would fuse in training whatever the config says
+                kwargs["return_logits"] = not self.fused_loss
             return model(batch["input_ids"], labels=batch["labels"], **kwargs).loss.float(), None
         targets = batch["labels"]
         inputs = {k: v for k, v in batch.items() if k != "labels"}

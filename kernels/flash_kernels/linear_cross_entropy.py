@@ -42,9 +42,10 @@ def linear_cross_entropy_ref(
     label_smoothing: float = 0.0,
     logit_scale: float = 1.0,
     reduction: str = "mean",
+    vocab_size: int | None = None,
 ):
     """Plain PyTorch reference: the full logits in the input dtype, then ``cross_entropy_ref`` (float32)."""
-    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)[:, :vocab_size]
     loss = cross_entropy_ref(logits, labels.reshape(-1), ignore_index=ignore_index, label_smoothing=label_smoothing,
                              logit_scale=logit_scale, reduction=reduction)
     return loss.view(labels.shape) if reduction == "none" else loss
@@ -82,10 +83,20 @@ def _chunk_ce(logits, labels, row_grad, ignore_index, label_smoothing, logit_sca
     return ce_rows_fwd_bwd_(logits, labels, row_grad, ignore_index, label_smoothing, 0.0, logit_scale), logits
 
 
-def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index, label_smoothing, logit_scale,
-             triton_ce, defer_last=False):
+def _class_grad_full_width(logits, dclasses, vocab_size):
+    """The chunk's (n, V) logits gradient, written over its logits buffer: ``dclasses`` (n, vocab_size) in the
+    classes' columns (the Triton kernel wrote it there already), zero in the pad columns past them."""
+    if dclasses.data_ptr() != logits.data_ptr():
+        logits[:, :vocab_size].copy_(dclasses)
+    logits[:, vocab_size:].zero_()
+    return logits
+
+
+def _chunked(hidden, weight, bias, labels, row_grad, *, vocab_size, chunk_size, ignore_index, label_smoothing,
+             logit_scale, triton_ce, defer_last=False):
     """(losses, dhidden, dweight, dbias, last_dlogits): per-row losses and, when ``row_grad`` (N,) is given, the
-    gradients scaled per row by it. With ``defer_last`` the last chunk's weight-gradient GEMM is the caller's:
+    gradients scaled per row by it. The classes are the first ``vocab_size`` rows of weight; the logits of the
+    rows past them (a vocabulary padded for aligned GEMMs) are cut off and get a zero gradient. With ``defer_last`` the last chunk's weight-gradient GEMM is the caller's:
     dweight holds the other chunks' sum (empty when there is exactly one chunk) and last_dlogits is the last
     chunk's logits gradient ((0, V) when there is no chunk); without it last_dlogits is None."""
     n, v = hidden.shape[0], weight.shape[0]
@@ -111,8 +122,11 @@ def _chunked(hidden, weight, bias, labels, row_grad, *, chunk_size, ignore_index
         h = hidden[start:end]
         logits = F.linear(h, weight, bias)  # (chunk, V)
         chunk_grad = row_grad[start:end] if need_grads else None
-        losses[start:end], dlogits = _chunk_ce(logits, labels[start:end], chunk_grad, ignore_index, label_smoothing,
+        classes = logits[:, :vocab_size] if vocab_size < v else logits  # a view: the kernels take a row stride
+        losses[start:end], dlogits = _chunk_ce(classes, labels[start:end], chunk_grad, ignore_index, label_smoothing,
                                                logit_scale, triton_ce)
+        if need_grads and vocab_size < v:
+            dlogits = _class_grad_full_width(logits, dlogits, vocab_size)
         if need_grads:
             torch.mm(dlogits, weight, out=dhidden[start:end])
             if defer_last and end == n:
@@ -178,14 +192,15 @@ def _row_grad(labels, ignore_index, reduction):
 
 
 def _lce_fwd(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, ignore_index: int,
-    label_smoothing: float, logit_scale: float, reduction: str, chunk_size: int, triton_ce: bool, compute_grads: bool,
+    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor, vocab_size: int,
+    ignore_index: int, label_smoothing: float, logit_scale: float, reduction: str, chunk_size: int, triton_ce: bool,
+    compute_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, dhidden, dweight without the last chunk's GEMM, dbias, the last chunk's logits gradient), the
     gradients for a unit upstream gradient; placeholders for those not computed."""
     grads_now = compute_grads and reduction != "none"
     row_grad = _row_grad(labels, ignore_index, reduction) if grads_now else None
-    losses, dh, dw, db, last = _chunked(hidden, weight, bias, labels, row_grad, chunk_size=chunk_size,
+    losses, dh, dw, db, last = _chunked(hidden, weight, bias, labels, row_grad, vocab_size=vocab_size, chunk_size=chunk_size,
                                         ignore_index=ignore_index, label_smoothing=label_smoothing,
                                         logit_scale=logit_scale, triton_ce=triton_ce, defer_last=True)
     dev = hidden.device
@@ -205,8 +220,8 @@ _lce_fwd_op = torch.library.custom_op("flash_kernels::linear_cross_entropy_fwd",
 
 
 @_lce_fwd_op.register_fake
-def _(hidden, weight, bias, labels, ignore_index, label_smoothing, logit_scale, reduction, chunk_size, triton_ce,
-      compute_grads):
+def _(hidden, weight, bias, labels, vocab_size, ignore_index, label_smoothing, logit_scale, reduction, chunk_size,
+      triton_ce, compute_grads):
     grads_now = compute_grads and reduction != "none"
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=torch.float32)
     dh = torch.empty_like(hidden) if grads_now else hidden.new_empty((0,))
@@ -221,10 +236,11 @@ def _(hidden, weight, bias, labels, ignore_index, label_smoothing, logit_scale, 
 
 def _lce_bwd(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
-    dlosses: torch.Tensor, ignore_index: int, label_smoothing: float, logit_scale: float, chunk_size: int,
-    triton_ce: bool,
+    dlosses: torch.Tensor, vocab_size: int, ignore_index: int, label_smoothing: float, logit_scale: float,
+    chunk_size: int, triton_ce: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _, dh, dw, db, _ = _chunked(hidden, weight, bias, labels, dlosses.float().contiguous(), chunk_size=chunk_size,
+    _, dh, dw, db, _ = _chunked(hidden, weight, bias, labels, dlosses.float().contiguous(), vocab_size=vocab_size,
+                                chunk_size=chunk_size,
                                 ignore_index=ignore_index, label_smoothing=label_smoothing, logit_scale=logit_scale,
                                 triton_ce=triton_ce)
     return dh, dw, db.to(bias.dtype) if db is not None else placeholder(hidden.device)
@@ -234,18 +250,19 @@ _lce_bwd_op = torch.library.custom_op("flash_kernels::linear_cross_entropy_bwd",
 
 
 @_lce_bwd_op.register_fake
-def _(hidden, weight, bias, labels, dlosses, ignore_index, label_smoothing, logit_scale, chunk_size, triton_ce):
+def _(hidden, weight, bias, labels, dlosses, vocab_size, ignore_index, label_smoothing, logit_scale, chunk_size,
+      triton_ce):
     db = torch.empty_like(bias) if bias is not None else hidden.new_empty((0,), dtype=torch.float32)
     return torch.empty_like(hidden), torch.empty_like(weight), db
 
 
 def _lce_setup_context(ctx, inputs, output):
-    hidden, weight, bias, labels, ignore_index, label_smoothing, logit_scale, reduction, chunk_size, triton_ce, _ = inputs
+    hidden, weight, bias, labels, vocab_size, ignore_index, label_smoothing, logit_scale, reduction, chunk_size, triton_ce, _ = inputs
     ctx.reduction = reduction
     ctx.has_bias = bias is not None
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, bias, labels)
-        ctx.args = (ignore_index, label_smoothing, logit_scale, chunk_size, triton_ce)
+        ctx.args = (vocab_size, ignore_index, label_smoothing, logit_scale, chunk_size, triton_ce)
     else:
         ctx.save_for_backward(hidden, *output[1:])
 
@@ -259,7 +276,7 @@ def _lce_backward_with(bwd, scaled_weight_grad):
             hidden, dh, dw_partial, db, last = ctx.saved_tensors
             dw = scaled_weight_grad(dw_partial, last, hidden[hidden.shape[0] - last.shape[0]:], dloss)
             dh, db = (g * dloss.to(g.dtype) for g in (dh, db))
-        return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None, None, None
+        return dh, dw, db if ctx.has_bias else None, None, None, None, None, None, None, None, None, None
 
     return backward
 
@@ -295,7 +312,7 @@ def default_chunk_size(n_tokens: int, hidden_size: int) -> int:
     return max(1, min(n_tokens, max(MIN_CHUNK_ROWS, min(MAX_CHUNK_ROWS, target))))
 
 
-def _check(hidden, weight, labels, bias, reduction, label_smoothing, chunk_size):
+def _check(hidden, weight, labels, bias, reduction, label_smoothing, chunk_size, vocab_size):
     if reduction not in REDUCTIONS:
         raise ValueError(f"linear_cross_entropy: reduction={reduction!r}; use one of {REDUCTIONS}")
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
@@ -311,6 +328,27 @@ def _check(hidden, weight, labels, bias, reduction, label_smoothing, chunk_size)
         raise ValueError(f"linear_cross_entropy: chunk_size={chunk_size} must be >= 1")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"linear_cross_entropy: hidden dtype {hidden.dtype} != weight dtype {weight.dtype}")
+    if vocab_size is not None and not 1 <= vocab_size <= weight.shape[0]:
+        raise ValueError(f"linear_cross_entropy: vocab_size={vocab_size} must be in [1, {weight.shape[0]}] (weight's rows)")
+
+
+# Pad an unaligned weight to this many rows: see _aligned_rows.
+ALIGNED_ROWS = 128
+
+
+def _aligned_rows(weight, bias):
+    """(weight, bias) with rows added up to a multiple of ALIGNED_ROWS when the row count is not 16-byte aligned.
+
+    The logits' width is the row count: an odd one (GPT-2's 50257) makes each chunk's three GEMMs unaligned, and
+    cuBLAS then falls back to kernels several times slower, which made this op slower than the unfused path at
+    GPT-2's vocabulary. Padding costs one copy of the weight per call (and a slice of its gradient), far less
+    than the GEMMs it speeds up; the pad rows lie past ``vocab_size`` and are ignored. A model pads its head
+    once, at construction (flash_models.modules.vocab_padding), and never pays this."""
+    rows = weight.shape[0]
+    if rows * weight.element_size() % 16 == 0:
+        return weight, bias
+    extra = -(-rows // ALIGNED_ROWS) * ALIGNED_ROWS - rows
+    return F.pad(weight, (0, 0, 0, extra)), (F.pad(bias, (0, extra)) if bias is not None else None)
 
 
 def linear_cross_entropy(
@@ -324,27 +362,33 @@ def linear_cross_entropy(
     logit_scale: float = 1.0,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    vocab_size: int | None = None,
     backend: str | None = None,
 ):
     """cross_entropy(logit_scale * (hidden @ weight.T + bias), labels) without materialising the logits.
 
-    hidden (..., H), weight (V, H), labels (...). Gradients flow to hidden, weight and bias. backend "reference"
-    is the unfused oracle; otherwise the chunked path runs, with the Triton cross-entropy where it can run
-    (CUDA, or the interpreter when asked for "triton") and PyTorch's elsewhere.
+    hidden (..., H), weight (V, H), labels (...). Gradients flow to hidden, weight and bias. ``vocab_size``: the
+    classes are weight's first ``vocab_size`` rows (default: all of them); the rows past it, a vocabulary padded
+    for aligned GEMMs, are ignored (their logits never enter the softmax, their gradient is zero). backend
+    "reference" is the unfused oracle; otherwise the chunked path runs, with the Triton cross-entropy where it
+    can run (CUDA, or the interpreter when asked for "triton") and PyTorch's elsewhere.
     """
-    _check(hidden, weight, labels, bias, reduction, label_smoothing, chunk_size)
+    _check(hidden, weight, labels, bias, reduction, label_smoothing, chunk_size, vocab_size)
+    vocab_size = vocab_size or weight.shape[0]
     if not torch.compiler.is_compiling():
-        check_labels(labels, weight.shape[0], ignore_index, "linear_cross_entropy")
+        check_labels(labels, vocab_size, ignore_index, "linear_cross_entropy")
     if check_backend_name(backend) == "reference":
         return linear_cross_entropy_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
-                                        label_smoothing=label_smoothing, logit_scale=logit_scale, reduction=reduction)
+                                        label_smoothing=label_smoothing, logit_scale=logit_scale, reduction=reduction,
+                                        vocab_size=vocab_size)
     unsupported = None if hidden.dtype in (torch.float32, torch.float16, torch.bfloat16) else f"dtype {hidden.dtype}"
     triton_ce = use_triton(backend, hidden, op="linear_cross_entropy", unsupported=unsupported)
     h2 = hidden.reshape(-1, hidden.shape[-1])
     n = h2.shape[0]
     chunk = chunk_size or default_chunk_size(n, weight.shape[1])
     needs_grad = records_grad(hidden, weight, bias)
-    loss, _, _, _, _ = pick(_lce_fwd_op, _lce_eager)(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1), int(ignore_index),
-                                float(label_smoothing), float(logit_scale), reduction, int(chunk), triton_ce,
-                                needs_grad)
+    weight, bias = _aligned_rows(weight, bias)
+    loss, _, _, _, _ = pick(_lce_fwd_op, _lce_eager)(h2.contiguous(), weight.contiguous(), bias, labels.reshape(-1),
+                                int(vocab_size), int(ignore_index), float(label_smoothing), float(logit_scale),
+                                reduction, int(chunk), triton_ce, needs_grad)
     return loss.view(labels.shape) if reduction == "none" else loss

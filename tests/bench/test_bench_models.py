@@ -16,11 +16,14 @@ def test_bench_areas_are_registered():
 def test_bert_bench_dry_run(tmp_path):
     result = bert.main(["--dry-run", "--models", "bert-base", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "bert.json").read_text())["rows"]
-    assert len(rows) == len(result.rows) == 2 * 2 * 2 * 3  # seq x padding x mode x impl
+    # seq x padding x (inference and training: 3 impls; the plain fine-tuning loop: ours and HF)
+    assert len(rows) == len(result.rows) == 2 * 2 * (3 + 3 + 2)
     ours = [r for r in rows if r["impl"].startswith("ours")]  # ours+graphs: the packed bucket, eagerly on the CPU
-    assert len(ours) == 16
+    assert len(ours) == 20
     assert all(r["speedup"] > 0 and r["useful_tok_s"] > 0 and r["max_diff"] < 1e-4 for r in ours)
     assert any(r["padding"] != "0%" for r in ours), "the ~50% padding grid point is missing"
+    finetune = [r for r in rows if r["mode"] == "finetune"]
+    assert sorted({r["impl"] for r in finetune}) == ["HF sdpa", "ours"] and len(finetune) == 8
 
 
 def test_vit_bench_dry_run(tmp_path):

@@ -5,6 +5,7 @@ import torch
 
 import flash_models as fm
 from flash_models.generation.engine import DecodeRunner
+from flash_models.models import GPT2LMHeadModel
 
 pytestmark = pytest.mark.gpu
 
@@ -92,21 +93,26 @@ def test_paged_cache_with_graphs_generates_what_the_static_cache_does():
     assert torch.equal(paged, static)
 
 
+@pytest.mark.parametrize("vocab_multiple", [1, 128])
 @pytest.mark.parametrize("vocab,bias", [(50257, False), (1000, True), (1024, False)])
 @torch.inference_mode()
-def test_head_split_at_a_multiple_of_64_equals_the_plain_head(vocab, bias):
-    """The head over an odd vocabulary is two GEMMs (aligned rows, then the rest): the same logits as the plain
-    linear, with or without a head bias, for decode-step and prompt shapes."""
-    model = small("gpt2", vocab_size=vocab)
+def test_head_logits_equal_the_plain_head(vocab, bias, vocab_multiple):
+    """The head over an odd vocabulary: padded (the default), one aligned GEMM cut to the real vocabulary;
+    unpadded, two GEMMs (aligned rows, then the rest). Either gives the plain linear's logits, with or without a
+    head bias, for decode-step and prompt shapes."""
+    config = small("gpt2", vocab_size=vocab).config.typed
+    with torch.device("cuda"):
+        model = GPT2LMHeadModel(config, vocab_multiple=vocab_multiple).to(torch.bfloat16).eval()
     if bias:  # a head with a bias (GPT-J's), on this GPT-2 for the test
-        model.lm_head = torch.nn.Linear(256, vocab, bias=True, device="cuda", dtype=torch.bfloat16)
+        model.lm_head = torch.nn.Linear(256, model.embed.tokens.num_embeddings, bias=True, device="cuda",
+                                        dtype=torch.bfloat16)
     weight = model.output_embeddings()
     head_bias = model.lm_head.bias if bias else None
     for shape in ((16, 256), (2, 9, 256)):
         hidden = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
         got = model._logits(hidden)
         assert got.shape == (*shape[:-1], vocab)
-        want = torch.nn.functional.linear(hidden, weight, head_bias)
+        want = torch.nn.functional.linear(hidden, weight, head_bias)[..., :vocab]
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # other kernels: bf16 rounding
 
 

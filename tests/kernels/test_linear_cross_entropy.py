@@ -123,6 +123,47 @@ def test_compile_fullgraph():
     assert weight.grad is not None and hidden.grad is not None
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", ["triton", "auto", "reference"])
+def test_padded_weight_rows_past_vocab_size_are_ignored(case, backend):
+    """A head padded past the vocabulary (as models pad theirs): with ``vocab_size`` the pad rows, even random
+    ones, never enter the softmax, get a zero gradient, and the rest equals the unpadded op."""
+    kw = CASES[case]
+    hidden, weight, b, labels = _inputs(torch.float32, True, vocab=301)
+    pad_w = torch.randn(83, weight.shape[1], device=DEVICE)
+    padded_w = torch.cat([weight.detach(), pad_w]).requires_grad_()
+    padded_b = torch.cat([b.detach(), torch.randn(83, device=DEVICE)]).requires_grad_()
+    out = linear_cross_entropy(hidden, padded_w, labels, bias=padded_b, vocab_size=301, chunk_size=16,
+                               backend=backend, **kw)
+    ref = linear_cross_entropy_ref(hidden, weight, labels, bias=b, **kw)
+    assert_close(out, ref, torch.float32, name="loss")
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (hidden, padded_w, padded_b), g)
+    want = torch.autograd.grad(ref, (hidden, weight, b), g)
+    for name, gg, w in zip(["hidden", "weight", "bias"], got, want):
+        assert_close(gg[:301] if name != "hidden" else gg, w, torch.float32, name=f"grad {name}")
+    assert torch.equal(got[1][301:], torch.zeros_like(pad_w)) and not got[2][301:].any()
+
+
+def test_unaligned_weight_is_padded_for_the_gemms(monkeypatch):
+    """An odd row count (GPT-2's 50257) reaches the chunk loop padded to aligned rows, with ``vocab_size`` the
+    real one; an aligned one reaches it as it is."""
+    lce_module = importlib.import_module("flash_kernels.linear_cross_entropy")
+    seen = []
+    real = lce_module._chunked
+
+    def spy(hidden, weight, *args, vocab_size, **kwargs):
+        seen.append((weight.shape[0], vocab_size))
+        return real(hidden, weight, *args, vocab_size=vocab_size, **kwargs)
+
+    monkeypatch.setattr(lce_module, "_chunked", spy)
+    for vocab, dtype, rows in ((301, torch.float32, 384), (300, torch.float32, 300), (299, torch.bfloat16, 384),
+                               (304, torch.bfloat16, 304)):
+        hidden, weight, _, labels = _inputs(dtype, False, vocab=vocab)
+        linear_cross_entropy(hidden, weight, labels, backend="auto").backward()
+        assert seen[-1] == (rows, vocab) and weight.grad.shape == weight.shape
+
+
 def test_bad_inputs():
     hidden, weight, _, labels = _inputs(torch.float32, False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -133,6 +174,10 @@ def test_bad_inputs():
         linear_cross_entropy(hidden, weight, labels[:, :3])
     with pytest.raises(ValueError, match="reduction"):
         linear_cross_entropy(hidden, weight, labels, reduction="mean_tokens")
+    with pytest.raises(ValueError, match="vocab_size=302"):
+        linear_cross_entropy(hidden, weight, labels, vocab_size=302)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        linear_cross_entropy(hidden, weight, torch.full_like(labels, 300), vocab_size=300)
 
 
 @pytest.mark.gpu

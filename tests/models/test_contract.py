@@ -39,7 +39,8 @@ def training_loss(model, name):
         out = model(ids, attention_mask=mask, token_type_ids=torch.randint(0, 2, ids.shape))
         return out.last_hidden_state, out.last_hidden_state[mask.bool()].square().mean() + out.pooler_output.square().mean()
     out = model(ids, labels=ids)
-    return out.logits, out.loss
+    assert out.logits is None  # training with labels: the fused LM head + loss, no (B, S, vocab) logits
+    return out.last_hidden_state, out.loss
 
 
 def tiny_model(name):

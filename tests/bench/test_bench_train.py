@@ -1,0 +1,33 @@
+"""`bench train` runs end to end on tiny shapes on the CPU (--dry-run): the plain-loop sides of ours and HF
+start from the same weights and the rows say what they measured. Nothing here is timed."""
+
+import json
+import math
+
+from flash_models.bench import train
+
+
+def test_train_bench_dry_run_plain_loop_sides(tmp_path):
+    out = tmp_path / "train.json"
+    train.main(["--dry-run", "--cases", "gpt2,llama-1b", "--sides", "loop:ours,loop:hf", "--steps", "1",
+                "--warmup", "0", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["side"]) for r in rows] == [(c, s) for c in ("gpt2", "llama-1b") for s in ("loop:ours", "loop:hf")]
+    for case, vocab in (("gpt2", 257), ("llama-1b", 301)):
+        by_side = {r["side"]: r for r in rows if r["case"] == case}
+        assert all(r["vocab"] == vocab and r["tokens_per_s"] > 0 for r in by_side.values())
+        # One step, no warm-up: the loss read is the first forward's, before any update, so the same weights
+        # give the same loss (bf16 autocast on both sides).
+        ours, hf = by_side["loop:ours"]["final_loss"], by_side["loop:hf"]["final_loss"]
+        assert math.isclose(ours, hf, rel_tol=2e-2), (case, ours, hf)
+        assert math.isclose(ours, math.log(vocab), rel_tol=0.2)  # a fresh model: about uniform
+        assert by_side["loop:ours"]["x_vs_hf"] == by_side["loop:ours"]["tokens_per_s"] / by_side["loop:hf"]["tokens_per_s"]
+        assert "x_vs_hf_compile" not in by_side["loop:ours"]  # that side did not run
+
+
+def test_cases_use_real_vocabularies_and_label_the_padded_ones():
+    vocabs = {name: train.hf_config_for(case).vocab_size for name, case in train.CASES.items()}
+    assert {vocabs[n] for n in ("gpt2", "gpt2-medium")} == {50257}
+    assert (vocabs["llama-1b"], vocabs["smollm2-135m"], vocabs["smollm2-360m"], vocabs["qwen2-0.5b"]) == (32000, 49152, 49152, 151936)
+    assert all(case.note for name, case in train.CASES.items() if vocabs[name] == 50304)
+    assert train.hf_config_for(train.CASES["smollm2-360m"]).hidden_size == 960
