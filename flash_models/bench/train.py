@@ -37,7 +37,7 @@ import transformers
 from ..backward import backward_on_this_thread
 from ..checkpoint.loader import build_model, create_model
 from ..checkpoint.remap import hf_to_ours
-from ..checkpoint.rules import rules_for
+from ..registry import rules_for
 from ..registry import get_preset
 from ..train import Trainer, load_config
 from ..train.metrics import flops_per_token, measure_matmul_peak
