@@ -17,6 +17,7 @@ Errors are one line; --debug (or FLASH_MODELS_DEBUG=1) shows the traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import shlex
@@ -272,8 +273,19 @@ def cmd_chat(args) -> None:
             return
 
 
+def _require(module: str, *, why: str) -> None:
+    """An optional dependency, checked before any load: the error names the pip command."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{why} needs {module}, which is not installed: pip install {module} "
+                          '(or pip install -e ".[hf]")') from None
+
+
 def cmd_compare(args) -> None:
     source = locate_model(args.model_positional or args.model or _default_model(), need_tokenizer=True)
+    if source.is_gguf:
+        _require("accelerate", why="transformers' GGUF loader (the reference side of compare)")
     _check_device(args.device)
     from .compare import compare
 
@@ -306,8 +318,6 @@ def cmd_bench(args, rest: list[str], parser: argparse.ArgumentParser) -> None:
             parser.print_help()
             return
         raise UsageError(f"bench: choose an AREA: {', '.join(sorted(BENCH_AREAS))} (bench --help describes them)")
-    import importlib
-
     module = importlib.import_module(BENCH_AREAS[args.area][0])
     module.main(rest)
 
@@ -357,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_options(p), _model_options(p)
     p.set_defaults(func=cmd_chat, chat=True)
 
-    p = add("compare", "our logits, greedy output and speed against transformers' (needs: pip install accelerate)")
+    p = add("compare", "our logits, greedy output and speed against transformers' (GGUF: needs accelerate, "
+                       'pip install -e ".[hf]")')
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help="default: the embedded SmolLM2")
     p.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. Then", help="the prompt")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32, help="greedy tokens to compare")
