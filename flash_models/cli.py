@@ -172,18 +172,18 @@ def _load_tokenizer(source: ModelSource, status: _Status):
     return load_tokenizer(source.path)
 
 
-def _load(args, model_name: str, *, need_tokenizer: bool = True):
+def _load(args, model_name: str):
     """(model, tokenizer, seconds): the model reference checked first (no network waits, no torch), then the
     device, the tokenizer (cheap mistakes first), then the weights."""
     import time
 
-    source = locate_model(model_name, need_tokenizer=need_tokenizer)
+    source = locate_model(model_name, need_tokenizer=True)
     _check_device(args.device)
     status = _Status()
     start = time.perf_counter()
     try:
-        tokenizer = _load_tokenizer(source, status) if need_tokenizer else None
-        if getattr(args, "chat", True) and need_tokenizer and not tokenizer.chat_template:
+        tokenizer = _load_tokenizer(source, status)
+        if args.chat and not tokenizer.chat_template:
             raise ValueError(f"{model_name} has no chat template: continue text with `flash-models generate` (without --chat)")
         status.show(f"loading {source.path.name}...")
         from .checkpoint import from_pretrained
@@ -283,7 +283,10 @@ def _require(module: str, *, why: str) -> None:
 
 
 def cmd_compare(args) -> None:
-    source = locate_model(args.model_positional or args.model or _default_model(), need_tokenizer=True)
+    if args.model_positional is not None and args.model is not None:
+        raise UsageError("give the MODEL once: as the positional or with -m, not both")
+    name = args.model_positional if args.model_positional is not None else args.model
+    source = locate_model(_default_model() if name is None else name, need_tokenizer=True)
     if source.is_gguf:
         _require("accelerate", why="transformers' GGUF loader (the reference side of compare)")
     _check_device(args.device)

@@ -6,8 +6,9 @@ line needs before a model loads) do not pull in the model code.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 _LAZY = {
     "CheckpointKeyError": ".remap",
@@ -20,15 +21,7 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from .loader import build_model, create_model, from_pretrained, save_pretrained

@@ -9,8 +9,9 @@ The names are imported on first use, so reading and checking a config (``train.c
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 _LAZY = {
     "ConfigError": ".config",
@@ -23,15 +24,7 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from ..backward import backward_on_this_thread
