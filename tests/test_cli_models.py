@@ -116,3 +116,14 @@ def test_convert_hf_folder_keeps_tokenizer_and_generation_config(tmp_path, tiny_
     again = run_cli("generate", str(out), "Hello", "--max-new-tokens", "3")
     direct = run_cli("generate", str(source), "Hello", "--max-new-tokens", "3")
     assert again.returncode == 0 and again.stdout == direct.stdout
+
+
+def test_bench_cpu_measures_both_sides_on_the_same_tokens(tmp_path, tiny_folder):
+    out = tmp_path / "cpu.json"
+    run = run_cli("bench", "cpu", "--model", str(tiny_folder), "--max-new-tokens", "4", "--rounds", "2",
+                  "--threads", "1", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert [row["side"] for row in result["rows"]] == ["ours", "hf"]
+    assert all(row["same_tokens"] and row["decode_tok_s"] > 0 and row["first_token_s"] > 0 for row in result["rows"])
+    assert result["env"]["threads"] == 1 and result["env"]["new_tokens"] == 4

@@ -11,8 +11,11 @@ The generated tokens must be identical; the table says whether they are.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,6 +62,15 @@ def _run_hf(model, ids: torch.Tensor, new_tokens: int) -> tuple[list[float], lis
     return clock.times, out[0, ids.shape[1]:].tolist()
 
 
+def _cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
 def _summary(samples: list[tuple[float, float]]) -> dict:
     first = [f for f, _ in samples]
     rate = [r for _, r in samples]
@@ -97,7 +109,7 @@ def measure(model_name: str, *, prompt: str, new_tokens: int, rounds: int, threa
             samples[name].append((times[0] - start, rate))
     same = tokens["ours"] == tokens["hf"]
     result = BenchResult(area="cpu")
-    result.env.update(threads=threads, model=source, prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens,
+    result.env.update(cpu=_cpu_name(), cpu_count=os.cpu_count(), threads=threads, model=source, prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens,
                       rounds=rounds, dtype="float32", decoding="greedy")
     hf_rate = _summary(samples["hf"])["decode_tok_s"]
     for name in sides:
