@@ -25,7 +25,7 @@ import sys
 
 # Nothing heavy at import time: help and argument errors must not wait for torch (seconds). The commands
 # import what they use.
-from .cli_source import ModelSource, check_device_name, locate_model
+from .cli_source import ModelSource, check_device_name, locate_model  # torch-free
 
 DEBUG_ENV = "FLASH_MODELS_DEBUG"
 BENCH_AREAS = {
@@ -320,7 +320,7 @@ def cmd_bench(args, rest: list[str], parser: argparse.ArgumentParser) -> None:
         if any(flag in rest for flag in ("-h", "--help")):
             parser.print_help()
             return
-        raise UsageError(f"bench: choose an AREA: {', '.join(sorted(BENCH_AREAS))} (bench --help describes them)")
+        raise UsageError(f"choose an AREA: {', '.join(sorted(BENCH_AREAS))} (bench --help describes them)")
     module = importlib.import_module(BENCH_AREAS[args.area][0])
     module.main(rest)
 
@@ -352,7 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter, **kwargs)
+        p = sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter, **kwargs)
+        p.set_defaults(parser=p)  # errors found after parsing are reported as this command's usage errors
+        return p
 
     p = add("generate", "continue PROMPT as text, streamed (--chat: answer it through the chat template)")
     p.add_argument("positional", nargs="+", metavar="[MODEL] PROMPT",
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "bench":
-            cmd_bench(args, rest, sub_parser(parser, "bench"))
+            cmd_bench(args, rest, args.parser)
         else:
             args.func(args)
     except KeyboardInterrupt:
@@ -431,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as err:
         if debug:
             raise
-        sub_parser(parser, args.command).error(str(err))
+        args.parser.error(str(err))
     except Exception as err:  # everything reaching here is reported in one line; --debug shows where it came from
         if debug:
             raise
@@ -440,7 +442,3 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  (an unexpected error: rerun with --debug for the traceback, or set {DEBUG_ENV}=1)", file=sys.stderr)
         raise SystemExit(1) from None
 
-
-def sub_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return action.choices[name]

@@ -127,3 +127,19 @@ def test_bench_cpu_measures_both_sides_on_the_same_tokens(tmp_path, tiny_folder)
     assert [row["side"] for row in result["rows"]] == ["ours", "hf"]
     assert all(row["same_tokens"] and row["decode_tok_s"] > 0 and row["first_token_s"] > 0 for row in result["rows"])
     assert result["env"]["threads"] == 1 and result["env"]["new_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_chat_answers_the_capital_question_offline():
+    run = run_cli("chat", "-p", "What is the capital of France?", "--max-new-tokens", "24", "--stats")
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout
+    assert "first token" in run.stderr and "tokens/s" in run.stderr
+
+
+@pytest.mark.slow
+def test_compare_reports_parity():
+    run = run_cli("compare", "--max-new-tokens", "8")
+    assert run.returncode == 0, run.stderr
+    assert "identical: yes" in run.stdout
+    assert float(run.stdout.split("max |logits ours - HF|:")[1].split()[0]) < 1e-3
