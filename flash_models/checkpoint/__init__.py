@@ -24,7 +24,7 @@ __all__ = sorted(_LAZY)
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 if TYPE_CHECKING:
+    from .files import UnsafeCheckpointError
     from .loader import build_model, create_model, from_pretrained, save_pretrained
     from .remap import CheckpointKeyError
-    from .files import UnsafeCheckpointError
     from .timm import from_timm
