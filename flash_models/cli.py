@@ -29,14 +29,24 @@ from .cli_source import ModelSource, check_device_name, locate_model  # torch-fr
 
 DEBUG_ENV = "FLASH_MODELS_DEBUG"
 BENCH_AREAS = {
-    "attention": ("flash_models.bench.attention", "attention forward/backward against torch SDPA (GPU)"),
-    "ops": ("flash_models.bench.ops", "fused ops (norms, rotary, losses, MLP) against eager and liger (GPU)"),
-    "generate": ("flash_models.bench.generate", "generation against transformers' static cache + compile (GPU)"),
-    "train": ("flash_models.bench.train", "training steps against HF's Trainer and a plain loop (GPU)"),
-    "bert": ("flash_models.bench.bert", "BERT inference and fine-tuning (GPU)"),
-    "vit": ("flash_models.bench.vit", "ViT inference and training against timm (GPU)"),
-    "overhead": ("flash_models.bench.overhead", "host launch overhead of a decode step (GPU)"),
-    "cpu": ("flash_models.bench.cpu", "the CPU main job: SmolLM2 GGUF generation against transformers (CPU)"),
+    "attention": "flash_models.bench.attention",
+    "ops": "flash_models.bench.ops",
+    "generate": "flash_models.bench.generate",
+    "train": "flash_models.bench.train",
+    "bert": "flash_models.bench.bert",
+    "vit": "flash_models.bench.vit",
+    "overhead": "flash_models.bench.overhead",
+    "cpu": "flash_models.bench.cpu",
+}
+BENCH_ABOUT = {  # what each area measures, for `bench --help`
+    "attention": "attention forward/backward against torch SDPA (GPU)",
+    "ops": "fused ops (norms, rotary, losses, MLP) against eager and liger (GPU)",
+    "generate": "generation against transformers' static cache + compile (GPU)",
+    "train": "training steps against HF's Trainer and a plain loop (GPU)",
+    "bert": "BERT inference and fine-tuning (GPU)",
+    "vit": "ViT inference and training against timm (GPU)",
+    "overhead": "host launch overhead of a decode step (GPU)",
+    "cpu": "the CPU main job: SmolLM2 GGUF generation against transformers (CPU)",
 }
 
 
@@ -321,7 +331,7 @@ def cmd_bench(args, rest: list[str], parser: argparse.ArgumentParser) -> None:
             parser.print_help()
             return
         raise UsageError(f"choose an AREA: {', '.join(sorted(BENCH_AREAS))} (bench --help describes them)")
-    module = importlib.import_module(BENCH_AREAS[args.area][0])
+    module = importlib.import_module(BENCH_AREAS[args.area])
     module.main(rest)
 
 
@@ -393,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     p.set_defaults(func=cmd_train)
 
-    areas = "\n".join(f"  {name:<10} {text}" for name, (_, text) in sorted(BENCH_AREAS.items()))
+    areas = "\n".join(f"  {name:<10} {BENCH_ABOUT[name]}" for name in sorted(BENCH_AREAS))
     p = add("bench", "benchmarks: ours against the peers, in one process", add_help=False,
             epilog=f"areas:\n{areas}\n\n`flash-models bench AREA --help` shows an area's options.")
     p.add_argument("area", nargs="?", default=None, choices=sorted(BENCH_AREAS), metavar="AREA",
