@@ -1,50 +1,164 @@
-"""The command line, in process, on the embedded SmolLM2 (the main job) and tiny saved models."""
-
-import json
+"""The command line's user mistakes, through the real entry point in a subprocess: each is a non-zero exit with
+one or two lines on stderr, found before any model loads; and how positionals are read."""
 
 import pytest
-import transformers
+import torch
 
-from flash_models.cli import main
-from flash_models.testing import random_hf_model
-
-pytestmark = pytest.mark.slow
+from cli_helpers import REPO, assert_short_error, run_cli
+from flash_models.cli import UsageError, _model_and_text, build_parser
 
 
-def test_chat_answers_the_capital_question_offline(capsys):
-    main(["chat", "What is the capital of France?", "--max-new-tokens", "24", "--stats"])
-    captured = capsys.readouterr()
-    assert "Paris" in captured.out
-    assert "first token" in captured.err and "tokens/s" in captured.err
+@pytest.mark.parametrize("args, needle", [
+    (["chat", "./no-such-dir"], "no model folder there"),
+    (["generate", "-m", "./no-such-dir", "Hello"], "no model folder there"),
+    (["generate", "missing.gguf", "Hello"], "no GGUF file at missing.gguf"),
+    (["chat", ""], "the model name is empty"),
+    (["generate", ""], "PROMPT is empty"),
+    (["chat", "-p", "  "], "MESSAGE is empty"),
+    (["chat", "What is the capital of France?"], "flash-models chat -p"),
+    (["generate", "a", "b", "c"], "too many arguments"),
+    (["generate", "--max-new-tokens", "-5", "Hello"], "--max-new-tokens: must be at least 1"),
+    (["generate", "--max-new-tokens", "ten", "Hello"], "--max-new-tokens"),
+    (["generate", "--temperature", "0", "Hello"], "--temperature"),
+    (["chat", "--top-p", "1.5", "-p", "Hello"], "--top-p"),
+    (["chat", "--top-k", "-1"], "--top-k"),
+    (["generate", "--dtype", "float8", "Hello"], "--dtype"),
+    (["generate", "--device", "gpu", "Hello"], "--device"),
+    (["generate", "Hello", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["compare", "./no-such-dir"], "no model folder there"),
+    (["convert", "./no-such-dir", "out"], "no model folder there"),
+    (["train", "no-such-config.yaml"], "config file no-such-config.yaml does not exist"),
+    (["train", "configs/gpt2-small.yaml"], "data.train: no data at 'data/openwebtext:train'"),
+    (["train", "configs/gpt2-small.yaml", "optim.lrr=1"], "optim.'lrr'"),
+    (["bench"], "choose an AREA"),
+    (["bench", "nonsense"], "invalid choice"),
+    ([], "required: COMMAND"),
+])
+def test_user_mistakes_are_one_or_two_lines_before_any_load(args, needle):
+    assert_short_error(run_cli(*args), needle)
 
 
-def test_generate_from_a_folder_without_tokenizer_is_a_clear_error(tmp_path, capsys):
-    hf = random_hf_model(transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=4))
-    hf.save_pretrained(tmp_path)
-    with pytest.raises(SystemExit):
-        main(["generate", str(tmp_path), "hello", "--raw"])
-    assert "no tokenizer in" in capsys.readouterr().err
+def test_mistakes_found_without_a_model_do_not_import_torch(tmp_path):
+    """A bad flag or path is reported by the command line alone: no torch, so no seconds of imports."""
+    probe = tmp_path / "sitecustomize.py"
+    probe.write_text("import sys\nsys.modules['torch'] = None  # importing torch would fail: this run must not\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO}:{REPO / 'kernels'}"}
+    for args, needle in [(["generate", "--max-new-tokens", "-5", "Hello"], "--max-new-tokens"),
+                         (["chat", "./no-such-dir"], "no model folder there"),
+                         (["generate", "gpt2", "Hello"], "HF cache"),
+                         (["train", "configs/gpt2-small.yaml"], "data.train")]:
+        assert_short_error(run_cli(*args, env=env), needle)
+    assert run_cli("--help", env=env).returncode == 0
 
 
-def test_convert_gguf_to_an_hf_folder_that_transformers_reads(tmp_path, capsys):
-    from flash_models import smollm2_gguf
-
-    main(["convert", str(smollm2_gguf()), str(tmp_path / "smollm2")])
-    assert "llama" in capsys.readouterr().out
-    config = json.loads((tmp_path / "smollm2" / "config.json").read_text())
-    assert config["num_hidden_layers"] == 30 and config["tie_word_embeddings"]
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "smollm2")
-    assert model.config.num_key_value_heads == 3
+def test_folder_without_tokenizer(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    assert_short_error(run_cli("generate", str(tmp_path), "Hello"), "no tokenizer in")
 
 
-def test_compare_reports_parity(capsys):
-    main(["compare", "--max-new-tokens", "8"])
-    out = capsys.readouterr().out
-    assert "identical: yes" in out
-    diff = float(out.split("max |logits ours - HF|:")[1].split()[0])
-    assert diff < 1e-3
+def test_a_file_is_not_a_model_folder(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    assert_short_error(run_cli("chat", str(tmp_path / "weights.bin")), "is a file")
 
 
-def test_unknown_bench_area_is_refused():
-    with pytest.raises(SystemExit):
-        main(["bench", "nonsense"])
+def test_offline_hub_id_fails_at_once(tmp_path):
+    """The README's hub example offline: one line naming the cache and the network, not a minute of retries."""
+    run = run_cli("generate", "gpt2", "Hello", env={"HF_HUB_CACHE": str(tmp_path)})
+    assert_short_error(run, "'gpt2'", "not in the local HF cache")
+    assert run.seconds < 30  # transformers' own retries take about 50 s; the imports alone take a few
+
+
+def test_unreachable_hub_fails_at_once(tmp_path):
+    """Not marked offline, but the endpoint refuses connections: one attempt, then the same one line."""
+    run = run_cli("chat", "someone/some-model", env={"HF_HUB_OFFLINE": "0", "HF_HUB_CACHE": str(tmp_path),
+                                                      "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert_short_error(run, "'someone/some-model'", "could not provide it")
+    assert run.seconds < 30
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("args", [["generate", "--device", "cuda", "Hello"], ["chat", "--device", "cuda:1", "-p", "Hi"]])
+def test_cuda_without_a_gpu_is_refused_before_loading(args):
+    assert_short_error(run_cli(*args), "no CUDA GPU is available")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_gpu_bench_on_a_cpu():
+    assert_short_error(run_cli("bench", "ops", "--only", "norms"), "needs a CUDA GPU")
+
+
+def test_missing_optional_dependency_names_the_pip_command(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['accelerate'] = None  # as if not installed\n")
+    run = run_cli("compare", env={"PYTHONPATH": f"{tmp_path}:{REPO}:{REPO / 'kernels'}"})
+    assert_short_error(run, "pip install accelerate")
+
+
+def test_existing_destination_is_not_overwritten_unasked(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert_short_error(run_cli("convert", "smollm2", str(tmp_path)), "--overwrite")
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_debug_shows_the_traceback():
+    for run in (run_cli("--debug", "chat", "./no-such-dir"), run_cli("chat", "./no-such-dir", env={"FLASH_MODELS_DEBUG": "1"})):
+        assert run.returncode != 0 and "Traceback" in run.stderr and "no model folder there" in run.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"], ["generate", "--help"], ["chat", "--help"],
+                                  ["compare", "--help"], ["convert", "--help"], ["train", "--help"]])
+def test_help_works_and_shows_defaults(args):
+    run = run_cli(*args)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    if args[0] in ("generate", "chat"):
+        assert "(default: 128)" in run.stdout and "(default: 1.0)" in run.stdout
+    if args[0] == "bench":
+        assert "cpu" in run.stdout and "attention" in run.stdout
+
+
+def test_bench_area_help_reaches_the_area():
+    run = run_cli("bench", "cpu", "--help")
+    assert run.returncode == 0 and "--threads" in run.stdout and "(default: 2)" in run.stdout
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Positionals: their count decides, never their content
+def _parse(*argv):
+    args, rest = build_parser().parse_known_args(list(argv))
+    assert not rest
+    return args
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "The capital of France is"], ("smollm2", "The capital of France is")),
+    (["generate", "gpt2", "Hello"], ("gpt2", "Hello")),
+    (["generate", "-m", "gpt2", "Hello"], ("gpt2", "Hello")),
+    (["generate", "gpt2"], ("smollm2", "gpt2")),  # one argument to generate is the prompt, whatever it says
+])
+def test_generate_positionals(argv, expected):
+    assert _model_and_text(_parse(*argv), text_name="PROMPT", text_required=True) == expected
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["chat"], ("smollm2", None)),
+    (["chat", "gpt2"], ("gpt2", None)),  # one argument to chat is the model, never a message
+    (["chat", "What is it?"], ("What is it?", None)),
+    (["chat", "gpt2", "Hi there"], ("gpt2", "Hi there")),
+    (["chat", "-p", "Hi there"], ("smollm2", "Hi there")),
+    (["chat", "gpt2", "-p", "Hi there"], ("gpt2", "Hi there")),
+    (["chat", "-m", "gpt2", "Hi there"], ("gpt2", "Hi there")),
+    (["chat", "-m", "gpt2", "-p", "Hi there"], ("gpt2", "Hi there")),
+    (["chat", ""], ("", None)),  # an empty model name, refused by the loader, not the current folder
+])
+def test_chat_positionals(argv, expected):
+    assert _model_and_text(_parse(*argv), text_name="MESSAGE", text_required=False) == expected
+
+
+@pytest.mark.parametrize("argv", [["chat", "a", "b", "-p", "c"], ["chat", "-m", "x", "a", "b"], ["generate", "-m", "x", "a", "b"]])
+def test_too_many_positionals(argv):
+    with pytest.raises(UsageError, match="too many arguments"):
+        _model_and_text(_parse(*argv), text_name="TEXT", text_required=argv[0] == "generate")
+
+
+def test_generate_continues_text_unless_asked_for_chat():
+    assert not _parse("generate", "Hello").chat and _parse("generate", "--chat", "Hello").chat
+    assert _parse("chat").chat

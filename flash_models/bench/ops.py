@@ -383,6 +383,8 @@ def main(argv=None):
                         help="time CUDA-graph replays of each side's forward and forward + backward (the GPU's work "
                              "alone, no host or launch cost) instead of eager calls")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench ops measures GPU kernels and needs a CUDA GPU (on a CPU: flash-models bench cpu)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     result = BenchResult(area="ops")

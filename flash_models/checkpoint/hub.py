@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .files import SAFETENSORS, SAFETENSORS_INDEX
-
 # What a model folder needs besides weights; tokenizer files come along so the CLI can use them offline.
 _CONFIG_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.txt", "*.tiktoken"]
+# A folder holds a tokenizer when it has one of these (AutoTokenizer reads it).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def require_tokenizer(folder: Path) -> None:
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"no tokenizer in {folder} (expected one of {', '.join(TOKENIZER_FILES)}); "
+            "save the tokenizer next to the model (tokenizer.save_pretrained)"
+        )
 
 
 def is_gguf(name_or_path: str | Path) -> bool:
@@ -23,18 +31,28 @@ def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None) 
     if path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") > 1:
         raise FileNotFoundError(f"{name_or_path}: no model folder there (expected a folder with config.json)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
     repo_id = str(name_or_path)
+    not_here = f"{repo_id!r} is not a local folder or .gguf file, and the HuggingFace Hub could not provide it"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        raise FileNotFoundError(f"{not_here}: no such file or folder, and not a hub repo id (owner/name)") from None
+    # No network (or HF_HUB_OFFLINE=1) fails at once here, served from the local cache when the repo is in it:
+    # the snapshot lookup makes one attempt, where transformers' own loaders retry for about a minute.
     try:
         local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CONFIG_PATTERNS + ["*.safetensors"]))
-        if not (local / SAFETENSORS).exists() and not (local / SAFETENSORS_INDEX).exists():
+        if not (local / "model.safetensors").exists() and not (local / "model.safetensors.index.json").exists():
             local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CONFIG_PATTERNS + ["pytorch_model*.bin"]))
-    except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as err:
-        raise ValueError(
-            f"{repo_id!r} is not a local folder or .gguf file, and the HuggingFace Hub could not provide it "
-            f"({type(err).__name__}: {err})"
-        ) from err
+    except LocalEntryNotFoundError as err:
+        raise ValueError(f"{not_here} (not in the local HF cache, and the Hub is unreachable or HF_HUB_OFFLINE is set)") from err
+    except RepositoryNotFoundError as err:
+        raise ValueError(f"{not_here} (no such repo, or a private one: log in with `hf auth login`)") from err
+    except (HfHubHTTPError, OSError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise ValueError(f"{not_here} ({type(err).__name__}: {reason})") from err
     return local
 
 

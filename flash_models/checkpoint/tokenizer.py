@@ -17,11 +17,10 @@ from pathlib import Path
 
 import transformers
 
-from .hub import is_gguf
+from .hub import is_gguf, require_tokenizer
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 CACHE_ENV = "FLASH_MODELS_CACHE"
 
 
@@ -48,10 +47,15 @@ def _save_atomically(tokenizer, target: Path) -> None:
             raise
 
 
+def gguf_tokenizer_is_cached(path: str | Path) -> bool:
+    """Whether ``load_gguf_tokenizer`` will read a converted folder (fast) rather than convert (seconds)."""
+    return (_gguf_cache_dir(Path(path)) / "tokenizer_config.json").is_file()
+
+
 def load_gguf_tokenizer(path: str | Path, *, use_cache: bool = True):
     path = Path(path)
     cached = _gguf_cache_dir(path) if use_cache else None
-    if cached is not None and (cached / "tokenizer_config.json").is_file():
+    if cached is not None and gguf_tokenizer_is_cached(path):
         return transformers.AutoTokenizer.from_pretrained(cached)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     if cached is not None:
@@ -66,9 +70,6 @@ def load_tokenizer(name_or_path: str | Path):
     if is_gguf(name_or_path):
         return load_gguf_tokenizer(name_or_path)
     folder = Path(name_or_path)
-    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(
-            f"no tokenizer in {folder} (expected one of {', '.join(TOKENIZER_FILES)}); "
-            "save the tokenizer next to the model (tokenizer.save_pretrained)"
-        )
+    if folder.is_dir():
+        require_tokenizer(folder)
     return transformers.AutoTokenizer.from_pretrained(name_or_path)

@@ -63,9 +63,11 @@ def prefill_logits(model: CausalDecoder, input_ids: torch.Tensor, attention_mask
     """The prompt into ``cache`` -> (B, V) logits at each row's last real token: the last column for an
     unpadded or left-padded row, an earlier one for a right-padded row. The cache holds only real tokens,
     compacted, so every row continues right after its own last real token."""
+    if attention_mask is None or bool(attention_mask[:, -1].all()):
+        # Every row ends at the last column: the LM head runs on it alone (over every prompt position it would
+        # be a large share of the time to the first token on a CPU).
+        return model(input_ids, attention_mask=attention_mask, kv_cache=cache, logits_to_keep=1).logits[:, -1]
     logits = model(input_ids, attention_mask=attention_mask, kv_cache=cache).logits  # (B, S, V)
-    if attention_mask is None:
-        return logits[:, -1]
     S = attention_mask.shape[1]
     last = S - 1 - attention_mask.flip(1).argmax(dim=1)  # (B,) index of each row's last real token
     return logits[torch.arange(logits.shape[0], device=logits.device), last]

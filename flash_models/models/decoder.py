@@ -152,6 +152,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return_logits: bool | None = None,
         mask_positions: bool | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
+        logits_to_keep: int = 0,
         **hf_kwargs,
     ) -> CausalLMOutput:
         """input_ids (B, S). attention_mask (B, S), 1 = real token, 0 = padding; with a KV cache HF's (B,
@@ -176,12 +177,20 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
         ``num_items_in_batch`` (transformers.Trainer with gradient accumulation): the loss is the sum of the
         token losses divided by it, not their mean. ``hf_kwargs``: what HF's trainers and collators pass besides
-        (``use_cache``, FlashAttention's ``cu_seq_lens_q/k``, ...; see ``hf_protocol.packed_documents``)."""
+        (``use_cache``, FlashAttention's ``cu_seq_lens_q/k``, ...; see ``hf_protocol.packed_documents``).
+
+        ``logits_to_keep=N`` (as in HF) computes the logits of the last N positions only, (B, N, vocab); 0 keeps
+        all. A prefill that only samples the next token passes 1: the LM head over every prompt position is a
+        large share of the time to the first token on a CPU."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
         if S == 0:
             raise ValueError("input_ids is empty: give at least one token")
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}")
+        if logits_to_keep and labels is not None:
+            raise ValueError("logits_to_keep computes only the last positions' logits: it cannot go with labels")
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs)
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
@@ -195,7 +204,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         if labels is not None and not return_logits:
             return CausalLMOutput(loss=self.fused_loss(hidden, labels, num_items_in_batch), last_hidden_state=hidden)
         # Whole, not a view of the padded head's output: HF-style callers .view() the logits.
-        logits = self._logits(hidden).contiguous()
+        logits = self._logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden).contiguous()
         loss = self.loss(logits, labels, num_items_in_batch) if labels is not None else None
         return CausalLMOutput(logits=logits, loss=loss, last_hidden_state=hidden, kv_cache=kv_cache)
 

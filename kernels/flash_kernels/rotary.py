@@ -67,6 +67,8 @@ def apply_rotary_ref(
     else:
         x1, x2 = xr.chunk(2, dim=-1)
         rotated = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    if rotary_dim == x.shape[-1]:  # nothing passes through: spare a copy
+        return rotated.to(x.dtype)
     return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 

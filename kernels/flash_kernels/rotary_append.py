@@ -43,10 +43,10 @@ def rotary_kv_append_ref(
     rotated k and of v; returns the rotated q (B, S, Hq, D)."""
     hq = num_q_heads
     hkv = (qkv.shape[2] - hq) // 2
-    q = apply_rotary_ref(qkv[:, :, :hq], cos, sin, interleaved=interleaved, position_ids=position_ids)
-    k = apply_rotary_ref(qkv[:, :, hq:hq + hkv], cos, sin, interleaved=interleaved, position_ids=position_ids)
-    kv_append_ref(k_cache, v_cache, k, qkv[:, :, hq + hkv:], slots, block_table)
-    return q
+    # Heads rotate independently: q and k in one call (on a CPU every op call costs as much as its math here).
+    qk = apply_rotary_ref(qkv[:, :, :hq + hkv], cos, sin, interleaved=interleaved, position_ids=position_ids)
+    kv_append_ref(k_cache, v_cache, qk[:, :, hq:], qkv[:, :, hq + hkv:], slots, block_table)
+    return qk[:, :, :hq]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""Checks of an experiment that need no torch and no model: a config's keys, values and the paths it names
+(data, tokenizer), so ``flash-models train`` refuses a missing dataset in a second, before any load."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+from .config import ExperimentConfig, load_config
+
+
+def _data_exists(fmt: str, spec: str) -> bool:
+    if Path(spec).exists():
+        return True
+    if fmt == "hf_disk":  # PATH:SPLIT
+        return Path(spec.partition(":")[0]).exists()
+    return bool(glob.glob(spec, recursive=True))
+
+
+def check_experiment(config: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """The config, loaded and validated; FileNotFoundError names the first data or tokenizer path that does not
+    exist (and the override that fixes it)."""
+    from ..embedded import ALIASES
+
+    cfg = load_config(config, overrides)
+    data = cfg.data
+    if data.format != "synthetic":
+        for key, spec in (("train", data.train), ("eval", data.eval)):
+            if spec is not None and not _data_exists(data.format, spec):
+                raise FileNotFoundError(f"data.{key}: no data at {spec!r} (from {config}); point it at your data "
+                                        f"with data.{key}=PATH (or try data.format=synthetic)")
+    tokenizer = data.tokenizer
+    if tokenizer is not None and tokenizer != "bytes" and tokenizer not in ALIASES and not Path(tokenizer).exists():
+        raise FileNotFoundError(f"data.tokenizer: no tokenizer at {tokenizer!r} (from {config}); give a tokenizer "
+                                f"folder, a .gguf file, an alias ({', '.join(ALIASES)}) or 'bytes' with data.tokenizer=...")
+    return cfg
