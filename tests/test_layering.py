@@ -21,11 +21,11 @@ PACKAGES = ("flash_models", "flash_kernels")
 # test_every_module_has_a_layer until it is placed.
 LAYERS: list[tuple[str, ...]] = [
     ("flash_kernels",),
-    ("flash_models.config", "flash_models.modules", "flash_models.backward"),
+    ("flash_models._lazy", "flash_models.config", "flash_models.modules", "flash_models.backward"),
     ("flash_models.models",),
     ("flash_models.registry", "flash_models.checkpoint"),
-    ("flash_models.generation", "flash_models.train", "flash_models.bench", "flash_models.cli",
-     "flash_models.compare", "flash_models.embedded", "flash_models.hf", "flash_models.testing",
+    ("flash_models.generation", "flash_models.train", "flash_models.bench", "flash_models.cli", "flash_models.cli_source",
+     "flash_models.compare", "flash_models.convert", "flash_models.embedded", "flash_models.hf", "flash_models.testing",
      "flash_models.__main__"),
 ]
 TOP = "flash_models"  # the package's __init__: the public API, above everything
