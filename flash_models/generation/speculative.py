@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from ..models.protocols import CausalDecoder
+from ..models.protocols import CausalDecoder, is_causal_decoder
 from .prompt import GenerateOutput, check_prompt, prefill_logits
 from .sampling import process_logits, seen_tokens
 from .settings import GenerationSettings
 
 
 def _check_pair(target: CausalDecoder, draft, settings: GenerationSettings) -> None:
-    if not isinstance(draft, CausalDecoder):
+    if not is_causal_decoder(draft):
         raise ValueError(f"draft_model must be a flash-models decoder LM, got {type(draft).__name__}")
     if target.decoder_config.vocab_size != draft.decoder_config.vocab_size:
         raise ValueError(

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
@@ -12,7 +12,6 @@ from ..modules import KVCache, RotaryEmbedding
 from .outputs import CausalLMOutput
 
 
-@runtime_checkable
 class CausalDecoder(Protocol):
     """A decoder-only LM that generation can drive: a forward that fills a KV cache (the prefill, and the
     steps of a model whose rotary tables change with the length), a fixed-shape one-token decode step (what a
@@ -42,10 +41,21 @@ class CausalDecoder(Protocol):
 _MEMBERS = sorted({*CausalDecoder.__annotations__, "device", "dtype", "new_kv_cache", "decode_step", "__call__"})
 
 
+def missing_members(model) -> list[str]:
+    """The ``CausalDecoder`` members ``model`` lacks. By ``hasattr``, not ``isinstance`` on a runtime protocol:
+    from Python 3.12 that looks members up statically, and an nn.Module's submodules (``rotary``) and
+    parameters live in its ``_modules`` and ``_parameters``, where a static lookup does not see them."""
+    return [name for name in _MEMBERS if not hasattr(model, name)]
+
+
+def is_causal_decoder(model) -> bool:
+    return not missing_members(model)
+
+
 def check_causal_decoder(model) -> None:
     """Raise a TypeError naming what ``model`` lacks when it is not a ``CausalDecoder``."""
-    if not isinstance(model, CausalDecoder):
-        missing = [name for name in _MEMBERS if not hasattr(model, name)]
+    missing = missing_members(model)
+    if missing:
         raise TypeError(
             f"{type(model).__name__} cannot generate: it is not a decoder-only LM (it lacks {', '.join(missing)}); "
             "generation takes a causal LM such as the one from_pretrained builds for a GPT-2 or LLaMA checkpoint"
