@@ -27,7 +27,7 @@ from ._pdl import TRIGGER_BEFORE_WAIT, launch_options, wait_for_predecessor
 from ._triton_utils import cdiv, next_power_of_2, sm_count
 from .attention import _check_common, _check_float_dtype, _triton_unsupported, _window_bounds, block_d
 from .attention_ref import _alibi_2d, _attention_ref
-from .attention_tiles import LN2, LOG2E, _load_rows, _mm, _scores, _store_rows
+from .attention_tiles import _LOG2E, LN2, LOG2E, _load_rows, _mm, _scores, _store_rows
 from .kv_append import kv_append, kv_append_ref
 from .rotary import apply_rotary
 
@@ -283,7 +283,7 @@ def _decode_split_kernel(
     h = hk * group + g
     slope_log2 = 0.0
     if ALIBI:
-        slope_log2 = (tl.load(Alibi + b64 * stride_ab + h, mask=row_ok, other=0.0) * LOG2E)[:, None]
+        slope_log2 = (tl.load(Alibi + b64 * stride_ab + h, mask=row_ok, other=0.0) * _LOG2E)[:, None]
     q_ptrs = Q + b64 * stride_qb + i[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -651,7 +651,9 @@ def _check_lengths(op, cache_seqlens, s_new, capacity, cache_leftpad, table, n_p
             used & ((table < 0) | (table >= n_pages))).any(dim=1)
     if on_device or compiling:
         valid = ~torch.stack([bad.reshape(bad.shape[0], -1).any(dim=1) for bad in problems.values()]).any()
-        torch._assert_async(valid, f"{op}: a row's keys fall outside its cache: " + "; ".join(problems))
+        # CUDA takes assert messages under 255 characters: the short form (the CPU's ValueError names the rule).
+        torch._assert_async(valid, f"{op}: cache_seqlens, cache_leftpad or block_table put a row's keys outside the "
+                                   f"cache (capacity {capacity} keys, {n_pages} pages or rows)")
         if on_device:
             _CHECKED_LENGTHS[cache_seqlens] = key
         return

@@ -32,12 +32,13 @@ def test_return_logits_default_follows_training_and_labels():
 
 @pytest.mark.gpu
 def test_gpu_default_training_forward_does_not_allocate_the_logits():
-    """GPT-2's real vocabulary, 8 x 1024 tokens: the default training step's peak stays under half the (B, S, V)
-    bf16 logits (the fused loss holds one 2048-row chunk at a time); return_logits=True goes past them."""
+    """GPT-2's real vocabulary, 16 x 1024 tokens: the default training step's peak stays under the (B, S, V) bf16
+    logits, so they never exist whole (the fused loss holds one chunk of rows at a time); return_logits=True goes
+    past them."""
     torch.manual_seed(0)
     model = fm.create_model("gpt2", n_layer=2, n_embd=256, n_head=4, device="cuda", resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0).train()
-    ids = torch.randint(0, 50257, (8, 1024), device="cuda")
+    ids = torch.randint(0, 50257, (16, 1024), device="cuda")
     logits_bytes = ids.numel() * 50257 * 2
 
     def peak_of(**kwargs):
@@ -51,5 +52,5 @@ def test_gpu_default_training_forward_does_not_allocate_the_logits():
         return torch.cuda.max_memory_allocated() - base
 
     peak_of()  # warm-up: kernels, workspaces
-    assert peak_of() < 0.5 * logits_bytes
+    assert peak_of() < logits_bytes
     assert peak_of(return_logits=True) > logits_bytes
