@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -82,8 +83,13 @@ def load(path: Path) -> BenchResult:
         raise ValueError(f"{path} is not a bench result (JSON with area, rows and env): {err}") from None
 
 
+def _blank(value) -> bool:
+    """No measurement: None, or NaN (a ratio against a peer that did not run)."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _cell(value) -> str:
-    if value is None:
+    if _blank(value):
         return ""
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
@@ -92,7 +98,7 @@ def _cell(value) -> str:
 
 def table(rows: list[dict], columns: tuple[str, ...] | None) -> str:
     columns = columns or tuple(rows[0])
-    columns = tuple(c for c in columns if any(row.get(c) is not None for row in rows))  # no all-blank columns
+    columns = tuple(c for c in columns if not all(_blank(row.get(c)) for row in rows))  # no all-blank columns
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
