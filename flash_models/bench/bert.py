@@ -37,7 +37,7 @@ from ..testing import ours_from_hf
 from ..train.classification import collate_packed_classification
 from ..train.graphs import GraphedLoss
 from .harness import BenchResult, add_rounds_argument, best_of_rounds, peak_memory_bytes
-from .utils import backward_and_drop_grads, time_fn
+from .measure import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
 

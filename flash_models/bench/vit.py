@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..checkpoint import from_timm
 from ..train.graphs import GraphedLoss
 from .harness import BenchResult, add_rounds_argument, best_of_rounds, peak_memory_bytes
-from .utils import backward_and_drop_grads, time_fn
+from .measure import backward_and_drop_grads, time_fn
 
 log = logging.getLogger(__name__)
 

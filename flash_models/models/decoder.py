@@ -16,7 +16,7 @@ from ..modules import (
 )
 from ..modules.attention import build_cached_attention_mask
 from ..modules.linear import autocast_like, dense, gemv_in_chain
-from ..modules.padding import positions_in_documents
+from ..modules.varlen import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
     VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, zero_vocab_padding,

@@ -38,3 +38,4 @@ def test_a_file_that_is_not_a_result_is_named(tmp_path):
     (tmp_path / "train.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"train\.json is not a bench result"):
         page.render(tmp_path)
+

@@ -116,7 +116,7 @@ def test_cli_train(tiny_config, tmp_path, capsys):
 
 
 def test_benchmark_helpers():
-    from flash_models.bench.utils import benchmark_all, benchmark_memory
+    from flash_models.bench.measure import benchmark_all, benchmark_memory
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     x = torch.randn(16, 32, requires_grad=True)

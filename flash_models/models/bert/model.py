@@ -14,7 +14,7 @@ from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ...modules.cuda_graphs import replays_graph
 from ...modules.encoder_graphs import GraphedEncoder
-from ...modules.padding import PackedBatch, positions_in_documents
+from ...modules.varlen import UnpaddedBatch, positions_in_documents
 from ..outputs import EncoderOutput
 from ..pretrained import PretrainedModel
 from .config import BertConfig
@@ -98,11 +98,11 @@ class BertModel(BertPreTrainedModel):
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
             hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
         else:  # every layer runs on the real tokens only
-            packed = PackedBatch.from_mask(attention_mask)
-            input_ids, position_ids, token_type_ids = (packed.pack(t) for t in (input_ids, position_ids, token_type_ids))
-            mask = build_attention_mask(None, q_len=packed.total, past_len=0, causal=False, sliding_window=None,
-                                        cu_seqlens=packed.cu_seqlens)
-            hidden = packed.unpack(self._encode(input_ids, position_ids, token_type_ids, mask))
+            unpadded = UnpaddedBatch.from_mask(attention_mask)
+            input_ids, position_ids, token_type_ids = (unpadded.unpad(t) for t in (input_ids, position_ids, token_type_ids))
+            mask = build_attention_mask(None, q_len=unpadded.total, past_len=0, causal=False, sliding_window=None,
+                                        cu_seqlens=unpadded.cu_seqlens)
+            hidden = unpadded.pad(self._encode(input_ids, position_ids, token_type_ids, mask))
         return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
 
     def _forward_packed(self, input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):

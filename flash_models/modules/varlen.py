@@ -1,7 +1,13 @@
-"""Unpadding: the real tokens of a right- or left-padded batch packed into one row, and back.
+"""Rows of different lengths in one row, FlashAttention's varlen layout (int32 offsets ``cu_seqlens``), in the
+two ways the models use it:
 
-Models that run every layer on packed tokens (BERT on the flash path) pack once before the embeddings and
-scatter back once at the end, so no layer spends work on padding."""
+- an unpadded batch (``UnpaddedBatch``): the real tokens of a right- or left-padded batch gathered into one row
+  and scattered back. BERT on the flash path unpads once before the embeddings and pads once at the end, so
+  no layer spends work on padding;
+- documents back to back (``positions_in_documents``): training rows that hold several documents, whose
+  positions restart at each one.
+
+"qkv-packed" elsewhere means something else: q, k and v in one projection's output (FlashAttention's name)."""
 
 from __future__ import annotations
 
@@ -12,14 +18,14 @@ import torch.nn.functional as F
 
 
 @dataclass
-class PackedBatch:
+class UnpaddedBatch:
     index: torch.Tensor  # (total,) flat positions of the real tokens in the (B * S) batch
-    cu_seqlens: torch.Tensor  # (B + 1,) int32 offsets of each row's tokens in the packed row
+    cu_seqlens: torch.Tensor  # (B + 1,) int32 offsets of each batch row's tokens in the one row
     batch_size: int
     seq_len: int
 
     @classmethod
-    def from_mask(cls, attention_mask: torch.Tensor) -> PackedBatch:
+    def from_mask(cls, attention_mask: torch.Tensor) -> UnpaddedBatch:
         """attention_mask (B, S): 1 for real tokens, 0 for padding."""
         counts = attention_mask.sum(1, dtype=torch.int32)
         return cls(index=attention_mask.flatten().nonzero().squeeze(1),
@@ -30,11 +36,11 @@ class PackedBatch:
     def total(self) -> int:
         return self.index.numel()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def unpad(self, t: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (1, total, ...)."""
         return t.flatten(0, 1)[self.index].unsqueeze(0)
 
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
         """(1, total, ...) -> (B, S, ...), zeros at the padding."""
         out = t.new_zeros(self.batch_size * self.seq_len, *t.shape[2:])
         out[self.index] = t[0]
@@ -42,7 +48,7 @@ class PackedBatch:
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Position of each packed token within its own document: (total,). No host read (``output_size``), so a
+    """Position of each token of the row within its own document: (total,). No host read (``output_size``), so a
     CUDA graph can capture it."""
     starts = torch.repeat_interleave(cu_seqlens[:-1].long(), cu_seqlens.diff().long(), output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - starts
