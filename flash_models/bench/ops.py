@@ -46,6 +46,7 @@ class Case:
     impls: dict[str, Callable[[], object]]
     inputs: list[torch.Tensor]
     bytes_fwd_bwd: int | None = None
+    side_inputs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # a side differentiating other tensors
     memory: bool = False
     repeats: int = 20
     extra: dict = field(default_factory=dict)
@@ -80,7 +81,7 @@ def _time_sides(case: Case, rounds: int, back_to_back: bool = True, graphs: bool
     steps, errors, peaks = {}, {}, {}
     for name, fn in case.impls.items():
         try:
-            steps[name] = fwd_bwd_step(fn, getattr(fn, "inputs", case.inputs))  # a side may name its own
+            steps[name] = fwd_bwd_step(fn, case.side_inputs.get(name, case.inputs))
             if case.memory:  # eager, after a warm-up step, and before any graph's memory pool exists
                 steps[name]()
                 peaks[name] = peak_memory_bytes(steps[name]) / 2**30
@@ -220,16 +221,14 @@ def rotary_cases(compile_peer: bool) -> list[Case]:
         # Liger's layout: (B, H, S, D) tensors and full-width (1, S, D) tables.
         qt, kt = _param(b, h, s, d), _param(b, h, s, d)
         cos_full, sin_full = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
-        fn = lambda: LigerRopeFunction.apply(qt, kt, cos_full, sin_full)  # noqa: E731
-        fn.inputs = [qt, kt]
-        return fn
+        return (lambda: LigerRopeFunction.apply(qt, kt, cos_full, sin_full)), [qt, kt]
 
     impls = _with_peers(lambda: (apply_rotary_ref(q, cos, sin), apply_rotary_ref(k, cos, sin)),
                         lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)), compile_peer=compile_peer)
     cases = [Case("rotary q+k", f"{b}x{s}x{h}x{d}", impls, [q, k], bytes_fwd_bwd=8 * q.numel() * 2)]
     if _liger_available():
-        fn = liger()
-        cases.append(Case("rotary q+k", f"{b}x{s}x{h}x{d}", {"liger": fn}, fn.inputs, bytes_fwd_bwd=8 * q.numel() * 2))
+        fn, inputs = liger()
+        cases.append(Case("rotary q+k", f"{b}x{s}x{h}x{d}", {"liger": fn}, inputs, bytes_fwd_bwd=8 * q.numel() * 2))
     return cases
 
 
@@ -321,19 +320,18 @@ def linear_cross_entropy_cases(compile_peer: bool) -> list[Case]:
 
             return lambda: LigerFusedLinearCrossEntropyFunction.apply(hidden, weight, labels)
 
-        extra = {}
+        extra, side_inputs = {}, {}
         if vocab % 128:  # what our models run: the head padded once, at construction (modules/vocab_padding.py)
             padded = F.pad(weight.detach(), (0, 0, 0, -vocab % 128)).requires_grad_()
 
             def padded_head(hidden=hidden, padded=padded, labels=labels, vocab=vocab):
                 return linear_cross_entropy(hidden, padded, labels, vocab_size=vocab)
 
-            padded_head.inputs = [hidden, padded]
-            extra["ours padded head"] = padded_head
+            extra["ours padded head"], side_inputs["ours padded head"] = padded_head, [hidden, padded]
         impls = _with_peers(eager, lambda hidden=hidden, weight=weight, labels=labels: linear_cross_entropy(
             hidden, weight, labels), compile_peer=compile_peer, liger=liger, extra_ours=extra)
         cases.append(Case("linear+cross_entropy", f"{label} {n}x{h}->V{vocab}", impls, [hidden, weight], memory=True,
-                          repeats=5))
+                          repeats=5, side_inputs=side_inputs))
     return cases
 
 

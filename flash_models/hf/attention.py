@@ -29,6 +29,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 import flash_kernels
 
 from ..models.hf_protocol import offsets_from_positions
+from ..modules.varlen import UnpaddedBatch
 
 # transformers reads any implementation name containing "flash" as a request for a FlashAttention kernel from
 # the Hub (utils.generic.is_flash_attention_requested), so the name avoids that word.
@@ -86,15 +87,9 @@ def flash_models_attention(
 def _padded(q, k, v, mask, options) -> torch.Tensor:
     """Attention over a padded batch as packed documents: mask (B, Sk) marks real keys; the queries are the last
     Sq positions of each row."""
-    B, Sq = q.shape[:2]
-    q_mask = mask[:, -Sq:]
-    k_lens, q_lens = mask.sum(1, dtype=torch.int32), q_mask.sum(1, dtype=torch.int32)
-    cu_k = torch.nn.functional.pad(k_lens.cumsum(0, dtype=torch.int32), (1, 0))
-    cu_q = torch.nn.functional.pad(q_lens.cumsum(0, dtype=torch.int32), (1, 0))
-    q_rows, k_rows = q_mask.flatten().nonzero().squeeze(1), mask.flatten().nonzero().squeeze(1)
+    keys, queries = UnpaddedBatch.from_mask(mask), UnpaddedBatch.from_mask(mask[:, -q.shape[1]:])
     out = flash_kernels.flash_attn_varlen_func(
-        q.flatten(0, 1)[q_rows], k.flatten(0, 1)[k_rows], v.flatten(0, 1)[k_rows], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(k_lens.max()), **options,
+        queries.unpad(q)[0], keys.unpad(k)[0], keys.unpad(v)[0], cu_seqlens_q=queries.cu_seqlens,
+        cu_seqlens_k=keys.cu_seqlens, max_seqlen_q=queries.max_seqlen, max_seqlen_k=keys.max_seqlen, **options,
     )  # (real queries, Hq, D)
-    padded = out.new_zeros(B * Sq, *out.shape[1:]).index_copy(0, q_rows, out)
-    return padded.view(B, Sq, *out.shape[1:])
+    return queries.pad(out.unsqueeze(0))  # (B, Sq, Hq, D), zeros at the padding

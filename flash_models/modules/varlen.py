@@ -36,6 +36,11 @@ class UnpaddedBatch:
     def total(self) -> int:
         return self.index.numel()
 
+    @property
+    def max_seqlen(self) -> int:
+        """The longest row's real tokens (one host read)."""
+        return int(self.cu_seqlens.diff().max())
+
     def unpad(self, t: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (1, total, ...)."""
         return t.flatten(0, 1)[self.index].unsqueeze(0)

@@ -23,7 +23,7 @@ def main(groups: list[str]):
                 try:
                     with torch.no_grad():
                         fwd_ms, fwd_kernels = time_and_profile(fn, steps=20)
-                    fb_ms, fb_kernels = time_and_profile(fwd_bwd_step(fn, case.inputs), steps=20)
+                    fb_ms, fb_kernels = time_and_profile(fwd_bwd_step(fn, case.side_inputs.get(name, case.inputs)), steps=20)
                 except Exception as err:  # a peer that rejects this input: report it, go on
                     print(f"| {case.op} | {case.shape} | {name} | {type(err).__name__}: {str(err)[:80]} |||||")
                     continue
