@@ -3,8 +3,9 @@
 
 Why: a real checkpoint's vocabulary is often an odd number (GPT-2's 50257, OPT's 50272). The LM head's GEMMs
 then have an output width (forward) or a reduction width (the two backward GEMMs) that is not 16-byte aligned,
-and cuBLAS falls back to slow unaligned kernels; GPT-2 124M trained at 50257 read 319k tokens/s on an H200
-against 464k at 50304. Padding the weight once, at construction, costs a few zero rows instead of a copy per step.
+and cuBLAS falls back to slow unaligned kernels. Padded, GPT-2's head at 50257 runs the GEMMs of a 50304 head
+(compare `flash-models bench train --cases gpt2,gpt2@50304 --sides loop:ours`). Padding the weight once, at
+construction, costs a few zero rows instead of a copy per step.
 
 Why 128: alignment alone needs 8 bf16 elements, but the GEMM kernels' tiles are 128 wide, so a multiple of
 128 also fills the last tile (the weight-gradient GEMM runs over the vocabulary as its M dimension). Real
