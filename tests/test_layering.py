@@ -1,6 +1,6 @@
 """The import layering of the two packages, read from the source (no import runs):
 
-    flash_kernels  <-  flash_models.config, .modules  <-  flash_models.models  <-  registry, checkpoint
+    flash_kernels  <-  flash_models.config, .modules  <-  .runtime  <-  flash_models.models  <-  registry, checkpoint
                    <-  generation, train, bench, cli, ...
 
 A module may import its own layer or a lower one. Imports at module level must not form a cycle; imports
@@ -22,6 +22,7 @@ PACKAGES = ("flash_models", "flash_kernels")
 LAYERS: list[tuple[str, ...]] = [
     ("flash_kernels",),
     ("flash_models._lazy", "flash_models.config", "flash_models.modules", "flash_models.backward"),
+    ("flash_models.runtime",),
     ("flash_models.models",),
     ("flash_models.registry", "flash_models.checkpoint"),
     ("flash_models.generation", "flash_models.train", "flash_models.bench", "flash_models.cli", "flash_models.cli_source",
@@ -44,8 +45,8 @@ UPWARD_ENTRY_POINTS = {
 
 # Modules that must not import transformers when they are imported (it takes most of a second): everything up
 # to the registry names HF classes by string and imports transformers inside the function that needs it.
-NO_TRANSFORMERS_AT_IMPORT = ("flash_kernels", "flash_models.config", "flash_models.modules", "flash_models.models",
-                             "flash_models.registry", "flash_models.generation")
+NO_TRANSFORMERS_AT_IMPORT = ("flash_kernels", "flash_models.config", "flash_models.modules", "flash_models.runtime",
+                             "flash_models.models", "flash_models.registry", "flash_models.generation")
 
 
 def module_files() -> dict[str, Path]:
