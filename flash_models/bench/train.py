@@ -110,38 +110,47 @@ def same_weights_model(side: str, case: Case, device: torch.device) -> torch.nn.
     return ours.train()
 
 
-def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
-    """The plain loop README.md shows, timed over ``steps`` back-to-back steps after ``warmup`` (compilation)."""
-    model = same_weights_model(side, case, device)
-    fpt = flops_per_token(model, case.seq_len)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    if side.endswith("+compile"):
-        model = torch.compile(model)
-    vocab = model.config.vocab_size
-    gen = torch.Generator(device).manual_seed(1)
-    batches = [torch.randint(0, vocab, (case.batch, case.seq_len), device=device, generator=gen) for _ in range(4)]
+class LoopStep:
+    """One step of the plain loop README.md shows, for a ``loop:`` side: call it with the step's index."""
 
-    def step(ids):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(ids, labels=ids).loss
+    def __init__(self, side: str, case: Case, device: torch.device):
+        self.model = same_weights_model(side, case, device)
+        self.flops_per_token = flops_per_token(self.model, case.seq_len)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        if side.endswith("+compile"):
+            self.model = torch.compile(self.model)
+        self.device = device
+        gen = torch.Generator(device).manual_seed(1)
+        vocab = hf_config_for(case).vocab_size
+        self.batches = [torch.randint(0, vocab, (case.batch, case.seq_len), device=device, generator=gen)
+                        for _ in range(4)]
+
+    def __call__(self, i: int) -> torch.Tensor:
+        ids = self.batches[i % len(self.batches)]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.model(ids, labels=ids).loss
         with backward_on_this_thread():
             loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss
 
+
+def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
+    """The plain loop README.md shows, timed over ``steps`` back-to-back steps after ``warmup`` (compilation)."""
+    step = LoopStep(side, case, device)
     for i in range(warmup):
-        step(batches[i % len(batches)])
+        step(i)
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for i in range(steps):
-        loss = step(batches[i % len(batches)])
+        loss = step(i)
     _sync(device)
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    row = _row(side, case, step_ms, fpt, peak_flops, device, final_loss=loss.item())
-    del model, opt, batches, loss
+    row = _row(side, case, step_ms, step.flops_per_token, peak_flops, device, final_loss=loss.item())
+    del step, loss
     _release(device)
     return row
 
@@ -170,6 +179,9 @@ def _release(device: torch.device) -> None:
 
 
 def trainer_for(side: str, case: Case, device: torch.device) -> Trainer:
+    if side in LOOP_SIDES or side not in SIDES:
+        raise ValueError(f"trainer_for takes a Trainer side ({[s for s in SIDES if s not in LOOP_SIDES]}), not {side!r}: "
+                         "a loop: side runs through LoopStep")
     cfg = load_config({
         "model": {"name": case.preset},
         "data": {"format": "synthetic", "seq_len": case.seq_len, "packing": "stream",
@@ -182,6 +194,15 @@ def trainer_for(side: str, case: Case, device: torch.device) -> Trainer:
     })
     model = build(side, case, device)
     return Trainer(cfg, model=model)
+
+
+def step_for(side: str, case: Case, device: torch.device):
+    """A callable running one training step of ``side`` (its argument: the step's index), for the profilers in
+    scripts/profile/."""
+    if side in LOOP_SIDES:
+        return LoopStep(side, case, device)
+    trainer = trainer_for(side, case, device)
+    return lambda i: trainer.train_step()
 
 
 def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:

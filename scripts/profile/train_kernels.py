@@ -1,7 +1,7 @@
 """One eager training step, kernel by kernel, each kernel attributed to the op (and our code) that launched it:
 where a `bench train` step's GPU time goes.
 
-    PYTHONPATH=.:kernels python scripts/profile/train_kernels.py [gpt2|gpt2-medium|llama-1b] [ours|hf]   # CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/train_kernels.py [case] [side]   # a bench train case and side: gpt2 loop:ours; CUDA
 """
 
 import collections
@@ -10,7 +10,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flash_models.bench.train import CASES, trainer_for
+from flash_models.bench.train import CASES, step_for
 
 
 def _our_frames(event) -> str:
@@ -27,13 +27,13 @@ def _owner(event) -> str:
 
 def main():
     case = CASES[sys.argv[1] if len(sys.argv) > 1 else "gpt2"]
-    side = sys.argv[2] if len(sys.argv) > 2 else "ours"
-    trainer = trainer_for(side, case, torch.device("cuda"))
-    for _ in range(3):  # autotune, allocate the optimizer state
-        trainer.train_step()
+    side = sys.argv[2] if len(sys.argv) > 2 else "loop:ours"
+    step = step_for(side, case, torch.device("cuda"))
+    for i in range(3):  # autotune, allocate the optimizer state
+        step(i)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True, with_stack=True) as prof:
-        trainer.train_step()
+        step(3)
         torch.cuda.synchronize()
     per_key = collections.defaultdict(lambda: [0, 0.0])
     total = 0.0

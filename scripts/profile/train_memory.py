@@ -3,7 +3,7 @@
 Replays the CUDA caching allocator's trace of one step (after a first step has built the optimizer state) to
 find the moment of the peak, then sums the live allocations by their innermost project frames.
 
-    PYTHONPATH=.:kernels python scripts/profile/train_memory.py [llama-1b|gpt2] [ours|hf]   # on a CUDA GPU
+    PYTHONPATH=.:kernels python scripts/profile/train_memory.py [case] [side]   # a bench train case and side: llama-1b loop:ours; CUDA
 """
 
 import sys
@@ -11,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from flash_models.bench.train import CASES, trainer_for
+from flash_models.bench.train import CASES, step_for
 
 MiB = 2**20
 
@@ -25,14 +25,14 @@ def where(frames) -> str:
 
 def main():
     case = CASES[sys.argv[1] if len(sys.argv) > 1 else "llama-1b"]
-    side = sys.argv[2] if len(sys.argv) > 2 else "ours"
-    trainer = trainer_for(side, case, torch.device("cuda"))
-    trainer.train_step()  # optimizer state exists from here on
+    side = sys.argv[2] if len(sys.argv) > 2 else "loop:ours"
+    step = step_for(side, case, torch.device("cuda"))
+    step(0)  # optimizer state exists from here on
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    trainer.train_step()
+    step(1)
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
