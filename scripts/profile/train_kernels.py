@@ -55,18 +55,23 @@ def main():
 
 
 def print_idle(step, steps: int = 3, top: int = 20) -> None:
-    """Wall time per step of back-to-back steps (no sync between them) against their kernel time, and the
-    longest gaps in the GPU's timeline."""
+    """Wall time per step of back-to-back steps (no sync between them) against their kernel time, the host's
+    time by op, and the longest gaps in the GPU's timeline."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(steps):
         step(i)
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
+    print(f"\nthe host's time per step by op (self time; the profiler adds its own cost to each):")
+    host = sorted(((e.key, e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()),
+                  key=lambda r: -r[2])
+    for key, count, us in host[:top]:
+        print(f"  {us / 1e3:7.3f} ms  x{count:5.0f}  {key[:90]}")
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     busy = sum(e.time_range.end - e.time_range.start for e in kernels) / steps / 1e3
     gaps, end = [], None
