@@ -1,11 +1,14 @@
-"""flash-models inside HF's stack: our models in transformers.Trainer / TRL, and our attention in HF's models.
+"""flash-models inside HF's stack: our models in transformers.Trainer / TRL, and our kernels in HF's models.
 
 - ``SavePretrainedCallback``: Trainer checkpoints of our models written as model folders (config.json and HF's
   layout) that ``flash_models.from_pretrained`` and transformers load, and that resume.
 - ``register()``: our attention kernels as ``attn_implementation="fm_attention"`` in HF's own models.
+- ``use_fused_ops(model)``: our fused norms and cross-entropy in an HF model instance.
 """
 
 from .attention import ATTN_IMPLEMENTATION, flash_models_attention, register
 from .callback import SavePretrainedCallback
+from .fused_ops import SUPPORTED_MODEL_TYPES, FusedNorm, use_fused_ops
 
-__all__ = ["ATTN_IMPLEMENTATION", "SavePretrainedCallback", "flash_models_attention", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "FusedNorm", "SavePretrainedCallback",
+           "flash_models_attention", "register", "use_fused_ops"]
