@@ -26,6 +26,7 @@ import functools
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.loss.loss_utils import LOSS_MAPPING
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -103,6 +104,13 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, 
     return loss / num_items_in_batch
 
 
+def _is_causal_lm_loss(loss_function) -> bool:
+    """HF's shifted LM loss (what a causal LM's forward calls; GPT-2's resolves to it without a loss_type), or
+    ours from an earlier use_fused_ops."""
+    ours = isinstance(loss_function, functools.partial) and loss_function.func is causal_lm_loss
+    return ours or loss_function is LOSS_MAPPING["ForCausalLM"]
+
+
 def use_fused_ops(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     """Run ``model`` (an HF ``PreTrainedModel`` of a type in ``SUPPORTED_MODEL_TYPES``, any head) on our fused
     norms and, for a causal LM, our cross-entropy; returns the same model. ``backend`` as in
@@ -125,6 +133,6 @@ def use_fused_ops(model: nn.Module, *, backend: str = "auto") -> nn.Module:
             if fused is not None:
                 fused.train(child.training)
                 setattr(parent, name, fused)
-    if model.loss_type == "ForCausalLM":
+    if _is_causal_lm_loss(model.loss_function):
         model.loss_function = functools.partial(causal_lm_loss, backend=backend)
     return model

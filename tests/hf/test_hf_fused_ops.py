@@ -7,6 +7,7 @@ import transformers
 
 import flash_models.hf
 from flash_models.hf import FusedNorm, use_fused_ops
+from flash_models.hf.fused_ops import causal_lm_loss
 from flash_models.testing import random_hf_model
 
 VOCAB = 101
@@ -68,6 +69,7 @@ def test_equals_the_unswapped_model(name):
     # Every norm is swapped: per layer two (GPT-2: ln_1, ln_2), Gemma2 four, Qwen3 two more per head; one final.
     per_layer = {"gemma2": 4, "qwen3": 4}.get(name, 2)
     assert norm_count(fused) == 2 * per_layer + 1
+    assert fused.loss_function.func is causal_lm_loss
     ids, labels = batch(2)
     assert_same(loss_logits_grads(fused, input_ids=ids, labels=labels), loss_logits_grads(plain, input_ids=ids, labels=labels))
     # transformers.Trainer's gradient accumulation: the sum over the batch / the items of all micro-batches.
