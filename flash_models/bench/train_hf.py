@@ -9,7 +9,9 @@ in the model:
 - ``hf+liger``: HF's model with ``use_liger_kernel=True`` (skipped, and said so, where liger-kernel is not
   installed);
 - ``hf+fm_attention``: HF's model with our attention (``flash_models.hf.register()``, ``attn_implementation=
-  "fm_attention"``).
+  "fm_attention"``);
+- ``hf+fm_attention+fused_ops``: the same with ``flash_models.hf.use_fused_ops`` too (our fused norms and
+  cross-entropy), everything of ours that plugs into HF's model.
 
 Cases: GPT-2 124M (vocabulary 50257, as the checkpoint has it) at 16x1024 and LLaMA-1.1B at 4x2048. A step is
 timed from the end of one optimizer step to the end of the next (a callback synchronizes the GPU there); the
@@ -36,7 +38,7 @@ from .harness import BenchResult
 
 log = logging.getLogger(__name__)
 
-HF_SIDES = ("ours", "hf", "hf+liger", "hf+fm_attention")
+HF_SIDES = ("ours", "hf", "hf+liger", "hf+fm_attention", "hf+fm_attention+fused_ops")
 COLUMNS = ["case", "side", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "x_vs_hf", "x_vs_hf_liger"]
 
 
@@ -74,11 +76,16 @@ def build(side: str, case, overrides: dict) -> torch.nn.Module:
     spec = get_preset(case.preset)
     hf_config = transformers.AutoConfig.for_model(spec.model_type, **{**spec.hf_config, **overrides})
     attention = "sdpa"
-    if side == "hf+fm_attention":
+    if side.startswith("hf+fm_attention"):
         from ..hf import register
 
         attention = register()
-    return transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention)
+    if side == "hf+fm_attention+fused_ops":
+        from ..hf import use_fused_ops
+
+        use_fused_ops(model)
+    return model
 
 
 def measure(side: str, case, overrides: dict, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
