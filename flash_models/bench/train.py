@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
     parser.add_argument("--out", default="bench-train.json")
     parser.add_argument("--dry-run", action="store_true", help="tiny models on the CPU, eager sides only unless --sides says otherwise")
     parser.add_argument("--hf-trainer", action="store_true",
-                        help="the sides inside transformers.Trainer instead (bench/train_hf.py): ours, hf, hf+liger, hf+fm_attention")
+                        help="the sides inside transformers.Trainer instead (bench/train_hf.py): ours, hf, hf+liger, hf+fm_attention, hf+fm_attention+fused_ops")
     args = parser.parse_args(argv)
     if args.hf_trainer:
         from .train_hf import run
