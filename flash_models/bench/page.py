@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import attention, bert, generate, ops, overhead, train, vit
+from . import attention, bert, generate, ops, overhead, train, train_hf, vit
 from .harness import BenchResult
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,11 @@ SECTIONS = (
             "Tokens/s of a training step, ours against HF transformers from the same random weights, bf16 autocast, "
             "fused AdamW; MFU against the measured bf16 matmul peak; peak memory.",
             tuple(train.COLUMNS), "train.png"),
+    Section("train_hf.json", "Training in transformers' Trainer",
+            "Tokens/s of `transformers.Trainer` steps with the same `TrainingArguments` (bf16, fused AdamW, the same "
+            "batch): our model, HF's model, HF's with liger-kernel (`use_liger_kernel=True`; Liger has no GPT-2 "
+            "kernels, so no such row there), HF's with our attention (`attn_implementation=\"fm_attention\"`) and "
+            "with `flash_models.hf.use_fused_ops` too.", tuple(train_hf.COLUMNS)),
     Section("generate.json", "Generation",
             "Greedy decoding, bf16: ms per step (one new token per row), ours against HF's generate; `bound_ms` is "
             "the weights' and cache's bytes over the copy bandwidth.",
