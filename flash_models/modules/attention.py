@@ -28,6 +28,7 @@ from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
 from .linear import chained_linear, linear
 from .norm import Norm
+from .varlen import UnpaddedBatch
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernels take any head dim up to this (flash_kernels.attention.MAX_HEAD_DIM, FlashAttention-2's limit); a
@@ -107,16 +108,10 @@ class AttentionMask:
     def unpad_indices(self):
         """(q_index, k_index, cu_seqlens_q, cu_seqlens_k, max_q, max_k) for packing real tokens, cached."""
         if self._unpad is None:
-            keys = self.key_padding  # (B, Sk)
-            queries = keys[:, self.past_len:]  # (B, Sq): the new tokens' own mask
-            q_counts, k_counts = queries.sum(1, dtype=torch.int32), keys.sum(1, dtype=torch.int32)
-            zero = torch.zeros(1, dtype=torch.int32, device=keys.device)
-            self._unpad = (
-                queries.flatten().nonzero().squeeze(1), keys.flatten().nonzero().squeeze(1),
-                torch.cat([zero, q_counts.cumsum(0, dtype=torch.int32)]),
-                torch.cat([zero, k_counts.cumsum(0, dtype=torch.int32)]),
-                int(q_counts.max()), int(k_counts.max()),
-            )
+            keys = UnpaddedBatch.from_mask(self.key_padding)  # (B, Sk)
+            queries = UnpaddedBatch.from_mask(self.key_padding[:, self.past_len:])  # (B, Sq): the new tokens' own mask
+            self._unpad = (queries.index, keys.index, queries.cu_seqlens, keys.cu_seqlens,
+                           queries.max_seqlen, keys.max_seqlen)
         return self._unpad
 
 
