@@ -4,12 +4,12 @@ speed."""
 
 import logging
 import os
+from pathlib import Path
 
 import transformers
 
 import flash_models as fm
-from flash_models.checkpoint import tokenizer as tokenizer_module
-from flash_models.checkpoint.tokenizer import CACHE_ENV, load_gguf_tokenizer
+from flash_models.checkpoint.tokenizer import CACHE_ENV, gguf_tokenizer_is_cached, load_gguf_tokenizer
 
 TEXTS = ["Hello world", "<|im_start|>user\nhi<|im_end|>", " spaces   and\n\ttabs", "🙂 emoji, ünïcode, 中文"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,13 +46,27 @@ def test_second_load_reads_the_cache_and_behaves_the_same(tmp_path, monkeypatch)
     assert cached.all_special_ids == fresh.all_special_ids
 
 
+class ConvertedTokenizer:
+    """What transformers' GGUF conversion returns, as far as the cache needs: something that saves a folder."""
+
+    def save_pretrained(self, folder):
+        (Path(folder) / "tokenizer_config.json").write_text("{}")
+
+
 def test_a_changed_file_gets_a_new_cache_entry(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    conversions = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *args, **kwargs: conversions.append(kwargs["gguf_file"]) or ConvertedTokenizer())
     model_file = tmp_path / "m.gguf"
     model_file.write_bytes(b"GGUF")
-    before = tokenizer_module._gguf_cache_dir(model_file)
-    os.utime(model_file, ns=(1, 10**18))
-    assert tokenizer_module._gguf_cache_dir(model_file) != before
+    assert not gguf_tokenizer_is_cached(model_file)
+    load_gguf_tokenizer(model_file)
+    assert gguf_tokenizer_is_cached(model_file) and conversions == ["m.gguf"]
+    os.utime(model_file, ns=(1, 10**18))  # same path and size, another modification time
+    assert not gguf_tokenizer_is_cached(model_file)
+    load_gguf_tokenizer(model_file)
+    assert conversions == ["m.gguf", "m.gguf"] and len(list((tmp_path / "cache" / "gguf-tokenizers").iterdir())) == 2
 
 
 def test_unwritable_cache_still_gives_the_tokenizer(tmp_path, monkeypatch, caplog):

@@ -164,15 +164,18 @@ def test_timm_model_in_hf_shape_saves_for_transformers_and_timm_only_options_ref
 
 @pytest.mark.parametrize("patch_bias", [True, False])
 def test_patch_embedding_gemm_equals_the_conv(patch_bias):
-    """The patch embedding runs as a GEMM over flattened patches: the Conv2d's outputs and gradients."""
-    model = fm.from_timm(timm_vit(seed=0, **({} if patch_bias else {"pre_norm": True})))
-    conv = model.patch_embed
+    """The patch embedding runs as a GEMM over flattened patches: the Conv2d's outputs and gradients, seen through
+    the whole model against timm's, which runs the Conv2d."""
+    source = timm_vit(seed=0, **({} if patch_bias else {"pre_norm": True}))
+    model = fm.from_timm(source)
     x = images(batch=3).requires_grad_()
-    ours = model._patchify(x)
-    want = conv(x).flatten(2).transpose(1, 2)
+    ours, want = model(x).last_hidden_state, source.forward_features(x)
     torch.testing.assert_close(ours, want, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(ours)
-    params = [p for p in (conv.weight, conv.bias) if p is not None]
-    assert len(params) == (2 if patch_bias else 1)
-    for got, exp in zip(torch.autograd.grad(ours, (x, *params), g), torch.autograd.grad(want, (x, *params), g)):
-        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-4)
+    params = [p for p in (model.patch_embed.weight, model.patch_embed.bias) if p is not None]
+    conv = source.patch_embed.proj
+    assert len(params) == (2 if patch_bias else 1) and (conv.bias is not None) == patch_bias
+    got = torch.autograd.grad(ours, (x, *params), g)
+    expected = torch.autograd.grad(want, (x, conv.weight, *([conv.bias] if patch_bias else [])), g)
+    for got_grad, exp in zip(got, expected, strict=True):
+        torch.testing.assert_close(got_grad, exp, rtol=1e-5, atol=1e-4)

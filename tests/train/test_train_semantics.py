@@ -46,7 +46,6 @@ def test_a_micro_batch_without_labels_is_left_out_of_the_loss_average(tiny_confi
         return batch
 
     trainer.batches.collate = first_unlabelled
-    trainer.batches._ahead = None  # drop anything loaded before the patch
     before = copy.deepcopy(trainer.raw_model)
     record = trainer.train_step()
     assert len(seen) >= 2  # this step's two micro-batches (then the next step's, prefetched)
