@@ -4,6 +4,7 @@ one or two lines on stderr, found before any model loads; and how positionals ar
 import pytest
 
 from cli_helpers import REPO, assert_short_error, run_cli
+# _model_and_text: the positional grammar, case by case; through main() each case would load a model.
 from flash_models.cli import UsageError, _model_and_text, build_parser
 
 

@@ -2,7 +2,7 @@
 the next round, each reports its best round, and a side the backend rejected reports nothing), and which json
 files a run with a part skipped writes."""
 
-from flash_models.bench import attention
+from flash_models.bench import attention  # its timing helpers, under a scripted clock: main() needs a GPU
 from flash_models.bench.harness import BenchResult, Timing
 
 

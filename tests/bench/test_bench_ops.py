@@ -5,7 +5,7 @@ replays of captured calls. On a GPU: the graphs of the bench's own cases, every 
 import pytest
 import torch
 
-from flash_models.bench import harness, ops
+from flash_models.bench import harness, ops  # ops._time_sides under a scripted clock: main() needs a GPU
 from flash_models.bench.harness import Timing
 
 

@@ -74,7 +74,7 @@ def test_crash_between_renames_leaves_the_old_folder_whole(tmp_path, monkeypatch
     first = tiny_gpt2(0)
     first.save_pretrained(out, max_shard_size=20_000)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    if not exchange:
+    if not exchange:  # a system without renameat2, which no public switch can make this one
         monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     real_replace, calls = os.replace, []
 
@@ -104,7 +104,7 @@ def test_swap_without_renameat2_is_still_whole(tmp_path, monkeypatch):
     """Where the kernel or filesystem cannot exchange two folders, the two-rename fallback is used."""
     import flash_models.checkpoint.atomic as atomic
 
-    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # the system call, faked as unavailable
     out = tmp_path / "model"
     tiny_gpt2(0).save_pretrained(out, max_shard_size=20_000)
     (out / "tokenizer_config.json").write_text("{}")

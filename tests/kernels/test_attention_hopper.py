@@ -78,6 +78,7 @@ def test_small_eager_calls_go_to_the_triton_forward_once_this_kernel_is_loaded(m
     lse = torch.empty(2, 4, 600)
     args = (q, q, q, lse)
     assert not attention_hopper.leave_to_triton(*args, False, None, 600)  # never launched: this kernel first
+    # What a launch on a Hopper GPU records, which the CPU cannot do:
     attention_hopper._launched.add(attention_hopper._specialization(
         q, q, lse, None, False, attention_hopper._launch_scalars(q, q, q, lse, False, None, 600)))
     assert attention_hopper.leave_to_triton(*args, False, None, 600)
@@ -302,13 +303,16 @@ def test_a_triton_that_cannot_compile_the_kernel_leaves_attention_to_the_triton_
     monkeypatch.setattr(attention_hopper, "leave_to_triton", lambda *args, **kwargs: False)
     monkeypatch.setattr(attention_hopper, "_attn_fwd_hopper_kernel", Uncompilable())
     monkeypatch.setattr(attention_hopper, "sm_count", lambda device_index: 4)
-    monkeypatch.setattr(attention_hopper, "_enabled", True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(26)
     q, k, v = (torch.randn(2, 37, 2, 64, dtype=torch.bfloat16, device=device) for _ in range(3))
-    with caplog.at_level("WARNING", logger=attention_hopper.logger.name):
-        out = flash_attn_func(q, k, v, backend="triton")
-    assert not attention_hopper.enabled()
+    previous = attention_hopper.use_hopper_forward(True)
+    try:
+        with caplog.at_level("WARNING", logger=attention_hopper.logger.name):
+            out = flash_attn_func(q, k, v, backend="triton")
+        assert not attention_hopper.enabled()
+    finally:
+        attention_hopper.use_hopper_forward(previous)
     assert "cannot compile the Hopper attention forward" in caplog.text and "thread_barrier" in caplog.text
     assert_close(out, flash_attn_func(q, k, v, backend="reference"), torch.bfloat16, name="out")
 

@@ -111,18 +111,22 @@ def test_a_compiled_kernel_without_the_reduce_add_is_refused(monkeypatch, caplog
     """The check after a first launch: PTX with the TMA store still in it means a wrong dQ, so the kernel is
     switched off (with a warning) and the caller's Triton backward writes the gradients."""
     monkeypatch.setattr(bwd, "_checked", bwd.weakref.WeakSet())
-    monkeypatch.setattr(bwd, "_enabled", True)
 
     class Compiled:
         def __init__(self, ptx):
             self.asm = {"ptx": ptx}
 
+    # _reduces and _give_up are the check a first launch on a Hopper GPU runs: here without one.
     assert bwd._reduces(Compiled("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%rd1];"))
     assert not bwd._reduces(Compiled("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd1];"))
-    with caplog.at_level("WARNING", logger=bwd.logger.name):
-        assert bwd._give_up("the Hopper attention backward compiled without its dQ reduce-add", "why") is False
-    assert "without its dQ reduce-add" in caplog.text
-    assert "switched off" in _reason(torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16))
+    previous = bwd.use_hopper_backward(True)
+    try:
+        with caplog.at_level("WARNING", logger=bwd.logger.name):
+            assert bwd._give_up("the Hopper attention backward compiled without its dQ reduce-add", "why") is False
+        assert "without its dQ reduce-add" in caplog.text
+        assert "switched off" in _reason(torch.randn(1, 1024, 2, 128, dtype=torch.bfloat16))
+    finally:
+        bwd.use_hopper_backward(previous)
 
 
 def _spy_dispatch(monkeypatch):
@@ -190,7 +194,7 @@ def test_small_eager_calls_go_to_the_triton_backward_once_this_kernel_is_loaded(
     lse = torch.empty(1, 2, 1024)
     args = (q, q, lse, q, q)
     assert not bwd.leave_to_triton(*args, False)  # never launched: this kernel first
-    bwd._launched.add(bwd._specialization(q, lse, q, q, False, bwd._launch_scalars(*args, 64)))
+    bwd._launched.add(bwd._specialization(q, lse, q, q, False, bwd._launch_scalars(*args, 64)))  # a GPU launch's record
     assert bwd.leave_to_triton(*args, False)
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # a 2-byte offset: not 16-aligned
     assert not bwd.leave_to_triton(q, q, lse, q, unaligned, False)  # another specialization, not loaded

@@ -55,7 +55,7 @@ def test_fwd_bwd(case, dtype, tol_dtype, inplace_backward):
 def test_one_launch_loss_and_gradient_equal_the_two_kernels(case, dtype, monkeypatch):
     """ce_rows_fwd_bwd_ (the fused LM head's: loss gradient known up front, gradient written over the logits,
     second pass walking each row backwards) against ce_rows_fwd + ce_rows_bwd, over several vocab blocks."""
-    monkeypatch.setattr(ce, "_FWD_BLOCK", 512)
+    monkeypatch.setattr(ce, "_FWD_BLOCK", 512)  # a tile size, not a setting: several vocab blocks at a small vocab
     kw = {k: v for k, v in CASES[case].items() if k != "reduction"}
     args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0), kw.get("logit_scale", 1.0))
     n, vocab = 23, 1999

@@ -84,6 +84,7 @@ def test_dual(is_rms):
 @pytest.mark.parametrize("is_rms", [False, True])
 def test_wide_rows_loop_path(is_rms, monkeypatch):
     """Rows wider than the single-block limit loop over column blocks (the path of rows up to 64k)."""
+    # Tile limits, not settings: the column loop of 64k-wide rows, reached at a width the interpreter runs fast.
     monkeypatch.setattr(ln, "_MAX_FUSED_FWD", 32)
     monkeypatch.setattr(ln, "_MAX_FUSED_BWD", 32)
     monkeypatch.setattr(ln, "_LOOP_BLOCK", 32)
@@ -104,7 +105,7 @@ def test_stream_written_only_when_read(prenorm, monkeypatch):
     """A residual stream is written when prenorm returns it or autograd records the call, not otherwise (a
     post-norm block's inference): one tensor written instead of two."""
     stored = []
-    real_fwd = ln._norm_fwd
+    real_fwd = ln._norm_fwd  # whether the kernel writes the stream shows in no output: watched at the launcher
 
     def spy(*args):
         out = real_fwd(*args)

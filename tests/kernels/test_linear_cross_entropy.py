@@ -76,7 +76,7 @@ def test_failed_extension_build_falls_back_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(fused_dense_module, "load_extension", broken_build)
     fused_dense_module.optional_extension.cache_clear()
-    try:
+    try:  # the op asks for the extension on CUDA only: on the CPU, its lookup is called directly
         with pytest.warns(RuntimeWarning, match="linear_cross_entropy: .*separate pass.*nvcc exploded"):
             assert lce_module._scaling_extension() is None
         assert lce_module._scaling_extension() is None  # cached: no second build, no second warning
@@ -150,7 +150,7 @@ def test_unaligned_weight_is_padded_for_the_gemms(monkeypatch):
     real one; an aligned one reaches it as it is."""
     lce_module = importlib.import_module("flash_kernels.linear_cross_entropy")
     seen = []
-    real = lce_module._chunked
+    real = lce_module._chunked  # the padding changes no result: seen where the chunk loop receives the weight
 
     def spy(hidden, weight, *args, vocab_size, **kwargs):
         seen.append((weight.shape[0], vocab_size))
@@ -191,7 +191,7 @@ def test_gpu_weight_grad_scaled_in_epilogue(dtype):
     hidden = torch.randn(n, h, device="cuda", dtype=dtype, requires_grad=True)
     weight = (torch.randn(vocab, h, device="cuda", dtype=dtype) / 32).requires_grad_()
     labels = torch.randint(0, vocab, (n,), device="cuda")
-    assert _epilogue_scaling(torch.empty(1, vocab, device="cuda", dtype=dtype), hidden)
+    assert _epilogue_scaling(torch.empty(1, vocab, device="cuda", dtype=dtype), hidden)  # the path under test is taken
     ref = linear_cross_entropy_ref(hidden.float(), weight.float(), labels, reduction="sum")
     want = torch.autograd.grad(ref, (hidden, weight), torch.tensor(0.37, device="cuda"))
     for chunk_size in (2048, 8192):

@@ -191,7 +191,7 @@ def test_backward_runs_on_the_calling_thread_in_one_process(tiny_config, monkeyp
     monkeypatch.setattr(torch.Tensor, "backward", recording_backward)
     trainer.train_step()
     assert seen and not any(seen) and torch._C._is_multithreading_enabled()  # one per micro-step, all off
-    monkeypatch.setattr(trainer.dist, "world", 2)
+    monkeypatch.setattr(trainer.dist, "world", 2)  # a real second process (torchrun) would cost seconds
     with trainer._backward_thread():
         assert torch._C._is_multithreading_enabled()
 

@@ -81,7 +81,7 @@ def test_clipping_inside_fused_adamw_equals_clipping_the_gradients(tiny_config, 
     runs = {}
     for inside in (True, False):
         if not inside:
-            monkeypatch.setattr(Trainer, "_clips_in_optimizer", lambda self: False)
+            monkeypatch.setattr(Trainer, "_clips_in_optimizer", lambda self: False)  # the other way, not a setting
         trainer = Trainer(tiny_config(
             model={"overrides": dict(FLASH_GPT2), "attn_impl": "flash"}, data={"packing": "stream", "seq_len": 64},
             train={"device": "cuda", "max_steps": 5, "precision": "bf16_autocast", "output_dir": str(tmp_path / str(inside))},
