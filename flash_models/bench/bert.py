@@ -35,7 +35,7 @@ from ..backward import backward_on_this_thread
 from ..registry import get_preset
 from ..testing import ours_from_hf
 from ..train.classification import collate_packed_classification
-from ..train.graphs import GraphedLoss
+from ..runtime.train_graphs import GraphedLoss
 from .harness import BenchResult, add_rounds_argument, best_of_rounds, peak_memory_bytes
 from .measure import backward_and_drop_grads, time_fn
 
@@ -142,7 +142,7 @@ def _packed_bucket(ids, mask, seq: int) -> dict:
 
 def graphed_training(model, ids, mask, seq: int):
     """Our training step on the packed bucket, forward + backward of the eager step's loss replayed from CUDA
-    graphs through the trainer's graphed loss (``train.graphs.GraphedLoss``); off CUDA, run eagerly."""
+    graphs through the trainer's graphed loss (``runtime.train_graphs.GraphedLoss``); off CUDA, run eagerly."""
     batch, useful = _packed_bucket(ids, mask, seq), int(mask.sum())
 
     def loss_of(m, b):

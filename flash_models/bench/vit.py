@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import from_timm
-from ..train.graphs import GraphedLoss
+from ..runtime.train_graphs import GraphedLoss
 from .harness import BenchResult, add_rounds_argument, best_of_rounds, peak_memory_bytes
 from .measure import backward_and_drop_grads, time_fn
 
@@ -54,7 +54,7 @@ def build_models(name: str, *, dtype, device, dry_run: bool, compile_peer: bool)
 def step_fns(model, images, labels, *, impl: str):
     """(inference, training) step functions of one side. ours+graphs runs inference through
     ``VisionTransformer.use_cuda_graphs`` and training through the trainer's graphed loss
-    (``train.graphs.GraphedLoss``, what ``train.cuda_graphs`` uses); off CUDA both stay eager."""
+    (``runtime.train_graphs.GraphedLoss``, what ``train.cuda_graphs`` uses); off CUDA both stay eager."""
     ours = impl.startswith("ours")
     graphs = impl == "ours+graphs" and images.is_cuda
     if ours:

@@ -64,7 +64,7 @@ def collate_packed_classification(items: list[dict], *, seq_len: int, token_buck
     A graph replays fixed shapes without reading anything back, so the packing (which a padded batch would
     do on the device, through a host read) happens here, on the host, and the packed row's length is rounded
     up to one of ``token_buckets`` sizes: multiples of rows x seq_len / token_buckets, so at most that fraction
-    of the bucket is padding work (each size is one more captured graph: ``train.graphs.MAX_SIGNATURES``).
+    of the bucket is padding work (each size is one more captured graph: ``runtime.train_graphs.MAX_SIGNATURES``).
     The extra tokens form padding sequences of at most seq_len tokens (id ``pad_id``, positions from 0) that
     attend only to themselves; the sequence count is fixed per row count by trailing empty sequences. The
     rows' sequences come first, so ``labels`` (one per row) scores exactly them

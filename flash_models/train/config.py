@@ -120,7 +120,7 @@ class TrainSection:
     activation_checkpointing: int = 0  # 0: off; k: checkpoint every k-th block (1 = all)
     compile: bool = False
     compile_backend: str = "inductor"  # torch.compile backend; "aot_eager" traces without generating code
-    cuda_graphs: bool = False  # replay forward+backward from CUDA graphs (fixed-shape batches; see train/graphs.py)
+    cuda_graphs: bool = False  # replay forward+backward from CUDA graphs (fixed-shape batches; see runtime/train_graphs.py)
     fused_loss: bool = True  # our LMs: LM head + cross-entropy fused in chunks, no (B, S, vocab) logits kept
     seed: int = 0
     device: str = "auto"  # auto: cuda when available

@@ -32,7 +32,7 @@ from .build import DataBundle, build_data, build_model
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
 from .data import IGNORE, StepSampler
-from .graphs import GraphedLoss, check_graphable
+from ..runtime.train_graphs import GraphedLoss, check_graphable
 from .metrics import EMA, MetricsLog, clip_coefficient, clip_grad_norm, flops_per_token, grad_norm, measure_matmul_peak
 from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
 from .prefetch import StepPrefetcher

@@ -1,4 +1,4 @@
-"""modules.cuda_graphs.GraphedInference (per-signature graphs with static input buffers) and the ViT's
+"""runtime.cuda_graphs.GraphedInference (per-signature graphs with static input buffers) and the ViT's
 ``use_cuda_graphs``. Off CUDA the graph cache runs the same static buffers eagerly, which is what the CPU tests
 check (bookkeeping, copies, clones); the real capture is the gpu-marked test."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flash_models as fm
-from flash_models.modules.cuda_graphs import GraphedInference, WeightsWatch, replays_graph
+from flash_models.runtime.cuda_graphs import GraphedInference, WeightsWatch, replays_graph
 
 from test_vit import images, timm_vit
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from flash_models.modules.attention import build_attention_mask
-from flash_models.modules.encoder_graphs import GraphedEncoder, GraphKey, bucket_for, graph_key, packed_layout
+from flash_models.runtime.encoder_graphs import GraphedEncoder, GraphKey, bucket_for, graph_key, packed_layout
 from flash_models.testing import ours_from_hf, random_hf_model
 
 CONFIG = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,

@@ -216,7 +216,7 @@ def test_packed_classification_buckets():
     """Rows packed for CUDA-graph training: at most token_buckets shapes per row count, padding sequences no
     longer than seq_len, positions restarting per sequence, labels one per row."""
     from flash_models.train.classification import TOKEN_BUCKETS, collate_packed_classification
-    from flash_models.train.graphs import MAX_SIGNATURES
+    from flash_models.runtime.train_graphs import MAX_SIGNATURES
 
     assert TOKEN_BUCKETS <= MAX_SIGNATURES  # every bucket of one row count fits the graphs' limit
 

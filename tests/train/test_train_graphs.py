@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flash_models.train import Trainer
-from flash_models.train.graphs import MAX_SIGNATURES, GraphedLoss, check_graphable
+from flash_models.runtime.train_graphs import MAX_SIGNATURES, GraphedLoss, check_graphable
 
 OK = dict(device=torch.device("cuda"), task="causal_lm", packing="stream", compile=False, activation_checkpointing=0,
           strategy="none")

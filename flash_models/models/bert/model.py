@@ -12,8 +12,8 @@ from torch import nn
 
 from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
-from ...modules.cuda_graphs import replays_graph
-from ...modules.encoder_graphs import GraphedEncoder
+from ...runtime.cuda_graphs import replays_graph
+from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
 from ..outputs import EncoderOutput
 from ..pretrained import PretrainedModel
@@ -144,7 +144,7 @@ class BertModel(BertPreTrainedModel):
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16) -> BertModel:
         """Inference on CUDA (eval mode, grad off, flash attention, an ``attention_mask``) replays the encoder
         from CUDA graphs, one per bucket of (rows, columns, packed tokens, sequences, longest sequence); see
-        ``modules.encoder_graphs``. The first batch of a new bucket captures its graph. Graphs read the
+        ``runtime.encoder_graphs``. The first batch of a new bucket captures its graph. Graphs read the
         weights where they were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again."""
         check = lambda ids, positions, types: self.embed.check_ids(ids, types, positions, static_input=True)  # noqa: E731
         self.graphed = GraphedEncoder(self._encode, self, seq_limit=self.config.max_position_embeddings,

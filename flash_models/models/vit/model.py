@@ -13,7 +13,7 @@ from torch import nn
 
 from ...config import AttentionConfig, MLPConfig, head_dim_of
 from ...modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
-from ...modules.cuda_graphs import GraphedInference, replays_graph
+from ...runtime.cuda_graphs import GraphedInference, replays_graph
 from ..outputs import VisionOutput
 from ..pretrained import PretrainedModel
 from .config import ViTConfig
@@ -87,7 +87,7 @@ class VisionTransformer(PretrainedModel):
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 8) -> VisionTransformer:
         """Run eval-mode forwards without autograd (``torch.inference_mode()`` or ``no_grad``) on CUDA from CUDA
-        graphs, one per input shape and dtype (``modules.cuda_graphs``); the first batch of a new shape
+        graphs, one per input shape and dtype (``runtime.cuda_graphs``); the first batch of a new shape
         captures its graph. Training forwards and CPU inputs stay eager. Graphs read the weights where they
         were at capture; moving the model (``.to``, ``.half``) drops them, to be captured again. Returns the model."""
         self.graphed = GraphedInference(self._encode, self, max_graphs=max_graphs) if enabled else None

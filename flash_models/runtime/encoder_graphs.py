@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from flash_kernels._triton_utils import next_power_of_2
 
-from .attention import AttentionMask
+from ..modules.attention import AttentionMask
 from .cuda_graphs import WeightsWatch, capture
 
 MIN_SEQLEN_BUCKET = 16
