@@ -3,7 +3,7 @@
 # extension is built with nvcc at first use and the attention kernels autotune every size, so the whole
 # suite does not fit one call). Logs and JSON results go to $OUT (default ./gpu-check).
 #
-#   bash scripts/gpu_check.sh tests-models   # GPU tests: generation, models, train, bench
+#   bash scripts/gpu_check.sh tests-models   # GPU tests: generation, models, runtime, train, bench
 #   bash scripts/gpu_check.sh tests-kernels  # GPU tests: kernels (builds fused_dense)
 #   bash scripts/gpu_check.sh bench-models   # bench bert (with ours+graphs), bench train (eager sides), bench overhead
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
@@ -25,7 +25,7 @@ pytest_gpu() { timeout 560 python -m pytest -v -m gpu -p no:cacheprovider -o fau
 
 case "${1:-}" in
     tests-models)
-        pytest_gpu tests/generation tests/models tests/train tests/bench 2>&1 | tee "$OUT/tests-models.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
+        pytest_gpu tests/generation tests/models tests/runtime tests/train tests/bench 2>&1 | tee "$OUT/tests-models.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     tests-kernels)
         pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-kernels.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     bench-models)
@@ -55,7 +55,8 @@ case "${1:-}" in
         pytest_gpu tests/kernels/test_activations.py tests/kernels/test_linear_act.py tests/models/test_mlp_inference.py 2>&1 \
             | tee "$OUT/tests-activations.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     decode-pdl)
-        pytest_gpu tests/kernels/test_attention_decode.py tests/generation/test_generate_gpu.py -k "programmatic or real_sizes" \
+        pytest_gpu tests/kernels/test_attention_decode.py tests/generation/test_generate_gpu.py tests/runtime/test_decode_chain.py \
+            -k "programmatic or real_sizes" \
             2>&1 | tee "$OUT/tests-decode-pdl.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
         timeout 240 python -m flash_models bench generate --models llama-1.1b gpt2-124m --batches 1 16 --prompts 128 \
             --peers ours-pdl --repeats 3 --out "$OUT" 2>&1 | tee "$OUT/bench-generate-pdl.log" | grep "^|"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import weakref
 
 import torch
-from flash_kernels import programmatic_launch as programmatic_launch_context
 
 from ..models.protocols import CausalDecoder
 from ..modules.kv_cache import KVCache
+from ..runtime.decode_chain import programmatic_launch as programmatic_launch_context
 
 CACHE_LEN_BUCKET = 256  # cache lengths are rounded up to this, so a captured graph serves many prompt sizes
 
@@ -22,7 +22,7 @@ class DecodeRunner:
     """Runs ``model.decode_step`` against one cache: eagerly, compiled (``compile``: True for inductor, or a
     torch.compile backend name), and on CUDA replayed from a captured graph (``use_cuda_graph``). With
     ``programmatic_launch`` the step's kernels are launched (and captured) inside
-    ``flash_kernels.programmatic_launch()`` (with its early trigger at batch 1), unless the step is compiled:
+    ``runtime.decode_chain.programmatic_launch()`` (with its early trigger at batch 1), unless the step is compiled:
     inductor's own kernels do not take part in the chain, and a compiled step is meant to give what the plain
     eager step gives."""
 
@@ -45,7 +45,7 @@ class DecodeRunner:
     def _launch_context(self):
         """The programmatic launch setting the step runs (and is captured) in: at batch 1 each kernel also lets
         the next launch before its own wait (``early_trigger``), which measured faster there and slower at
-        batch 16 (flash_kernels._pdl)."""
+        batch 16 (flash_kernels._pdl); its projections join the chain as our GEMV (runtime.decode_chain)."""
         return programmatic_launch_context(self.programmatic_launch, early_trigger=self.cache.batch_size == 1)
 
     def _tables_fixed(self) -> bool:

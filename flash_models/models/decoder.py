@@ -15,12 +15,13 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask
-from ..modules.linear import autocast_like, dense, gemv_in_chain
+from ..modules.linear import autocast_like, dense
 from ..modules.varlen import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
     VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, zero_vocab_padding,
 )
+from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
 from .hf_config import ModelConfig
 from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, packed_documents
 from .outputs import CausalLMOutput, EncoderOutput
@@ -226,10 +227,12 @@ class DecoderLM(HFModelProtocol, nn.Module):
         dc = self.decoder_config
         hidden = self.embed(input_ids, position_ids, check_ids=check_ids)  # (B, S, hidden)
         residual = None
+        attn_kwargs = dict(mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache)
         for block in self.blocks:
-            hidden, residual = block(
-                hidden, residual, mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache
-            )
+            if residual is None and chains(block, hidden):  # a decode step in a chain of programmatic launches
+                hidden = chained_block_step(block, hidden, **attn_kwargs)  # the whole stream, nothing pending
+            else:
+                hidden, residual = block(hidden, residual, **attn_kwargs)
         if self.norm_f is not None:
             hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
         if self.project_out is not None:

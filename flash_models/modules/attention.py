@@ -10,7 +10,7 @@ sliding windows, a KV cache, and explicit backends:
   moved with ``.to("cuda")`` picks it up.
 
 ``kernel_backend`` (the model's) goes to every other kernel the layer calls: rotary, the KV-cache writes, the
-decode-step GEMVs.
+projections.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import flash_kernels
 
 from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
-from .linear import chained_linear, linear
+from .linear import linear
 from .norm import Norm
 from .varlen import UnpaddedBatch
 
@@ -228,19 +228,21 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, *, mask: AttentionMask, position_ids: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache: KVCache | None = None,
-        input_norm: nn.Module | None = None, residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position.
-        ``input_norm`` and ``residual`` are for a decode step in a programmatic-launch chain (PreNormBlock): x is
-        then the residual stream, normalized in the qkv GEMV's prologue, and the output is the new stream, the
-        out projection's GEMV adding ``residual``."""
+        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position."""
+        qkv = linear(x, self.qkv, backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+        out = self.attend_qkv(qkv, mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache)
+        return linear(out, self.out_proj, backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+
+    def attend_qkv(
+        self, qkv: torch.Tensor, *, mask: AttentionMask, position_ids: torch.Tensor,
+        rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """The projected qkv (B, S, (Hq + 2 * Hkv) * D) -> the attention output before out_proj, (B, S, Hq * D):
+        the q/k norms, rotary, the cache writes and the attention."""
         cfg, backend = self.cfg, self.kernel_backend
-        B, S, _ = x.shape
+        B, S, _ = qkv.shape
         hq, hkv = cfg.num_heads, cfg.num_kv_heads
-        if input_norm is not None:
-            qkv = chained_linear(x, self.qkv, input_norm=input_norm)
-        else:
-            qkv = linear(x, self.qkv, backend=backend, recompute_weight_cast=self.recompute_weight_casts)
         qkv = qkv.view(B, S, hq + 2 * hkv, cfg.head_dim)  # heads: [q (Hq) | k (Hkv) | v (Hkv)]
         if self.q_norm is not None:  # before every path below (packed, decode, cached), so each sees normed heads
             q, k, v = qkv.split((hq, hkv, hkv), dim=2)
@@ -253,7 +255,7 @@ class Attention(nn.Module):
                 cos, sin = rope_tables
                 qkv = flash_kernels.apply_rotary(qkv, cos, sin, interleaved=self.rope.interleaved,
                                                  position_ids=position_ids, num_rotated_heads=hq + hkv, backend=backend)
-            return self._out(self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim))
+            return self._flash_packed(qkv, mask, self.dropout_p()).reshape(B, S, q_dim)
         if kv_cache is not None and self.rope is not None and _decoding(mask):
             # A decode step: q and k rotate and k and v go into the cache in one launch, then attend over it.
             cos, sin = rope_tables
@@ -263,7 +265,7 @@ class Attention(nn.Module):
                 slots=mask.cache_slots, num_q_heads=hq, block_table=kv_cache.block_table,
                 interleaved=self.rope.interleaved, backend=backend,
             )
-            return self._out(self.attend_cached(q, mask, kv_cache).reshape(B, S, q_dim), residual)
+            return self.attend_cached(q, mask, kv_cache).reshape(B, S, q_dim)
         qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv :]
         if self.rope is not None:  # q and k heads rotate together: one launch
             cos, sin = rope_tables
@@ -274,12 +276,7 @@ class Attention(nn.Module):
             out = self.attend(q, k, v, mask)  # (B, S, Hq, D)
         else:
             out = self.attend_with_cache(q, k, v, mask, kv_cache)
-        return self._out(out.reshape(B, S, q_dim), residual)
-
-    def _out(self, out: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if residual is not None:
-            return chained_linear(out, self.out_proj, residual=residual)
-        return linear(out, self.out_proj, backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+        return out.reshape(B, S, q_dim)
 
     def attend_with_cache(self, q, k, v, mask: AttentionMask, cache: KVCache) -> torch.Tensor:
         """Store the new keys/values in the cache and attend over everything cached so far."""

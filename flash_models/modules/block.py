@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import gemv_in_chain, plain_linear
-from .mlp import GatedMLP
 from .norm import dual_norm
 from .recompute import norm_output_recomputed
 
@@ -36,8 +34,6 @@ class PreNormBlock(nn.Module):
         self.residual_in_fp32, self.recompute_norm_outputs = residual_in_fp32, recompute_norm_outputs
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs):
-        if residual is None and self._chained_decode(hidden):
-            return self._chained(hidden, **attn_kwargs)
         hidden, residual = self.norm1(
             hidden, residual, prenorm=True, dropout_p=self.input_dropout_p, residual_in_fp32=self.residual_in_fp32
         )
@@ -51,28 +47,6 @@ class PreNormBlock(nn.Module):
 
     def _recomputed(self, normed, norm, stream):
         return norm_output_recomputed(normed, norm, stream) if self.recompute_norm_outputs else contextlib.nullcontext()
-
-    def _chained_decode(self, hidden: torch.Tensor) -> bool:
-        """A decode step inside ``flash_kernels.programmatic_launch()`` whose every projection ``dense`` would run
-        as our GEMV (``gemv_in_chain``), through a LLaMA-style block: bias-free RMSNorms, the stream kept in the
-        model's dtype, a gated MLP, plain projections. Then ``_chained`` runs it."""
-        attn, mlp = self.attn, self.mlp
-        backend = attn.kernel_backend
-        if self.training or not gemv_in_chain(hidden, attn.qkv.weight, backend):  # cheap, and false off the chain
-            return False
-        layers = (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down) if isinstance(mlp, GatedMLP) else ()
-        return (not self.residual_in_fp32 and bool(layers)
-                and all(norm.kind == "rms_norm" and norm.bias is None for norm in (self.norm1, self.norm2))
-                and all(plain_linear(layer) and gemv_in_chain(hidden, layer.weight, backend) for layer in layers))
-
-    def _chained(self, stream: torch.Tensor, **attn_kwargs):
-        """``forward`` for a decode step in a chain of programmatic launches, with the residual stream carried
-        whole (the first block's input, and every chained block's output, is ``(stream, None)``): the norms run
-        in the qkv and gate/up GEMVs' prologues, SwiGLU in gate/up's epilogue and the two residual adds in the
-        out and down GEMVs' epilogues, each rounded where the unfused kernels round: three kernels a layer
-        fewer (the norms' and the activation's), for the same values up to float32 summation order."""
-        stream = self.attn(stream, input_norm=self.norm1, residual=stream, **attn_kwargs)
-        return self.mlp(stream, residual=stream, input_norm=self.norm2), None
 
 
 class ParallelBlock(nn.Module):

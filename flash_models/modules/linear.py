@@ -13,21 +13,22 @@ Two things differ from autograd's own Linear, neither in the result:
 
 Only plain nn.Linear layers with plain tensors and no hooks take this path (``plain_linear``); anything else,
 and every call under torch.compile, is the layer's own forward. Without grad mode a plain layer is ``dense``:
-``F.linear``, or inside ``flash_kernels.programmatic_launch()`` (a decode step) for up to 16 half-precision
-rows, ``flash_kernels.gemv``, whose kernel takes part in the chain of programmatic launches that cuBLAS's do not.
-Every function that may launch our kernels takes the model's kernel backend: "reference" never takes the GEMV.
+``F.linear``, unless a launch runtime routes the projection to a kernel of its own (``projections_routed_by``:
+flash_models.runtime.decode_chain runs a decode step's projections as GEMVs in a chain of programmatic
+launches). Every function that may launch our kernels takes the model's kernel backend.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import flash_kernels
 from flash_kernels._backend import capturing_cuda_graph
-from flash_kernels._pdl import enabled as programmatic_launch_enabled
-from flash_kernels.gemv import GEMV_MAX_ROWS
 
 _ONES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -112,43 +113,33 @@ def linear(x: torch.Tensor, layer: nn.Module, *, backend: str, recompute_weight_
     return dense(x, layer.weight, layer.bias, backend=backend)
 
 
+# Picks the kernel of an inference projection: ``router(x, weight, backend)`` gives ``kernel(x, weight, bias)``, or
+# None for F.linear. Set by a launch runtime around the calls it launches (projections_routed_by), so that the
+# modules' forwards stay the math and how their projections launch is decided in one place outside them.
+_ROUTER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("flash_models_projection_router",
+                                                                         default=None)
+
+
+@contextlib.contextmanager
+def projections_routed_by(router: Callable | None):
+    """Within this block ``router`` picks the kernel of every projection ``dense`` makes (see ``_ROUTER``)."""
+    token = _ROUTER.set(router)
+    try:
+        yield
+    finally:
+        _ROUTER.reset(token)
+
+
+def routed_projection(x: torch.Tensor, weight: torch.Tensor, backend: str) -> Callable | None:
+    """The kernel the router in effect picked for ``x @ weight.T``, or None (F.linear): always None under
+    torch.compile, whose Dynamo cannot trace ``ContextVar.get`` (and whose own kernels take part in no chain)."""
+    if torch.compiler.is_compiling():
+        return None
+    router = _ROUTER.get()
+    return None if router is None else router(x, weight, backend)
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for inference. Inside ``flash_kernels.programmatic_launch()`` on a GPU that
-    supports it, up to 16 half-precision rows (a decode step up to batch 16; past one row, only for small
-    weights: ``FEW_ROWS_MAX_WEIGHT``) go through ``flash_kernels.gemv`` instead: a programmatic launch only
-    overlaps two kernels that both take part, and cuBLAS's do not, so every projection would otherwise break
-    the chain twice."""
-    if gemv_in_chain(x, weight, backend):
-        # "triton", not the model's "auto": gemv_in_chain has checked the kernel runs here, and gemv's own "auto"
-        # keeps cuBLAS, which is faster outside a chain.
-        return flash_kernels.gemv(x, weight, bias, static_weight=True, backend="triton")  # a parameter
-    return F.linear(x, weight, bias)
-
-
-def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module | None = None,
-                   residual: torch.Tensor | None = None, swiglu_output: bool = False) -> torch.Tensor:
-    """``layer(x)`` for a decode step in a chain of programmatic launches (``gemv_in_chain``) as one GEMV that also
-    RMS-normalizes x with ``input_norm`` (a bias-free RMSNorm module) first, applies SwiGLU to a packed
-    [gate; up] ``layer``'s output (``swiglu_output``) and/or adds ``residual`` to the result: the norm and
-    activation kernels and the residual add folded into the projection (see flash_kernels.gemv). Only a block
-    whose every projection passed ``gemv_in_chain`` with the model's backend calls it."""
-    norm = {} if input_norm is None else dict(norm_weight=input_norm.weight, norm_eps=input_norm.eps)
-    return flash_kernels.gemv(x, layer.weight, layer.bias, residual=residual, swiglu_output=swiglu_output,
-                              static_weight=True, backend="triton", **norm)
-
-
-# The largest weight (elements) whose projection of 2-16 rows is our few-rows GEMV in a chain. That kernel has
-# one program per 16 outputs, too few to stream a big weight as fast as cuBLAS: on an H100 it made GPT-2 124M's
-# batch-16 step (weights up to 2.4M elements) 13% faster (0.50 vs 0.58 ms) but LLaMA-1.1B's (4.2M-23M) 8% slower
-# (1.61 vs 1.49 ms). One row always takes the GEMV (batch 1: 0.36 vs 0.52 ms, 1.08 vs 1.34). Steps timed by
-# `flash-models bench generate` (ms_per_step) with and without the GEMV.
-FEW_ROWS_MAX_WEIGHT = 4 << 20
-
-
-def gemv_in_chain(x: torch.Tensor, weight: torch.Tensor, backend: str) -> bool:
-    """Whether ``dense`` runs ``x @ weight.T`` as our GEMV (see there): never with the "reference" backend."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (backend != "reference" and (rows == 1 or (rows <= GEMV_MAX_ROWS and weight.numel() <= FEW_ROWS_MAX_WEIGHT))
-            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and not torch.is_grad_enabled() and not torch.is_autocast_enabled(x.device.type)
-            and programmatic_launch_enabled(x.device))
+    """``F.linear(x, weight, bias)`` for inference, or the kernel a launch runtime routed it to."""
+    kernel = routed_projection(x, weight, backend)
+    return F.linear(x, weight, bias) if kernel is None else kernel(x, weight, bias)

@@ -18,7 +18,7 @@ from flash_kernels.fused_dense import gemm_unsupported, optional_extension
 from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
-from .linear import autocast_like, chained_linear, compute_dtype, gemv_in_chain, linear, plain_linear
+from .linear import autocast_like, compute_dtype, linear, plain_linear, routed_projection
 from .recompute import activation_then_linear
 
 # HF activation name -> GELU approximation used by flash_kernels.
@@ -54,26 +54,28 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        backend = self.kernel_backend
-        if self._inference_fusable(x) and gemv_in_chain(x, self.fc1.weight, backend):
-            # A decode step in a chain of programmatic launches (modules/linear.dense): our GEMVs and our
-            # activation kernel take part in it, cuBLAS and torch's GELU would not.
-            pre = linear(x, self.fc1, backend=backend)
-            return linear(activation(pre, self.cfg.activation, backend=backend), self.fc2, backend=backend)
+        """fc2(act(fc1(x))), on the fused kernels where they apply (see the module's docstring)."""
         if self._inference_fusable(x):
-            # No backward to keep the pre-activation for: fc1, its bias and the activation in one kernel (one
-            # write of the widest tensor instead of a write, a read and a write).
-            act = flash_kernels.linear_act(x, self.fc1.weight, self.fc1.bias, activation=_LINEAR_ACT[self.cfg.activation],
-                                           backend=backend)
-            return self.fc2(act)
+            return self._inference_fused(x)
         if self._cublaslt_trainable(x):
-            # fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the
-            # fc2 dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense).
-            h, *params = autocast_like(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
-            return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend=backend)
-        pre = linear(x, self.fc1, backend=backend, recompute_weight_cast=self.recompute_weight_casts)
-        return activation_then_linear(pre, self._act, self.fc2, backend=backend, recompute=self.recompute_activation,
-                                      recompute_weight_cast=self.recompute_weight_casts)
+            return self._cublaslt_fused(x)
+        backend, recompute_weight_cast = self.kernel_backend, self.recompute_weight_casts
+        pre = linear(x, self.fc1, backend=backend, recompute_weight_cast=recompute_weight_cast)
+        return activation_then_linear(pre, self.act, self.fc2, backend=backend, recompute=self.recompute_activation,
+                                      recompute_weight_cast=recompute_weight_cast)
+
+    def _inference_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """No backward to keep the pre-activation for: fc1, its bias and the activation in one kernel (one write
+        of the widest tensor instead of a write, a read and a write)."""
+        act = flash_kernels.linear_act(x, self.fc1.weight, self.fc1.bias, activation=_LINEAR_ACT[self.cfg.activation],
+                                       backend=self.kernel_backend)
+        return self.fc2(act)
+
+    def _cublaslt_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the fc2
+        dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense)."""
+        h, *params = autocast_like(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend=self.kernel_backend)
 
     def _cublaslt_trainable(self, x: torch.Tensor) -> bool:
         """Whether the training forward runs on fused_dense_gelu_dense: autograd records, the activation is the
@@ -93,14 +95,17 @@ class MLP(nn.Module):
     def _inference_fusable(self, x: torch.Tensor) -> bool:
         """Nothing records gradients, fc1 is a plain half-precision Linear in x's dtype (no autocast cast in
         between; float32 keeps torch's GEMM, whose default is not TF32), the activation is one linear_act has,
-        and with kernel_backend="triton" its kernel can take the input (a GPU without TMA or dims that are not
-        multiples of 8 keep the unfused path: an optimization must not become an error)."""
+        with kernel_backend="triton" its kernel can take the input (a GPU without TMA or dims that are not
+        multiples of 8 keep the unfused path: an optimization must not become an error), and no launch runtime
+        routes fc1 to a kernel of its own (a decode step's GEMV in a chain of programmatic launches, see
+        modules/linear.py: the GEMVs and our activation kernel take part in the chain, linear_act would not)."""
         return (not torch.is_grad_enabled() and self.cfg.activation in _LINEAR_ACT and plain_linear(self.fc1)
                 and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.fc1.weight.dtype
                 and not torch.is_autocast_enabled(x.device.type)
-                and (self.kernel_backend != "triton" or linear_act_can_run(x, self.fc1.weight, self.fc1.bias)))
+                and (self.kernel_backend != "triton" or linear_act_can_run(x, self.fc1.weight, self.fc1.bias))
+                and routed_projection(x, self.fc1.weight, self.kernel_backend) is None)
 
-    def _act(self, pre: torch.Tensor) -> torch.Tensor:
+    def act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)
 
 
@@ -120,24 +125,13 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                input_norm: nn.Module | None = None) -> torch.Tensor:
-        """``residual`` and ``input_norm``: a decode step in a programmatic-launch chain (PreNormBlock). x is then
-        the residual stream: the gate/up GEMV normalizes it with ``input_norm`` and applies SwiGLU to its own
-        output, and the down projection's GEMV adds ``residual``, giving the new stream."""
-        if residual is not None:
-            return chained_linear(self._chained_gate_up(x, input_norm), self.down, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up, backend=self.kernel_backend,
                          recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
-        return activation_then_linear(gate_up, self._act, self.down, backend=self.kernel_backend,
+        return activation_then_linear(gate_up, self.act, self.down, backend=self.kernel_backend,
                                       recompute=self.recompute_activation, recompute_weight_cast=self.recompute_weight_casts)
 
-    def _chained_gate_up(self, x: torch.Tensor, input_norm: nn.Module | None) -> torch.Tensor:
-        if self.cfg.activation == "silu":  # the GEMV's SwiGLU epilogue: no activation kernel
-            return chained_linear(x, self.gate_up, input_norm=input_norm, swiglu_output=True)
-        return self._act(chained_linear(x, self.gate_up, input_norm=input_norm))
-
-    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":
             return flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
         return flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)

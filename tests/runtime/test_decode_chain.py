@@ -1,17 +1,22 @@
-"""The model side of programmatic dependent launch: inside the context a one-row half-precision projection runs
-as our GEMV (so it can join the chain of early launches), anything else stays F.linear; the generation
-setting reaches the decode runner, which enters the context around its steps and its graph capture."""
+"""runtime.decode_chain, the model side of programmatic dependent launch: inside its context a decode step's
+half-precision projections run as our GEMV (so they can join the chain of early launches), anything else stays
+F.linear; a LLaMA-style block runs as the chained step (norms, SwiGLU and residual adds folded into the GEMVs),
+which gives the block's plain forward; the generation setting reaches the decode runner, which enters the
+context around its steps and its graph capture. On the CPU the kernels run in Triton's interpreter."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import flash_kernels
 import flash_models as fm
-from flash_kernels import programmatic_launch
 from flash_kernels._testing import assert_close
 from flash_models.generation import engine
 from flash_models.modules import linear as linear_module
+from flash_models.modules.attention import build_cached_attention_mask
+from flash_models.runtime import decode_chain
+from flash_models.runtime.decode_chain import chained_block_step, chains, programmatic_launch
 
 
 @pytest.fixture
@@ -27,11 +32,12 @@ def gemv_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(flash_kernels, "gemv", spy)
-    monkeypatch.setattr(linear_module, "programmatic_launch_enabled", lambda device: flash_kernels._pdl._MODE.get())
+    monkeypatch.setattr(decode_chain, "programmatic_launch_enabled", lambda device: flash_kernels._pdl._MODE.get())
     return calls
 
 
 def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
+    """modules.linear.dense, the modules' inference projection, routed by the runtime's context."""
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 64).bfloat16(), torch.randn(40).bfloat16()
     row = torch.randn(1, 1, 64).bfloat16()
@@ -46,13 +52,15 @@ def test_dense_takes_the_gemv_for_one_half_row_inside_the_context(gemv_calls):
             few = linear_module.dense(torch.randn(16, 64).bfloat16(), weight, bias, backend="auto")  # a batch-16 decode step's
             assert len(gemv_calls) == 2 and few.shape == (16, 40)
             linear_module.dense(torch.randn(17, 64).bfloat16(), weight, bias, backend="auto")  # more rows: a GEMM's job
-            big = torch.zeros(linear_module.FEW_ROWS_MAX_WEIGHT // 64 + 1, 64).bfloat16()
+            big = torch.zeros(decode_chain.FEW_ROWS_MAX_WEIGHT // 64 + 1, 64).bfloat16()
             linear_module.dense(torch.randn(16, 64).bfloat16(), big, backend="auto")  # a weight too big for the few-rows kernel
             assert len(gemv_calls) == 2
             linear_module.dense(row, big, backend="auto")  # one row takes the GEMV whatever the size
             linear_module.dense(row.float(), weight.float(), bias.float(), backend="auto")  # float32: cuBLAS, not TF32
     with programmatic_launch():
         linear_module.dense(row, weight, bias, backend="auto")  # grad mode: no backward in the GEMV
+    with torch.no_grad(), flash_kernels.programmatic_launch():
+        linear_module.dense(row, weight, bias, backend="auto")  # the kernels' context alone routes no projection
     assert len(gemv_calls) == 3
     assert_close(out, F.linear(row.float(), weight.float(), bias.float()).bfloat16(), torch.bfloat16)
 
@@ -142,10 +150,91 @@ def test_a_block_chains_only_when_every_projection_is_a_gemv(gemv_calls, monkeyp
     fold its norms and adds into GEMVs, so it runs unchained (its smaller projections still GEMVs)."""
     torch.manual_seed(0)
     model = fm.create_model("llama-1b", dtype=torch.bfloat16, **TINY["llama-1b"]).eval()
-    monkeypatch.setattr(linear_module, "FEW_ROWS_MAX_WEIGHT", 10_000)  # qkv 8192, gate/up 16384 elements
+    monkeypatch.setattr(decode_chain, "FEW_ROWS_MAX_WEIGHT", 10_000)  # qkv 8192, gate/up 16384 elements
     cache = model.new_kv_cache(3, 32)
     model(torch.randint(0, 256, (3, 7)), kv_cache=cache)
     runner = engine.DecodeRunner(model, cache, use_cuda_graph=False, programmatic_launch=True)
     runner(torch.randint(0, 256, (3,)))
     assert gemv_calls and all(call[1:] == (False, False, False) for call in gemv_calls)
     assert len(gemv_calls) == 3 * 2  # qkv, out and down per layer; gate/up and the head are GEMMs
+
+
+def tiny_llama(dtype, activation="silu", preset="llama-1b"):
+    """One LLaMA-style layer at odd sizes (hidden 48, three query heads over one KV head, intermediate 80)."""
+    torch.manual_seed(0)
+    return fm.create_model(preset, dtype=dtype, num_hidden_layers=1, hidden_size=48, intermediate_size=80,
+                           num_attention_heads=3, num_key_value_heads=1, head_dim=16, vocab_size=96,
+                           max_position_embeddings=64, hidden_act=activation).eval()
+
+
+def check_step_against_plain_forward(model, batch: int, prompt_len: int = 5) -> None:
+    """The step function straight on the first block's weights (no context needed: it calls the GEMV itself),
+    against the block's plain forward on the same stream and an equal cache: the new stream (the plain forward's
+    hidden + residual) and the keys and values written for the new token."""
+    block, device, dtype = model.blocks[0], model.device, model.dtype
+    hidden_size, max_len = model.decoder_config.hidden_size, prompt_len + 11
+    caches = [model.new_kv_cache(batch, max_len) for _ in range(2)]
+    prompt = torch.randint(0, model.decoder_config.vocab_size, (batch, prompt_len), device=device)
+    stream = torch.randn(batch, 1, hidden_size, dtype=dtype, device=device)
+    step_kwargs = []
+    for cache in caches:
+        model(prompt, kv_cache=cache)
+        cache.reserve(1)
+        mask = build_cached_attention_mask(None, cache, q_len=1, sliding_window=None, cache_was_empty=False)
+        step_kwargs.append(dict(mask=mask, position_ids=mask.cache_slots, kv_cache=cache,
+                                rope_tables=model.rotary.tables(max_len, device)))
+    hidden, residual = block(stream, None, **step_kwargs[0])
+    chained = chained_block_step(block, stream, **step_kwargs[1])
+    assert chained.shape == stream.shape and chained.dtype == dtype
+    assert_close(chained.float(), hidden.float() + residual.float(), dtype, name="chained stream")
+    new = slice(0, prompt_len + 1)
+    for plain_kv, chained_kv in ((caches[0].k[0], caches[1].k[0]), (caches[0].v[0], caches[1].v[0])):
+        assert_close(chained_kv[:, new].float(), plain_kv[:, new].float(), dtype, name="cache")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation,preset", [("silu", "llama-1b"), ("gelu_pytorch_tanh", "llama-1b"),
+                                               ("silu", "qwen3-0.6b")])  # SwiGLU epilogue, GeGLU after, q/k norms
+@pytest.mark.parametrize("batch", [1, 3])  # the one-row GEMV, and the few-rows kernel
+@torch.no_grad()
+def test_chained_block_step_gives_the_plain_block_forward(dtype, activation, preset, batch):
+    check_step_against_plain_forward(tiny_llama(dtype, activation, preset), batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 16])
+@torch.no_grad()
+def test_chained_block_step_at_real_sizes_gives_the_plain_forward(batch):
+    """The compiled kernels (not the interpreter) at LLaMA-1.1B's widths: hidden 2048, 32 query and 4 KV heads,
+    intermediate 5632, against the plain block on cuBLAS, our norm and SwiGLU kernels."""
+    torch.manual_seed(0)
+    model = fm.create_model("llama-1b", dtype=torch.bfloat16, num_hidden_layers=1, vocab_size=256).cuda().eval()
+    check_step_against_plain_forward(model, batch, prompt_len=37)
+
+
+@torch.no_grad()
+def test_chains_holds_only_for_a_llama_block_in_eval_inside_the_context(gemv_calls):
+    model = tiny_llama(torch.bfloat16)
+    block, stream = model.blocks[0], torch.randn(1, 1, 48, dtype=torch.bfloat16)
+    assert not chains(block, stream)  # outside the context
+    with flash_kernels.programmatic_launch():
+        assert not chains(block, stream)  # the kernels' context alone: no GEMV routing, no chain
+    with programmatic_launch():
+        assert chains(block, stream)
+        assert chains(checkpoint_wrapper(block).eval(), stream)  # activation checkpointing's wrapper: its block
+        assert not chains(block, stream.float())  # float32: cuBLAS
+        assert not chains(block, torch.randn(17, 1, 48, dtype=torch.bfloat16))  # more rows than a decode step's
+        block.train()
+        assert not chains(block, stream)
+        block.eval()
+        block.residual_in_fp32 = True  # the GEMV's residual add keeps the stream in the model's dtype
+        assert not chains(block, stream)
+        block.residual_in_fp32 = False
+        block.norm2.kind = "layer_norm"  # the prologue is an RMSNorm
+        assert not chains(block, stream)
+        block.norm2.kind = "rms_norm"
+        reference = fm.create_model("llama-1b", dtype=torch.bfloat16, kernel_backend="reference", **TINY["llama-1b"])
+        assert not chains(reference.eval().blocks[0], torch.randn(1, 1, 64, dtype=torch.bfloat16))
+        gpt2 = fm.create_model("gpt2", dtype=torch.bfloat16, **TINY["gpt2"]).eval()  # LayerNorms, a plain MLP
+        assert not chains(gpt2.blocks[0], torch.randn(1, 1, 64, dtype=torch.bfloat16))
+    assert gemv_calls == []
