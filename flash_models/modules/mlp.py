@@ -64,18 +64,25 @@ class MLP(nn.Module):
         return activation_then_linear(pre, self.act, self.fc2, backend=backend, recompute=self.recompute_activation,
                                       recompute_weight_cast=recompute_weight_cast)
 
+    def _inference_fusable(self, x: torch.Tensor) -> bool:
+        """Nothing records gradients, fc1 is a plain half-precision Linear in x's dtype (no autocast cast in
+        between; float32 keeps torch's GEMM, whose default is not TF32), the activation is one linear_act has,
+        with kernel_backend="triton" its kernel can take the input (a GPU without TMA or dims that are not
+        multiples of 8 keep the unfused path: an optimization must not become an error), and no launch runtime
+        routes fc1 to a kernel of its own (a decode step's GEMV in a chain of programmatic launches, see
+        modules/linear.py: the GEMVs and our activation kernel take part in the chain, linear_act would not)."""
+        return (not torch.is_grad_enabled() and self.cfg.activation in _LINEAR_ACT and plain_linear(self.fc1)
+                and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.fc1.weight.dtype
+                and not torch.is_autocast_enabled(x.device.type)
+                and (self.kernel_backend != "triton" or linear_act_can_run(x, self.fc1.weight, self.fc1.bias))
+                and routed_projection(x, self.fc1.weight, self.kernel_backend) is None)
+
     def _inference_fused(self, x: torch.Tensor) -> torch.Tensor:
         """No backward to keep the pre-activation for: fc1, its bias and the activation in one kernel (one write
         of the widest tensor instead of a write, a read and a write)."""
         act = flash_kernels.linear_act(x, self.fc1.weight, self.fc1.bias, activation=_LINEAR_ACT[self.cfg.activation],
                                        backend=self.kernel_backend)
         return self.fc2(act)
-
-    def _cublaslt_fused(self, x: torch.Tensor) -> torch.Tensor:
-        """fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the fc2
-        dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense)."""
-        h, *params = autocast_like(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
-        return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend=self.kernel_backend)
 
     def _cublaslt_trainable(self, x: torch.Tensor) -> bool:
         """Whether the training forward runs on fused_dense_gelu_dense: autograd records, the activation is the
@@ -92,18 +99,11 @@ class MLP(nn.Module):
         return (gemm_unsupported(x, self.fc1.weight.shape, compute_dtype(x)) is None
                 and optional_extension("a GELU MLP's training step", "it trains unfused") is not None)
 
-    def _inference_fusable(self, x: torch.Tensor) -> bool:
-        """Nothing records gradients, fc1 is a plain half-precision Linear in x's dtype (no autocast cast in
-        between; float32 keeps torch's GEMM, whose default is not TF32), the activation is one linear_act has,
-        with kernel_backend="triton" its kernel can take the input (a GPU without TMA or dims that are not
-        multiples of 8 keep the unfused path: an optimization must not become an error), and no launch runtime
-        routes fc1 to a kernel of its own (a decode step's GEMV in a chain of programmatic launches, see
-        modules/linear.py: the GEMVs and our activation kernel take part in the chain, linear_act would not)."""
-        return (not torch.is_grad_enabled() and self.cfg.activation in _LINEAR_ACT and plain_linear(self.fc1)
-                and x.dtype in (torch.float16, torch.bfloat16) and x.dtype == self.fc1.weight.dtype
-                and not torch.is_autocast_enabled(x.device.type)
-                and (self.kernel_backend != "triton" or linear_act_can_run(x, self.fc1.weight, self.fc1.bias))
-                and routed_projection(x, self.fc1.weight, self.kernel_backend) is None)
+    def _cublaslt_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """fc1 + bias + GELU and fc2 + bias on cuBLASLt's epilogues, and the backward's GELU gradient in the fc2
+        dgrad GEMM's (DGELU): two elementwise passes over the widest tensor fewer (see fused_dense)."""
+        h, *params = autocast_like(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        return flash_kernels.fused_dense_gelu_dense(h, *params, approximate="tanh", backend=self.kernel_backend)
 
     def act(self, pre: torch.Tensor) -> torch.Tensor:
         return activation(pre, self.cfg.activation, backend=self.kernel_backend)
