@@ -209,3 +209,40 @@ def test_create_model_refuses_a_misspelled_override():
         fm.create_model("gpt2", n_layer=1, n_embed=32, n_head=4)
     model = fm.create_model("gpt2", n_layer=1, n_embd=32, num_attention_heads=4, vocab_size=97, num_labels=3)
     assert model.config.n_head == 4  # HF's attribute aliases stay accepted
+
+
+@pytest.mark.parametrize("field, raw, problem", [
+    ("num_hidden_layers", str(10**30), r"num_hidden_layers=10{30} does not fit in a 64-bit integer"),
+    ("hidden_size", "99999999999999999999", r"hidden_size=99999999999999999999 does not fit in a 64-bit integer"),
+    ("vocab_size", "1e400", r"vocab_size=inf is not a finite number"),
+    ("intermediate_size", str(2**62), rf"intermediate_size={2**62} is too large: at most 2147483647"),
+    ("num_hidden_layers", str(10**8), r"num_hidden_layers=100000000 is too large: at most 10000 \(layers\)"),
+    ("bos_token_id", str(-2**70), r"bos_token_id=-\d+ does not fit in a 64-bit integer"),
+])
+def test_huge_numbers_in_config_json_are_refused_before_anything_is_built(tmp_path, field, raw, problem):
+    """JSON integers have no size limit: each is refused with the file and the field named, before any model
+    is built (10**8 layers would take a day to build even on the meta device)."""
+    tiny_llama_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config[field] = 12345  # a unique placeholder, replaced by the raw JSON token
+    (tmp_path / "config.json").write_text(json.dumps(config).replace(f'"{field}": 12345', f'"{field}": {raw}'))
+    with pytest.raises(ValueError, match=problem) as err:
+        fm.from_pretrained(tmp_path)
+    assert str(tmp_path / "config.json") in str(err.value)
+
+
+def test_sizes_implying_absurd_parameter_counts_are_refused(tmp_path):
+    """Every size fits in int32, but together they imply more parameters than any checkpoint holds (and a fused
+    weight's element count would overflow int64): refused from config.json, and from create_model's overrides
+    before a byte is allocated."""
+    tiny_llama_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(hidden_size=2**20, num_attention_heads=2**10, num_key_value_heads=2**10, intermediate_size=2**30)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: the config's sizes \(.*hidden_size=1048576.*\) imply about "
+                                         r"\S+ parameters, more than the 1e\+13"):
+        fm.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"n_layer=50000 is too large"):
+        fm.create_model("gpt2", n_layer=50_000)
+    with pytest.raises(ValueError, match=r"imply about .* parameters"):
+        fm.create_model("gpt2", n_layer=2, n_embd=2**24, n_head=2**10)
