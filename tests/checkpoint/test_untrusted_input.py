@@ -246,3 +246,86 @@ def test_sizes_implying_absurd_parameter_counts_are_refused(tmp_path):
         fm.create_model("gpt2", n_layer=50_000)
     with pytest.raises(ValueError, match=r"imply about .* parameters"):
         fm.create_model("gpt2", n_layer=2, n_embd=2**24, n_head=2**10)
+
+
+def _shard_index(folder, weight_map):
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_shard_index_naming_files_outside_the_folder_is_refused(tmp_path):
+    """A crafted index must not make the loader read weights from elsewhere: ``../`` and absolute shard names
+    are refused (HF writes plain file names); a malformed index is named, not a KeyError."""
+    folder, elsewhere = tmp_path / "model", tmp_path / "elsewhere"
+    tiny_llama_dir(folder)
+    elsewhere.mkdir()
+    (folder / "model.safetensors").rename(elsewhere / "model.safetensors")
+    keys = list(tiny_llama_dir(tmp_path / "keys").state_dict())
+    for shard in ("../elsewhere/model.safetensors", str(elsewhere / "model.safetensors")):
+        _shard_index(folder, {k: shard for k in keys})
+        with pytest.raises(ValueError, match=r"index\.json names shards outside its folder"):
+            fm.from_pretrained(folder)
+    _shard_index(folder, ["model.safetensors"])
+    with pytest.raises(ValueError, match=r"weight_map must map tensor names to shard file names"):
+        fm.from_pretrained(folder)
+    (folder / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"index\.json is not a checkpoint index"):
+        fm.from_pretrained(folder)
+
+
+EVIL_MODULE = "open({marker!r}, 'w').write('ran')\nfrom transformers import LlamaConfig as EvilConfig\n" \
+              "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
+
+
+def test_config_auto_map_never_imports_code_from_the_folder(tmp_path):
+    hf = tiny_llama_dir(tmp_path)
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for name in ("configuration_evil.py", "modeling_evil.py"):
+        (tmp_path / name).write_text(EVIL_MODULE.format(marker=str(marker)))
+    ids = torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(fm.from_pretrained(tmp_path)(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
+    assert not marker.exists()
+
+
+def test_tokenizer_that_is_code_is_refused_without_a_prompt(tmp_path, monkeypatch):
+    """A tokenizer_config.json whose tokenizer is a class in the folder (auto_map): refused with our error, never
+    run, and never transformers' interactive "run the custom code? [y/N]" prompt (stdin would answer it)."""
+    from flash_models.checkpoint.tokenizer import load_tokenizer
+
+    tiny_llama_dir(tmp_path)
+    marker = tmp_path.parent / f"{tmp_path.name}-ran"
+    (tmp_path / "tokenization_evil.py").write_text(EVIL_MODULE.format(marker=str(marker)))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    monkeypatch.setattr("builtins.input", lambda *args: "y")  # a prompt would be answered yes
+    with pytest.raises(ValueError, match=r"the tokenizer is code shipped with the checkpoint .* never runs code"):
+        load_tokenizer(tmp_path)
+    assert not marker.exists()
+
+
+def _gguf_bytes(fields, tensors):
+    def string(text):
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(fields))
+    for key, (value_type, packed) in fields.items():
+        out += string(key) + struct.pack("<I", value_type) + packed
+    for name, dims, tensor_type, offset in tensors:
+        out += string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        out += struct.pack("<IQ", tensor_type, offset)
+    return out + bytes(64)
+
+
+@pytest.mark.parametrize("fields, tensors, problem", [
+    ({"general.alignment": (4, struct.pack("<I", 0))}, [("x", (4,), 0, 0)], "general.alignment must be a positive"),
+    ({}, [("x", (2**32, 2**32), 0, 0)], "tensor 'x' runs past the end of the file"),  # 2**64 elements: int64 wraps to 0
+    ({}, [("x", (2**63 + 5,), 0, 0)], "tensor 'x' runs past the end of the file"),
+])
+def test_gguf_with_absurd_layout_is_a_named_error(tmp_path, fields, tensors, problem):
+    path = tmp_path / "crafted.gguf"
+    path.write_bytes(_gguf_bytes(fields, tensors))
+    with pytest.raises(ValueError, match=rf"crafted\.gguf: not a valid GGUF file or truncated \({problem}"):
+        fm.from_pretrained(path)
