@@ -30,11 +30,19 @@ def _run_workers(tiny_config, tmp_path, device, strategies):
     config_file.write_text(json.dumps(runs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).parents[2]), str(Path(__file__).parents[2] / "kernels"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-         str(config_file), str(out_file)], env=env, capture_output=True, text=True, timeout=300,
+         str(config_file), str(out_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        # A rank left waiting (what this test guards against): SIGTERM lets torchrun stop its workers, which
+        # run in sessions of their own and would outlive a SIGKILL of torchrun alone.
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"the workers did not finish in 300 s (a rank waiting for one that failed?): {stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
     results = json.loads(out_file.read_text())
     for strategy in strategies:
         got = results[strategy]
