@@ -166,6 +166,22 @@ def test_safetensors_header_that_lies_about_offsets(tmp_path):
         fm.from_pretrained(tmp_path)
 
 
+def test_safetensors_header_claiming_a_huge_shape(tmp_path):
+    """A header claiming 2**80 elements for a tensor: refused by name before any allocation."""
+    tiny_llama_dir(tmp_path)
+    path = tmp_path / "model.safetensors"
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [2**40, 2**40]
+    new_header = json.dumps(header).encode()
+    new_header += b" " * (-len(new_header) % 8)
+    path.write_bytes(struct.pack("<Q", len(new_header)) + new_header + raw[8 + n:])
+    with pytest.raises(ValueError, match=r"model\.safetensors: the safetensors file is truncated or corrupt"):
+        fm.from_pretrained(tmp_path)
+
+
 def test_safetensors_header_length_beyond_the_file(tmp_path):
     tiny_llama_dir(tmp_path)
     path = tmp_path / "model.safetensors"
