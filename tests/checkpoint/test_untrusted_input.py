@@ -150,34 +150,26 @@ def test_create_model_turns_transformers_validation_into_a_named_error():
         fm.create_model("gpt2", n_layer=1, n_embd="wide", n_head=4)
 
 
-def test_safetensors_header_that_lies_about_offsets(tmp_path):
-    tiny_llama_dir(tmp_path)
-    path = tmp_path / "model.safetensors"
+def _crafted_safetensors_header(folder, field, rewrite):
+    """Rewrite ``field`` of the first tensor's entry in folder's model.safetensors header with ``rewrite(old)``."""
+    path = folder / "model.safetensors"
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
     name = next(k for k in header if k != "__metadata__")
-    start, end = header[name]["data_offsets"]
-    header[name]["data_offsets"] = [start, end + 10**9]  # points far past the end of the file
+    header[name][field] = rewrite(header[name][field])
     new_header = json.dumps(header).encode()
     new_header += b" " * (-len(new_header) % 8)
     path.write_bytes(struct.pack("<Q", len(new_header)) + new_header + raw[8 + n:])
-    with pytest.raises(ValueError, match=r"model\.safetensors: the safetensors file is truncated or corrupt"):
-        fm.from_pretrained(tmp_path)
 
 
-def test_safetensors_header_claiming_a_huge_shape(tmp_path):
-    """A header claiming 2**80 elements for a tensor: refused by name before any allocation."""
+@pytest.mark.parametrize("field, rewrite", [
+    ("data_offsets", lambda offsets: [offsets[0], offsets[1] + 10**9]),  # points far past the end of the file
+    ("shape", lambda shape: [2**40, 2**40]),  # 2**80 elements: refused before any allocation
+], ids=["offsets", "shape"])
+def test_safetensors_header_that_lies(tmp_path, field, rewrite):
     tiny_llama_dir(tmp_path)
-    path = tmp_path / "model.safetensors"
-    raw = path.read_bytes()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k != "__metadata__")
-    header[name]["shape"] = [2**40, 2**40]
-    new_header = json.dumps(header).encode()
-    new_header += b" " * (-len(new_header) % 8)
-    path.write_bytes(struct.pack("<Q", len(new_header)) + new_header + raw[8 + n:])
+    _crafted_safetensors_header(tmp_path, field, rewrite)
     with pytest.raises(ValueError, match=r"model\.safetensors: the safetensors file is truncated or corrupt"):
         fm.from_pretrained(tmp_path)
 
