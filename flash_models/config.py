@@ -23,17 +23,65 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not supported; use one of {choices}")
 
 
-def check_finite_values(fields: dict, prefix: str = "") -> None:
+# What a config may ask for. A config.json is untrusted input, and JSON integers have no size limit: these are
+# checked on the raw fields, before anything is built or allocated.
+# - Every integer anywhere must fit in int64 (what torch and the kernels' arguments hold).
+# - A model dimension must fit in int32: the kernels index rows, vocabularies and positions in int32.
+# - The number of layers is bounded by 10x the deepest transformer published (DeepNet, 1000 layers): even on the
+#   meta device a layer takes about a millisecond to build, so 10**8 layers would hang the loader.
+# - The parameters those sizes imply (an upper estimate: embeddings, and per layer 4 h^2 for attention and
+#   3 h x intermediate for a gated MLP) are bounded by 10**13, 20 TB in bfloat16, far beyond any checkpoint; with
+#   every size in int32, a single weight's element count could otherwise overflow int64.
+MAX_INT = 2**63 - 1
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 10_000
+MAX_PARAMETERS = 10**13
+# Model dimensions under every supported family's HF spelling (GPT-2 and GPT-J: n_*; OPT: ffn_dim, ...).
+WIDTH_FIELDS = ("hidden_size", "n_embd", "d_model")
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+INTERMEDIATE_FIELDS = ("intermediate_size", "n_inner", "ffn_dim")
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx")
+SIZE_FIELDS = (*WIDTH_FIELDS, *LAYER_FIELDS, *INTERMEDIATE_FIELDS, *POSITION_FIELDS, "vocab_size",
+               "num_attention_heads", "n_head", "num_key_value_heads", "head_dim", "rotary_dim",
+               "word_embed_proj_dim", "type_vocab_size", "image_size", "patch_size", "num_channels")
+
+
+def check_numbers(fields: dict, prefix: str = "") -> None:
     """Refuse NaN and infinity anywhere in a config's fields (nested dicts and lists too): JSON's 1e999 reads
-    as inf, and a non-finite epsilon, theta or scale gives a model that computes nothing but NaN."""
+    as inf, and a non-finite epsilon, theta or scale gives a model that computes nothing but NaN. Refuse
+    integers beyond int64 too (JSON reads 10**30 as a Python int; torch would fail on it deep inside)."""
     for key, value in fields.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            check_finite_values(value, prefix=name + ".")
+            check_numbers(value, prefix=name + ".")
         elif isinstance(value, (list, tuple)):
-            check_finite_values({f"[{i}]": v for i, v in enumerate(value)}, prefix=name)
+            check_numbers({f"[{i}]": v for i, v in enumerate(value)}, prefix=name)
         elif isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"config value {name}={value} is not a finite number")
+        elif isinstance(value, int) and not -MAX_INT - 1 <= value <= MAX_INT:
+            raise ValueError(f"config value {name}={value} does not fit in a 64-bit integer")
+
+
+def check_model_size(fields: dict) -> None:
+    """Refuse model sizes no machine could hold, before anything is built (see MAX_SIZE, MAX_LAYERS and
+    MAX_PARAMETERS): ``fields`` are an HF config's, under the family's own names."""
+    sizes = {name: fields[name] for name in SIZE_FIELDS if isinstance(fields.get(name), int)}
+    for name, value in sizes.items():
+        limit = MAX_LAYERS if name in LAYER_FIELDS else MAX_SIZE
+        if value > limit:
+            raise ValueError(f"config value {name}={value} is too large: at most {limit} "
+                             f"({'layers' if name in LAYER_FIELDS else 'an int32 dimension'})")
+
+    def first(names, default=0):
+        return next((sizes[n] for n in names if n in sizes), default)
+
+    width = first(WIDTH_FIELDS)
+    per_layer = 4 * width * width + 3 * width * first(INTERMEDIATE_FIELDS, 4 * width)
+    embeddings = (sizes.get("vocab_size", 0) + first(POSITION_FIELDS)) * width
+    parameters = embeddings + first(LAYER_FIELDS) * per_layer
+    if parameters > MAX_PARAMETERS:
+        raise ValueError(f"the config's sizes ({', '.join(f'{k}={v}' for k, v in sizes.items())}) imply about "
+                         f"{parameters:.3g} parameters, more than the {MAX_PARAMETERS:.0e} any checkpoint could hold")
 
 
 def head_dim_of(hidden_size: int, num_heads: int) -> int:
@@ -81,7 +129,7 @@ class RopeConfig:
 
     def __post_init__(self):
         check_choice("rope_type", self.rope_type, ROPE_TYPES)
-        check_finite_values({k: v for k, v in vars(self).items() if isinstance(v, float)}, prefix="rope.")
+        check_numbers({k: v for k, v in vars(self).items() if isinstance(v, float)}, prefix="rope.")
         check_positive(rope_theta=self.theta, rope_factor=self.factor,
                        max_position_embeddings=self.max_position_embeddings)
         if self.rotary_dim % 2 or self.rotary_dim < 0:

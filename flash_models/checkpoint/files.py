@@ -35,13 +35,31 @@ def weight_files(directory: Path) -> list[Path]:
         path = directory / name
         if path.is_file():
             if name.endswith(".index.json"):
-                shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+                shards = _shard_names(path)
                 missing = [s for s in shards if not (directory / s).is_file()]
                 if missing:
                     raise FileNotFoundError(f"{path} lists shards that are not in {directory}: {missing}")
                 return [directory / s for s in shards]
             return [path]
     raise FileNotFoundError(f"no weights in {directory}: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files a sharded checkpoint's index names: plain file names in the index's own folder (as HF
+    writes them). A name with a folder in it (``../``, an absolute path) is refused: a crafted index must not make
+    the loader read files outside the checkpoint folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{index} is not a checkpoint index (a JSON object with a weight_map): {err!r}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
+    shards = sorted(set(weight_map.values()))
+    outside = [s for s in shards if s in ("", ".", "..") or Path(s).name != s or "\\" in s]
+    if outside:
+        raise ValueError(f"{index} names shards outside its folder: {outside[:5]}; shards must be file names in "
+                         f"{index.parent}")
+    return shards
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

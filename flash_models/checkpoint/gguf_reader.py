@@ -10,6 +10,7 @@ dequantizes them unchanged.
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -108,13 +109,15 @@ class GGUFFile:
             name = self._string()
             dims = tuple(self._unpack("<Q") for _ in range(self._unpack("<I")))
             infos.append((name, dims, self._unpack("<I"), self._unpack("<Q")))
-        alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0:
+            raise ValueError(f"general.alignment must be a positive integer, got {alignment!r}")
         data_start = -(-self._pos // alignment) * alignment
         self.tensors: list[GGUFTensor] = []
         for name, dims, raw_type, offset in infos:
             qtype = gguf.GGMLQuantizationType(raw_type)
             block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            n_elements = int(np.prod(dims)) if dims else 1
+            n_elements = math.prod(dims)  # exact: numpy's int64 product wraps around on crafted dims
             np_shape = tuple(reversed(dims))
             plain = _PLAIN_TYPES.get(qtype.name)
             if plain is not None:

@@ -11,7 +11,7 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 
-from ..config import check_finite_values
+from ..config import check_model_size, check_numbers
 from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
@@ -34,7 +34,9 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "auto", device="meta"):
     """Our model for an HF config, on ``device`` (meta: no memory, for loading or inspecting)."""
-    check_finite_values(hf_config.to_dict())
+    fields = hf_config.to_dict()
+    check_numbers(fields)
+    check_model_size(fields)
     family = get_family(hf_config.model_type)
     config = family.config_class.from_hf(hf_config)
     with torch.device(device):
@@ -53,7 +55,8 @@ def _read_hf_config(directory: Path):
         raise ValueError(f"{config_path} must hold a JSON object of config fields, got a {type(fields).__name__}")
     get_family(fields.get("model_type"))  # our clear error for an unsupported type, before transformers' own
     try:
-        check_finite_values(fields)
+        check_numbers(fields)
+        check_model_size(fields)
     except ValueError as err:
         raise ValueError(f"{config_path}: {err}") from None
     return _hf_config(str(config_path), transformers.AutoConfig.from_pretrained, directory)

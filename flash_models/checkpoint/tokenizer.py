@@ -56,8 +56,8 @@ def load_gguf_tokenizer(path: str | Path, *, use_cache: bool = True):
     path = Path(path)
     cached = _gguf_cache_dir(path) if use_cache else None
     if cached is not None and gguf_tokenizer_is_cached(path):
-        return transformers.AutoTokenizer.from_pretrained(cached)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return transformers.AutoTokenizer.from_pretrained(cached, trust_remote_code=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
     if cached is not None:
         try:
             _save_atomically(tokenizer, cached)
@@ -72,4 +72,11 @@ def load_tokenizer(name_or_path: str | Path):
     folder = Path(name_or_path)
     if folder.is_dir():
         require_tokenizer(folder)
-    return transformers.AutoTokenizer.from_pretrained(name_or_path)
+    try:  # never code from the checkpoint (and never transformers' prompt asking whether to run it)
+        return transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise ValueError(f"{name_or_path}: the tokenizer is code shipped with the checkpoint (auto_map in its "
+                         "tokenizer_config.json), and flash_models never runs code from a checkpoint; use a tokenizer "
+                         "transformers implements (a tokenizer.json with a standard tokenizer_class)") from None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..checkpoint.atomic import owns_everything, swap_in, temp_folder_beside
 from ..checkpoint.files import safe_torch_load
-from .distributed import DistState, barrier
+from .distributed import DistState
 
 log = logging.getLogger(__name__)
 
@@ -67,41 +67,71 @@ def _model_and_optim_state(model, optimizer, dist_state: DistState, *, plain_opt
 
 def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, sampler, dist_state: DistState,
                     ema=None, master=None, extra: dict | None = None, keep: int | None = None) -> Path:
-    """Write checkpoint ``step`` under ``directory`` (collective under torchrun: every rank calls)."""
+    """Write checkpoint ``step`` under ``directory`` (collective under torchrun: every rank calls).
+
+    Atomic per folder on any number of ranks: rank 0 makes a temporary folder beside the target and writes the
+    training state there, every rank writes its RNG state into it, and only when every rank reports its
+    files written does rank 0 swap the folder in (checkpoint/atomic.py). A failure on any rank is reported to
+    all of them (each raises, none waits forever at a barrier), and the previous checkpoint stays whole."""
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     model_sd, optim_sd = _model_and_optim_state(model, optimizer, dist_state, plain_optimizer=master is not None)
     ema_sd = ema.state_dict() if ema is not None else None
-    tmp_name = None
-    if dist_state.is_main:
-        tmp = temp_folder_beside(final)
-        tmp_name = tmp.name
+    tmp, failure = None, None
     try:
-        if dist_state.is_main:
-            torch.save({
-                "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                "sampler": sampler.state_dict(), "ema": ema_sd, "master": master.state_dict() if master is not None else None,
-                "extra": extra or {},
-            }, tmp / STATE_FILE)
+        try:
+            if dist_state.is_main:
+                tmp = temp_folder_beside(final)
+                torch.save({
+                    "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                    "sampler": sampler.state_dict(), "ema": ema_sd,
+                    "master": master.state_dict() if master is not None else None, "extra": extra or {},
+                }, tmp / STATE_FILE)
+        except Exception as err:  # noqa: BLE001 (reported to every rank below, then raised)
+            failure = err
         if dist_state.initialized:
-            names = [tmp_name]
+            names = [tmp.name if tmp is not None else None]
             dist.broadcast_object_list(names, src=0)
-            tmp_name = names[0]
-        tmp = directory / tmp_name
-        torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
-        barrier(dist_state)
-        if dist_state.is_main:
-            swap_in(tmp, final, owned=owns_everything)
-            _write_text_atomic(directory / "latest", final.name)
-            if keep:
-                for old in sorted(directory.glob("step_*"))[:-keep]:
-                    shutil.rmtree(old, ignore_errors=True)
+            tmp = directory / names[0] if names[0] is not None else None
+        try:
+            if tmp is not None:
+                torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
+        except Exception as err:  # noqa: BLE001
+            failure = failure or err
+        _raise_unless_every_rank_succeeded(dist_state, failure, f"writing checkpoint {final}")
+        try:
+            if dist_state.is_main:
+                swap_in(tmp, final, owned=owns_everything)
+                _write_text_atomic(directory / "latest", final.name)
+                if keep:
+                    for old in sorted(directory.glob("step_*"))[:-keep]:
+                        shutil.rmtree(old, ignore_errors=True)
+        except Exception as err:  # noqa: BLE001
+            failure = err
+        _raise_unless_every_rank_succeeded(dist_state, failure, f"swapping in checkpoint {final}")
     finally:
-        if dist_state.is_main:
-            shutil.rmtree(directory / tmp_name, ignore_errors=True)  # gone already after the swap
-    barrier(dist_state)
+        if dist_state.is_main and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already after the swap
     log.info("saved checkpoint %s", final)
     return final
+
+
+def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception | None, what: str) -> None:
+    """Every rank learns whether every rank succeeded (a collective: in place of a barrier, which would leave
+    the others waiting for a rank that failed): this rank's own error is raised as it is, another rank's
+    error as a RuntimeError naming that rank."""
+    if not dist_state.initialized:
+        if failure is not None:
+            raise failure
+        return
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    failed = {rank: report for rank, report in enumerate(reports) if report is not None}
+    if failed:
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)} ({'; '.join(failed.values())}); the "
+                           "previous checkpoint is kept")
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

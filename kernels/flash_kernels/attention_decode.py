@@ -169,47 +169,69 @@ COMBINE_ONE_WARP_ELEMENTS = 4096
 
 @triton.jit
 def _kv_rows(BlockTable, b64, offs_n, n_ok, stride_btb, stride_kb, stride_ks, stride_vb, stride_vs, page_size,
-             PAGED: tl.constexpr):
-    """Element offsets of cache rows ``offs_n`` of batch row b in K and V (through the block table if paged)."""
+             n_pages, PAGED: tl.constexpr):
+    """(K offsets, V offsets, which rows to read) for cache rows ``offs_n`` of batch row b: the rows in ``n_ok``,
+    paged through the block table, less those whose page id is outside the pool's [0, n_pages). The host checks
+    the ids where that costs no sync, but a CUDA graph's replay runs no host code: such a row is clamped to a
+    real page (its address stays inside the pool) and left out (its load is masked, its score -inf)."""
     if PAGED:
-        page = tl.load(BlockTable + b64 * stride_btb + offs_n // page_size, mask=n_ok, other=0).to(tl.int64)
-        return page * stride_kb + (offs_n % page_size) * stride_ks, page * stride_vb + (offs_n % page_size) * stride_vs
-    return b64 * stride_kb + offs_n.to(tl.int64) * stride_ks, b64 * stride_vb + offs_n.to(tl.int64) * stride_vs
+        page = tl.load(BlockTable + b64 * stride_btb + offs_n // page_size, mask=n_ok, other=0)
+        ok = n_ok & (page >= 0) & (page < n_pages)
+        page = tl.minimum(tl.maximum(page, 0), n_pages - 1).to(tl.int64)
+        return (page * stride_kb + (offs_n % page_size) * stride_ks,
+                page * stride_vb + (offs_n % page_size) * stride_vs, ok)
+    return b64 * stride_kb + offs_n.to(tl.int64) * stride_ks, b64 * stride_vb + offs_n.to(tl.int64) * stride_vs, n_ok
+
+
+@triton.jit
+def _load_keys(ptrs, ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (N, BLOCK_D) tile of cache rows, zeros in the rows not ``ok``; masked along the head dim only where it is
+    padded (see ``_load_rows``)."""
+    if HEAD_DIM == BLOCK_D:
+        return tl.load(ptrs, mask=ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
 
 
 @triton.jit
 def _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh, stride_vb,
-             stride_vs, stride_vh, page_size, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr):
-    """(K, V) rows ``offs_n`` of kv head hk of batch row b, (N, D) each; rows from ``hi`` on read as zeros."""
-    k_rows, v_rows = _kv_rows(BlockTable, b64, offs_n, offs_n < hi, stride_btb, stride_kb, stride_ks, stride_vb,
-                              stride_vs, page_size, PAGED)
-    k = _load_rows(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)
-    v = _load_rows(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], offs_n, hi, offs_d, HEAD_DIM, BLOCK_D, True)
-    return k, v
+             stride_vs, stride_vh, page_size, n_pages, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             PAGED: tl.constexpr):
+    """(K, V, keys) for rows ``offs_n`` of kv head hk of batch row b: K and V (N, D) each, zeros in the rows that
+    are not keys (from ``hi`` on, or on a page outside the pool: ``keys`` is False there)."""
+    k_rows, v_rows, keys = _kv_rows(BlockTable, b64, offs_n, offs_n < hi, stride_btb, stride_kb, stride_ks, stride_vb,
+                                    stride_vs, page_size, n_pages, PAGED)
+    k = _load_keys(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], keys, offs_d, HEAD_DIM, BLOCK_D)
+    v = _load_keys(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], keys, offs_d, HEAD_DIM, BLOCK_D)
+    return k, v, keys
 
 
 @triton.jit
-def _with_fresh_rows(k, v, K, V, BlockTable, b64, hk, offs_n, hi, fresh_from, offs_d, stride_btb, stride_kb,
-                     stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM: tl.constexpr,
+def _with_fresh_rows(k, v, keys, K, V, BlockTable, b64, hk, offs_n, hi, fresh_from, offs_d, stride_btb, stride_kb,
+                     stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, n_pages, HEAD_DIM: tl.constexpr,
                      PAGED: tl.constexpr):
-    """Tiles k, v (read before the wait, zeros in rows ``fresh_from`` on) with those rows (below ``hi``) read now."""
+    """Tiles k, v, keys (read before the wait, for the rows below ``fresh_from``) with the rows from ``fresh_from``
+    to ``hi`` read now."""
     fresh = (offs_n >= fresh_from) & (offs_n < hi)
-    k_rows, v_rows = _kv_rows(BlockTable, b64, offs_n, fresh, stride_btb, stride_kb, stride_ks, stride_vb, stride_vs,
-                              page_size, PAGED)
-    mask = fresh[:, None] & (offs_d[None, :] < HEAD_DIM)
+    k_rows, v_rows, fresh_keys = _kv_rows(BlockTable, b64, offs_n, fresh, stride_btb, stride_kb, stride_ks, stride_vb,
+                                          stride_vs, page_size, n_pages, PAGED)
+    mask = fresh_keys[:, None] & (offs_d[None, :] < HEAD_DIM)
     k = tl.where(fresh[:, None], tl.load(K + k_rows[:, None] + hk * stride_kh + offs_d[None, :], mask=mask, other=0.0), k)
     v = tl.where(fresh[:, None], tl.load(V + v_rows[:, None] + hk * stride_vh + offs_d[None, :], mask=mask, other=0.0), v)
-    return k, v
+    return k, v, keys | fresh_keys
 
 
 @triton.jit
-def _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right, scale_log2, softcap, slope_log2,
-                 kv_lo, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, DOT_F32: tl.constexpr):
+def _attend_tile(q, k, v, keys, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right, scale_log2, softcap,
+                 slope_log2, kv_lo, PAGED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                 LEFTPAD: tl.constexpr, DOT_F32: tl.constexpr):
     """The online softmax over one key tile: (m_i, l_i, acc) updated. ``slope_log2`` (ALIBI) is per row (M, 1);
-    with LEFTPAD the keys before ``kv_lo`` are invisible."""
+    with LEFTPAD the keys before ``kv_lo`` are invisible; PAGED: so are the rows on no valid page (not ``keys``:
+    the other rows past the keys are masked by their position)."""
     qk = _mm(q, tl.trans(k), None, DOT_F32)  # (M, N)
     s, _ = _scores(qk, i[:, None], offs_n[None, :], seqlen_q, len_k, left, right, scale_log2, softcap, slope_log2,
                    SOFTCAP, ALIBI, True)
+    if PAGED:
+        s = tl.where(keys[None, :], s, float("-inf"))
     if LEFTPAD:
         s = tl.where(offs_n[None, :] >= kv_lo, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -228,7 +250,7 @@ def _decode_split_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ps, stride_pb, stride_ph, stride_pq, stride_lps, stride_lpb, stride_lph,
     stride_ob, stride_os, stride_oh, stride_ab,
-    seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size, capacity,
+    seqlen_q, n_new, group, n_kv_heads, left, right, chunk, page_size, n_pages, capacity,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, DOT_F32: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH_KV: tl.constexpr, PREFETCH_TILES: tl.constexpr,
@@ -262,20 +284,21 @@ def _decode_split_kernel(
     fresh_from = len_k - tl.maximum(seqlen_q, n_new)  # the keys the kernel before may be appending
     if PREFETCH_KV == 1:  # PREFETCH_REGISTERS: the first key tiles into registers, all but their fresh rows
         first = lo + tl.arange(0, BLOCK_N)
-        k0, v0 = _kv_tile(K, V, BlockTable, b64, hk, first, tl.minimum(hi, fresh_from), offs_d, stride_btb, stride_kb,
-                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
+        k0, v0, keys0 = _kv_tile(K, V, BlockTable, b64, hk, first, tl.minimum(hi, fresh_from), offs_d, stride_btb,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, n_pages,
+                                 HEAD_DIM, BLOCK_D, PAGED)
         if PREFETCH_TILES == 2:
-            k1, v1 = _kv_tile(K, V, BlockTable, b64, hk, first + BLOCK_N, tl.minimum(hi, fresh_from), offs_d,
-                              stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size,
-                              HEAD_DIM, BLOCK_D, PAGED)
+            k1, v1, keys1 = _kv_tile(K, V, BlockTable, b64, hk, first + BLOCK_N, tl.minimum(hi, fresh_from), offs_d,
+                                     stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                     page_size, n_pages, HEAD_DIM, BLOCK_D, PAGED)
         wait_for_predecessor(PDL)
-        k0, v0 = _with_fresh_rows(k0, v0, K, V, BlockTable, b64, hk, first, hi, fresh_from, offs_d, stride_btb,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM,
-                                  PAGED)
+        k0, v0, keys0 = _with_fresh_rows(k0, v0, keys0, K, V, BlockTable, b64, hk, first, hi, fresh_from, offs_d,
+                                         stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                         page_size, n_pages, HEAD_DIM, PAGED)
         if PREFETCH_TILES == 2:
-            k1, v1 = _with_fresh_rows(k1, v1, K, V, BlockTable, b64, hk, first + BLOCK_N, hi, fresh_from, offs_d,
-                                      stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                      page_size, HEAD_DIM, PAGED)
+            k1, v1, keys1 = _with_fresh_rows(k1, v1, keys1, K, V, BlockTable, b64, hk, first + BLOCK_N, hi,
+                                             fresh_from, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
+                                             stride_vb, stride_vs, stride_vh, page_size, n_pages, HEAD_DIM, PAGED)
     offs_r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_r < group * seqlen_q
     g = offs_r // seqlen_q
@@ -298,10 +321,11 @@ def _decode_split_kernel(
                 wait_for_predecessor(PDL)
                 q = _load_rows(q_ptrs, offs_r, group * seqlen_q, offs_d, HEAD_DIM, BLOCK_D, True)
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
-            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+            k, v, keys = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, page_size, n_pages, HEAD_DIM, BLOCK_D,
+                                  PAGED)
+            m_i, l_i, acc = _attend_tile(q, k, v, keys, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, slope_log2, kv_lo, PAGED, SOFTCAP, ALIBI, LEFTPAD,
                                          DOT_F32)
         if stale_hi == lo:
             wait_for_predecessor(PDL)
@@ -309,10 +333,11 @@ def _decode_split_kernel(
         # Unpipelined, as measured: only the tile holding the fresh keys runs here (in the last split).
         for start_n in tl.range(stale_hi, hi, BLOCK_N, num_stages=1):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)
-            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+            k, v, keys = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, page_size, n_pages, HEAD_DIM, BLOCK_D,
+                                  PAGED)
+            m_i, l_i, acc = _attend_tile(q, k, v, keys, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, slope_log2, kv_lo, PAGED, SOFTCAP, ALIBI, LEFTPAD,
                                          DOT_F32)
         start = hi
     else:
@@ -321,35 +346,37 @@ def _decode_split_kernel(
         # Tiles start BLOCK_N-aligned and a chunk ends on a multiple of BLOCK_N: a tile starting before ``hi``
         # holds no key of the next chunk.
         if lo < hi:
-            m_i, l_i, acc = _attend_tile(q, k0, v0, m_i, l_i, acc, i, first, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+            m_i, l_i, acc = _attend_tile(q, k0, v0, keys0, m_i, l_i, acc, i, first, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, slope_log2, kv_lo, PAGED, SOFTCAP, ALIBI, LEFTPAD,
                                          DOT_F32)
         if PREFETCH_TILES == 2:  # noqa: SIM102 (a compile-time branch: k1 and v1 exist only in it)
             if lo + BLOCK_N < hi:
-                m_i, l_i, acc = _attend_tile(q, k1, v1, m_i, l_i, acc, i, first + BLOCK_N, seqlen_q, len_k, left,
-                                             right, scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
-                                         DOT_F32)
+                m_i, l_i, acc = _attend_tile(q, k1, v1, keys1, m_i, l_i, acc, i, first + BLOCK_N, seqlen_q, len_k,
+                                             left, right, scale_log2, softcap, slope_log2, kv_lo, PAGED, SOFTCAP,
+                                             ALIBI, LEFTPAD, DOT_F32)
         start = lo + PREFETCH_TILES * BLOCK_N
     if PREFETCH_NEXT:
-        k_next, v_next = _kv_tile(K, V, BlockTable, b64, hk, start + tl.arange(0, BLOCK_N), hi, offs_d, stride_btb,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size,
-                                  HEAD_DIM, BLOCK_D, PAGED)
+        k_next, v_next, keys_next = _kv_tile(K, V, BlockTable, b64, hk, start + tl.arange(0, BLOCK_N), hi, offs_d,
+                                             stride_btb, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                             stride_vh, page_size, n_pages, HEAD_DIM, BLOCK_D, PAGED)
         for start_n in range(start, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k, v = k_next, v_next
-            k_next, v_next = _kv_tile(K, V, BlockTable, b64, hk, offs_n + BLOCK_N, hi, offs_d, stride_btb, stride_kb,
-                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM,
-                                      BLOCK_D, PAGED)  # past the chunk's end: masked, nothing read
-            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+            k, v, keys = k_next, v_next, keys_next
+            k_next, v_next, keys_next = _kv_tile(K, V, BlockTable, b64, hk, offs_n + BLOCK_N, hi, offs_d, stride_btb,
+                                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                                 page_size, n_pages, HEAD_DIM, BLOCK_D,
+                                                 PAGED)  # past the chunk's end: masked, nothing read
+            m_i, l_i, acc = _attend_tile(q, k, v, keys, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, slope_log2, kv_lo, PAGED, SOFTCAP, ALIBI, LEFTPAD,
                                          DOT_F32)
     else:
         for start_n in range(start, hi, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
-            k, v = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, page_size, HEAD_DIM, BLOCK_D, PAGED)  # (N, D) each
-            m_i, l_i, acc = _attend_tile(q, k, v, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
-                                         scale_log2, softcap, slope_log2, kv_lo, SOFTCAP, ALIBI, LEFTPAD,
+            k, v, keys = _kv_tile(K, V, BlockTable, b64, hk, offs_n, hi, offs_d, stride_btb, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, page_size, n_pages, HEAD_DIM, BLOCK_D,
+                                  PAGED)  # (N, D) each
+            m_i, l_i, acc = _attend_tile(q, k, v, keys, m_i, l_i, acc, i, offs_n, seqlen_q, len_k, left, right,
+                                         scale_log2, softcap, slope_log2, kv_lo, PAGED, SOFTCAP, ALIBI, LEFTPAD,
                                          DOT_F32)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if SINGLE_SPLIT:  # a row that saw no key gets zeros (acc is 0 there)
@@ -455,9 +482,10 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, leftpad
     capacity = _capacity(k_cache, block_table)
     s_new = k.shape[1] if k is not None else 0
     if k is not None:
-        # Clamped: a length the caller could not check (in a CUDA graph's capture) writes inside the cache.
+        # Clamped: a length the caller could not check (in a CUDA graph's capture) writes inside the cache. The
+        # Triton append, as the attention, also skips a page outside the pool (see slot_location).
         slots = (cache_seqlens[:, None] + torch.arange(s_new, device=k.device, dtype=cache_seqlens.dtype))
-        kv_append(k_cache, v_cache, k, v, slots.clamp_(0, capacity - 1), block_table=block_table)
+        kv_append(k_cache, v_cache, k, v, slots.clamp_(0, capacity - 1), block_table=block_table, backend="triton")
     bsz, seqlen_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
@@ -495,7 +523,7 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, leftpad
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), table.stride(0),
         opart.stride(0), opart.stride(1), opart.stride(2), opart.stride(3), lpart.stride(0), lpart.stride(1), lpart.stride(2),
         out.stride(0), out.stride(1), out.stride(2), 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1, capacity,
+        seqlen_q, s_new, group, hkv, left, right, chunk, k_cache.shape[1] if paged else 1, k_cache.shape[0], capacity,
         HEAD_DIM=d, BLOCK_D=bd, BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, SOFTCAP=softcap > 0,
         ALIBI=alibi is not None, LEFTPAD=leftpad is not None, DOT_F32=dot_f32,
         SINGLE_SPLIT=single, PDL=pdl, PREFETCH_KV=prefetch, PREFETCH_TILES=_prefetch_tiles(bd),
@@ -701,8 +729,13 @@ def flash_attn_with_kvcache(
     row cache_batch_idx[b] (per-row caches only). ``alibi_slopes`` (Hq,) or (B, Hq) float32. ``num_splits``: how
     many chunks the cache is split into (0: a heuristic). Returns (B, S_q, Hq, D), and with
     ``return_softmax_lse`` also the log-sum-exp (B, Hq, S_q) float32 (-inf for a row that sees no key). No
-    backward (as in FA2). Cache lengths are checked without a host sync: a ValueError on the CPU, a device
-    assert on CUDA (not during a CUDA graph's capture, where the kernel still never reads past the cache).
+    backward (as in FA2). Cache lengths, ``cache_leftpad`` and the page ids of ``block_table`` (rows of
+    ``cache_batch_idx``) are checked without a host sync: a ValueError on the CPU, a device assert on CUDA. A CUDA
+    graph's replay checks nothing (its host code does not run), so the kernels bound what they read themselves:
+    keys past the capacity are not read, and a page (row) id outside the pool's [0, num_blocks) is clamped into
+    it for the address and left out: its keys are masked from the softmax (the row attends over its other keys;
+    with none left its output is zeros and its lse -inf, as for an empty cache) and the append writes nothing
+    there.
 
     Inside ``flash_kernels.programmatic_launch()`` the kernel reads the cache, ``cache_seqlens``, ``block_table``
     (or ``cache_batch_idx``), ``cache_leftpad`` and ``alibi_slopes`` before it waits for the kernel launched just

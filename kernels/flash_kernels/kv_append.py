@@ -41,9 +41,11 @@ def kv_append_ref(
 
 
 @triton.jit
-def slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED: tl.constexpr):
+def slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, n_blocks, PAGED: tl.constexpr):
     """The device side of ``cache_locations`` for token (b, s): its (row, slot) in a per-row cache, or
-    (block, offset) in a paged pool. Shared with rotary_append.py's fused kernel."""
+    (block, offset) in a paged pool, and whether to write there: not when the block table names a block outside
+    the pool's [0, n_blocks) (the host checks tables where that costs no sync; a CUDA graph's replay runs no host
+    code, and a write there would land outside the pool). Shared with rotary_append.py's fused kernel."""
     slot = tl.load(SLOTS + b * s_slb + s * s_sls)
     if PAGED:
         first = tl.load(TABLE + b * s_tb + slot // block_size).to(tl.int64)
@@ -51,13 +53,13 @@ def slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED: tl.
     else:
         first = b.to(tl.int64)
         second = slot
-    return first, second
+    return first, second, (first >= 0) & (first < n_blocks)
 
 
 @lean_launch
 @triton.jit
 def _kv_append_kernel(
-    KC, VC, K, V, SLOTS, TABLE, seqlen, head_dim, block_size,
+    KC, VC, K, V, SLOTS, TABLE, seqlen, head_dim, block_size, n_blocks,
     s_kc0, s_kc1, s_kch, s_vc0, s_vc1, s_vch, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_slb, s_sls, s_tb,
     PAGED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -65,9 +67,9 @@ def _kv_append_kernel(
     token = tl.program_id(0)  # b * seqlen + s
     h = tl.program_id(1)
     b, s = token // seqlen, token % seqlen
-    first, second = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED)
+    first, second, inside = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, n_blocks, PAGED)
     d = tl.arange(0, BLOCK_D)
-    m = d < head_dim
+    m = (d < head_dim) & inside
     k = tl.load(K + b * s_kb + s * s_ks + h * s_kh + d, mask=m)
     v = tl.load(V + b * s_vb + s * s_vs + h * s_vh + d, mask=m)
     tl.store(KC + first * s_kc0 + second * s_kc1 + h * s_kch + d, k.to(KC.dtype.element_ty), mask=m)
@@ -79,7 +81,7 @@ def _kv_append_triton(k_cache, v_cache, k, v, slots, block_table) -> None:
     table = block_table if block_table is not None else slots  # a stand-in pointer, never read
     pdl = programmatic_launch_enabled(k.device)
     _kv_append_kernel[(B * S, H)](
-        k_cache, v_cache, k, v, slots, table, S, D, k_cache.shape[1],
+        k_cache, v_cache, k, v, slots, table, S, D, k_cache.shape[1], k_cache.shape[0],
         *k_cache.stride()[:3], *v_cache.stride()[:3], *k.stride()[:3], *v.stride()[:3], *slots.stride(),
         table.stride(0), PAGED=block_table is not None, BLOCK_D=next_power_of_2(D), PDL=pdl, **launch_options(pdl),
     )
@@ -118,7 +120,8 @@ def kv_append(
 ) -> None:
     """Store k, v (B, S, Hkv, D) at logical positions ``slots`` (B, S) of k_cache, v_cache, in place: per-row
     caches (B, L, Hkv, D), or paged pools with ``block_table`` (see the module docstring). Slots are not
-    bounds-checked on the device (that would sync): the caller keeps them inside the cache."""
+    bounds-checked (that would sync): the caller keeps them inside the cache. On the Triton path a token whose
+    block id is outside the pool is not written."""
     _check(k_cache, v_cache, k, v, slots, block_table)
     if use_triton(backend, k, op="kv_append"):
         _kv_append_op(k_cache, v_cache, k, v, slots, block_table)

@@ -57,7 +57,7 @@ def rotary_kv_append_ref(
 @lean_launch
 @triton.jit
 def _rotary_kv_append_kernel(
-    QKV, Q, KC, VC, COS, SIN, POS, SLOTS, TABLE, S, HQ, HKV, HALF, D, max_pos, block_size,
+    QKV, Q, KC, VC, COS, SIN, POS, SLOTS, TABLE, S, HQ, HKV, HALF, D, max_pos, block_size, n_blocks,
     s_xb, s_xs, s_xh, s_qb, s_qs, s_qh, s_kc0, s_kc1, s_kch, s_vc0, s_vc1, s_vch,
     s_cos, s_sin, s_pb, s_ps, s_slb, s_sls, s_tb,
     INTERLEAVED: tl.constexpr, PAGED: tl.constexpr, PARTIAL: tl.constexpr,
@@ -74,8 +74,8 @@ def _rotary_kv_append_kernel(
     d = tl.arange(0, BLOCK_D)
     if blk >= q_blocks + kv_blocks:  # v heads: into the v cache as they are
         h = (blk - q_blocks - kv_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-        row, slot = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED)
-        m = (h[:, None] < HKV) & (d[None, :] < D)
+        row, slot, inside = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, n_blocks, PAGED)
+        m = (h[:, None] < HKV) & (d[None, :] < D) & inside
         v = tl.load(x_token + (HQ + HKV + h[:, None]) * s_xh + d[None, :], mask=m)
         tl.store(VC + row * s_vc0 + slot * s_vc1 + h[:, None] * s_vch + d[None, :], v.to(VC.dtype.element_ty), mask=m)
     else:  # q or k heads: rotate
@@ -99,13 +99,13 @@ def _rotary_kv_append_kernel(
             if PARTIAL:
                 tl.store(q_rows + d[None, :], tl.load(x_rows + d[None, :], mask=pass_mask), mask=pass_mask)
         else:
-            row, slot = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, PAGED)
+            row, slot, inside = slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, n_blocks, PAGED)
             k_rows = KC + row * s_kc0 + slot * s_kc1 + h[:, None] * s_kch
-            tl.store(k_rows + first[None, :], o1.to(KC.dtype.element_ty), mask=mask)
-            tl.store(k_rows + second[None, :], o2.to(KC.dtype.element_ty), mask=mask)
+            tl.store(k_rows + first[None, :], o1.to(KC.dtype.element_ty), mask=mask & inside)
+            tl.store(k_rows + second[None, :], o2.to(KC.dtype.element_ty), mask=mask & inside)
             if PARTIAL:
                 rest = tl.load(x_rows + d[None, :], mask=pass_mask)
-                tl.store(k_rows + d[None, :], rest.to(KC.dtype.element_ty), mask=pass_mask)
+                tl.store(k_rows + d[None, :], rest.to(KC.dtype.element_ty), mask=pass_mask & inside)
 
 
 def _rotary_kv_append(
@@ -126,7 +126,7 @@ def _rotary_kv_append(
     grid = (B * S, cdiv(num_q_heads, block_h) + 2 * cdiv(hkv, block_h))
     _rotary_kv_append_kernel[grid](
         qkv, q, k_cache, v_cache, cos, sin, position_ids, slots, table, S, num_q_heads, hkv, half, D,
-        cos.shape[0], k_cache.shape[1], *qkv.stride()[:3], *q.stride()[:3], *k_cache.stride()[:3],
+        cos.shape[0], k_cache.shape[1], k_cache.shape[0], *qkv.stride()[:3], *q.stride()[:3], *k_cache.stride()[:3],
         *v_cache.stride()[:3], cos.stride(0), sin.stride(0), *position_ids.stride(), *slots.stride(),
         table.stride(0), INTERLEAVED=interleaved, PAGED=block_table is not None, PARTIAL=2 * half < D,
         BLOCK_H=block_h, BLOCK_K=next_power_of_2(half), BLOCK_D=block_d, PDL=pdl,

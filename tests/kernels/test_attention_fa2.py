@@ -275,6 +275,98 @@ def test_kernel_never_reads_past_the_cache(paged):
         assert_close(out[b:b + 1], ref, torch.float16, name=f"row {b}")
 
 
+def _skip_foreign_pages_oracle(q, pool_k, pool_v, table, lens, causal):
+    """Attention over each row's first lens[b] keys, leaving out the keys on a page id outside the pool (what the
+    kernel promises when no host check ran): float32, (out, lse); a row with no key left gives zeros and -inf."""
+    n_pages, page = pool_k.shape[:2]
+    sq, hq = q.shape[1], q.shape[2]
+    outs, lses = [], []
+    for b, length in enumerate(lens.tolist()):
+        pos = torch.arange(length, device=q.device)
+        ids = table[b].long()[pos // page]
+        inside = (ids >= 0) & (ids < n_pages)
+        keys = pool_k[ids.clamp(0, n_pages - 1), pos % page].float()  # (L, Hkv, D)
+        values = pool_v[ids.clamp(0, n_pages - 1), pos % page].float()
+        group = hq // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = torch.einsum("shd,lhd->hsl", q[b].float(), keys) * q.shape[-1] ** -0.5
+        visible = inside[None, :].expand(sq, length)
+        if causal:
+            visible = visible & (pos[None, :] <= torch.arange(sq, device=q.device)[:, None] + length - sq)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # (Hq, Sq)
+        probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+        outs.append(torch.einsum("hsl,lhd->shd", probs, values))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _foreign_page_modes(mode, monkeypatch):
+    """The split kernel's paths: the planned splits and merge, one split, the first tiles read ahead of the wait
+    (two register tiles, or the wait in the key loop), and the register-prefetch key loop."""
+    dec = flash_kernels.attention_decode
+    if mode == "single":
+        monkeypatch.setattr(dec, "_split_plan", lambda q, capacity, n_prog_other, num_splits=0: (capacity, 1))
+    monkeypatch.setattr(dec, "_prefetch_kv", lambda device: mode in ("prefetch2", "inloop"))
+    monkeypatch.setattr(dec, "_prefetch_next", lambda chunk, paged, head_dim: mode == "next")
+    chosen = dec.WAIT_IN_LOOP if mode == "inloop" else dec.PREFETCH_REGISTERS
+    monkeypatch.setattr(dec, "_prefetch_mode", lambda block_d, paged, prefetch_next: chosen)
+    monkeypatch.setattr(dec, "_prefetch_tiles", lambda block_d: 2)
+
+
+@pytest.mark.parametrize("mode", ["planned", "single", "prefetch2", "inloop", "next"])
+def test_kernel_skips_pages_outside_the_pool(mode, monkeypatch):
+    """A block table no host check saw (a CUDA graph's replay runs only the kernels: here the launcher is called
+    past the checks) with page ids outside the pool (negative, the pool size, far past it): the kernel reads
+    nothing outside the pool, leaves those pages' keys out of the softmax and appends nothing there. Row 0 mixes
+    valid and foreign pages (a 16-key tile spans two 8-key pages), row 1 is all valid, row 2 all foreign (zeros,
+    lse -inf). Foreign keys would show: the pool's spare pages hold NaN."""
+    _foreign_page_modes(mode, monkeypatch)
+    dec = flash_kernels.attention_decode
+    torch.manual_seed(11)
+    page, hkv, hq, d, sq = 8, 2, 4, 32, 2
+    pool_k, pool_v = _rand(9, page, hkv, d), _rand(9, page, hkv, d)
+    pool_k[7:], pool_v[7:] = float("nan"), float("nan")  # pages no row owns
+    n_pages = 7
+    pool_k, pool_v = pool_k[:n_pages], pool_v[:n_pages]  # the pool: what lies past it is NaN
+    table = torch.tensor([[2, -1, 5, n_pages, 10**6], [0, 1, 3, 4, 6], [-5, n_pages, 8, -(2**31), 2**31 - 1]],
+                         dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([33, 38, 18], dtype=torch.int32, device=DEVICE)
+    q, k, v = _rand(3, sq, hq, d), _rand(3, 2, hkv, d), _rand(3, 2, hkv, d)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    ref_k[6, 6:], ref_v[6, 6:] = k[1], v[1]  # only row 1 appends to a page of the pool (slots 38, 39: page 6)
+    ref, ref_lse = _skip_foreign_pages_oracle(q, ref_k, ref_v, table, lens + 2, causal=True)
+    out, lse = dec._kvcache_impl(q, pool_k, pool_v, lens, k, v, table, None, None, True, d ** -0.5, -1, -1, 0.0,
+                                 return_lse=True)
+    assert torch.equal(pool_k, ref_k) and torch.equal(pool_v, ref_v), "an append wrote to a foreign page"
+    assert_close(out, ref.to(out.dtype), torch.float16, name="out")
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+    assert_close(lse[:2], ref_lse[:2], torch.float32, scale=10, name="lse")
+
+
+def test_kernel_skips_cache_rows_outside_the_cache():
+    """cache_batch_idx read by the kernel alone (no host check): a row index outside the cache reads and writes
+    nothing, and that batch row sees no key; cache_leftpad past the length or negative reads nothing outside."""
+    dec = flash_kernels.attention_decode
+    torch.manual_seed(12)
+    kc, vc = _rand(3, 24, 2, 32), _rand(3, 24, 2, 32)
+    q, k, v = _rand(3, 1, 2, 32), _rand(3, 1, 2, 32), _rand(3, 1, 2, 32)
+    idx = torch.tensor([2, 3, -1], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([10, 5, 7], dtype=torch.int32, device=DEVICE)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref_k[2, 10], ref_v[2, 10] = k[0, 0], v[0, 0]
+    out = dec._kvcache_impl(q, kc, vc, lens, k, v, idx[:, None], None, None, False, 32 ** -0.5, -1, -1, 0.0)[0]
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    assert_close(out[:1], flash_attn_func_ref(q[:1], ref_k[2:3, :11], ref_v[2:3, :11]), torch.float16, name="row 0")
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    leftpad = torch.tensor([-4, 30, 3], dtype=torch.int32, device=DEVICE)
+    kc3, vc3 = kc[:3], vc[:3]
+    out = dec._kvcache_impl(q, kc3, vc3, lens, None, None, None, leftpad, None, False, 32 ** -0.5, -1, -1, 0.0)[0]
+    assert_close(out[0:1], flash_attn_func_ref(q[:1], kc[:1, :10], vc[:1, :10]), torch.float16, name="negative")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # leftpad past the length: no key
+    assert_close(out[2:], flash_attn_func_ref(q[2:], kc[2:, 3:7], vc[2:, 3:7]), torch.float16, name="leftpad")
+
+
 # ---- paged prefill --------------------------------------------------------------------------------------------
 
 
@@ -396,3 +488,37 @@ def test_gpu_graph_replay_with_lengths_past_the_cache(paged):
     full = torch.full_like(lens, capacity)
     assert_close(out, flash_attn_with_kvcache(q, kc, vc, cache_seqlens=full, block_table=table, backend="reference"),
                  torch.bfloat16, name="out")
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_with_pages_outside_the_pool():
+    """A CUDA graph captured with a valid block table (and an append), replayed after some page ids left the pool
+    (negative, the pool size, far past it): the replay checks nothing, and the kernels read and write nothing
+    outside the pool; the foreign pages' keys are left out (row 2 has none left: zeros). The pool's neighbours
+    hold NaN, so a stray read would show."""
+    torch.manual_seed(10)
+    page, n_pages, hkv, hq, d = 64, 40, 4, 16, 128
+    storage_k = _rand(n_pages + 8, page, hkv, d, dtype=torch.bfloat16)
+    storage_v = _rand(n_pages + 8, page, hkv, d, dtype=torch.bfloat16)
+    storage_k[n_pages:], storage_v[n_pages:] = float("nan"), float("nan")
+    pool_k, pool_v = storage_k[:n_pages], storage_v[:n_pages]
+    table = torch.randperm(n_pages, device=DEVICE)[:36].reshape(3, 12).int()
+    lens = torch.tensor([700, 500, 300], dtype=torch.int32, device=DEVICE)
+    q, k, v = _rand(3, 1, hq, d, dtype=torch.bfloat16), _rand(3, 1, hkv, d, dtype=torch.bfloat16), _rand(
+        3, 1, hkv, d, dtype=torch.bfloat16)
+    kw = dict(k=k, v=v, cache_seqlens=lens, block_table=table, return_softmax_lse=True)
+    flash_attn_with_kvcache(q, pool_k, pool_v, **kw)  # warm-up: compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flash_attn_with_kvcache(q, pool_k, pool_v, **kw)
+    table[0, 3], table[0, 10] = -1, n_pages  # row 0: two foreign pages, one of them where it appends
+    table[2] = torch.tensor([10**6, -(2**31), 2**31 - 1, n_pages + 1] * 3, dtype=torch.int32)
+    ref_k, ref_v = pool_k.clone(), pool_v.clone()
+    ref_k[table[1, 500 // page], 500 % page], ref_v[table[1, 500 // page], 500 % page] = k[1, 0], v[1, 0]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(pool_k, ref_k) and torch.equal(pool_v, ref_v), "the append wrote outside row 1's pages"
+    ref, ref_lse = _skip_foreign_pages_oracle(q, pool_k, pool_v, table, lens + 1, causal=False)
+    assert_close(out, ref.to(out.dtype), torch.bfloat16, name="out")
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+    assert_close(lse[:2], ref_lse[:2], torch.float32, scale=100, name="lse")
