@@ -1,8 +1,11 @@
 """Cross-entropy over a large vocabulary, with label smoothing, z-loss and logit scaling.
 
-The Triton forward streams each row of logits once (online max/sum-of-exp in float32 registers), so bf16
-logits are never upcast to a float32 copy of the matrix; the backward recomputes the softmax from the saved
-per-row log-sum-exp, optionally writing the gradient over the logits buffer (``inplace_backward``).
+The Triton kernels read the logits in their own dtype and compute in float32 registers, so bf16 logits are
+never upcast to a float32 copy of the matrix. The forward reads each row once: a wide row in slices, by
+parallel programs whose statistics (max and sum of exp) combine into the row's log-sum-exp. The backward
+recomputes the softmax from the saved per-row log-sum-exp, optionally writing the gradient over the logits
+buffer (``inplace_backward``); with the loss gradient known up front (the fused LM head's case) one more pass
+after the statistics writes both the loss and the gradient.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 from ._backend import check_ids_in_range, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import as_rows, cdiv, eager_function, next_power_of_2, pick, warps_for_block
+from ._triton_utils import as_rows, cdiv, dummy_pointer, eager_function, next_power_of_2, pick, warps_for_block
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -68,54 +71,167 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: s
 # Triton kernels
 # ----------------------------------------------------------------------------------------------------------
 
-_FWD_BLOCK = 8192  # vocab elements per loop step of the forward (one program per row)
-_BWD_BLOCK = 4096  # vocab elements per backward program (the grid covers rows x vocab blocks)
+# A row's gradient needs the row's log-sum-exp first, and an LM head's rows are long (32k-256k logits). One
+# program walking a whole row is latency-bound: each block's load waits for the previous block's reduction,
+# and a few hundred such programs cannot keep an H200's memory busy. So a wide row is cut
+# into slices read by independent programs (grid rows x slices), each storing its slice's statistics (max,
+# sum of exp(z - max), with smoothing the sum of z) in a small float32 buffer; then either a small kernel turns
+# them into losses and lse (forward), or the gradient kernel, one program per block of a row, combines its
+# row's few statistics into the lse and writes its block's gradient (forward + backward). Each program reads
+# its block once, with thousands in flight: three bandwidth-bound passes over the logits (read, read, write).
+# A row of at most _SLICE logits is one program's, which keeps it in registers: one read (and one write).
+
+# Sizes for an H200 (132 SMs, ~4.8 TB/s; bf16 rows of 32k-256k), in vocab elements per program. A memory-bound
+# program needs many bytes of loads in flight per SM (tens of KB to cover HBM latency), so what counts is
+# elements a thread (16-byte loads) times the programs that fit on an SM, which registers limit. Compiled for
+# sm_90 with Triton 3.8: 8 elements a thread take ~32 registers, 16 take 31-39 without a gradient but 75-80
+# with one (the full thread count is resident only below 32 registers a thread).
+# Statistics: 8192 a program at 16 warps (16 a thread, two 16-byte loads): four programs an SM, 64 KB of
+# reads in flight. Larger slices would give a chunk's last wave fewer, longer programs; smaller ones more
+# statistics for each gradient program to combine.
+_SLICE = 8192
+# Gradient: 4096 a program at 16 warps (8 a thread: one 16-byte load and store of bf16): 2048 threads an SM,
+# 32 KB of reads in flight; 16 a thread would fit only 3 programs of 8 warps (80 registers). 12-63 programs
+# a row at real vocabularies.
+_GRAD_BLOCK = 4096
+_ROW_TILE = 1024  # statistics per program of the kernel that turns them into losses (rows x slices)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _stats_warps(block: int) -> int:
+    """Warps of a statistics (or whole-row forward) program of ``block`` elements: 16 a thread."""
+    return warps_for_block(block, elems_per_thread=16)
+
+
+def _grad_warps(block: int) -> int:
+    """Warps of a gradient program of ``block`` elements: 8 a thread (32 warps for a whole row of 8192)."""
+    return warps_for_block(block, max_warps=32)
+
+
 @triton.jit
-def _ce_row_loss(
-    base, LABELS, row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """(lse, loss, label, valid) of the row at ``base``, read once: online log-sum-exp, a running max and a
-    sum rescaled whenever the max grows."""
-    label = tl.load(LABELS + row).to(tl.int64)
-    m = -float("inf")
-    s = 0.0
+def _load_scaled(base, cols, start, V, logit_scale, BLOCK_V: tl.constexpr):
+    """The block of columns ``cols`` (start .. start + BLOCK_V) of a row, scaled, in float32; -inf in the lanes
+    past the row (no max, exp or sum counts them). A block inside the row loads without a mask: a mask bounded
+    by a V that is not a multiple of 16 (GPT-2's 50257) makes Triton load element by element, 2 bytes at a
+    time instead of 16."""
+    if start + BLOCK_V <= V:
+        z = tl.load(base + cols).to(tl.float32) * logit_scale
+    else:
+        z = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32) * logit_scale
+        z = tl.where(cols < V, z, -float("inf"))
+    return z
+
+
+@triton.jit
+def _store_block(base, cols, start, V, values, BLOCK_V: tl.constexpr):
+    """Stores a block of a row (``cols`` as for _load_scaled), unmasked where it lies inside the row."""
+    values = values.to(base.dtype.element_ty)
+    if start + BLOCK_V <= V:
+        tl.store(base + cols, values)
+    else:
+        tl.store(base + cols, values, mask=cols < V)
+
+
+@triton.jit
+def _finite(m):
+    """A max to subtract before exp, with -inf (a block of only -inf logits, such as a masked vocabulary's) as
+    0: exp(z - m) is then exp(-inf) = 0, not exp(-inf + inf) = NaN."""
+    return tl.where(m == -float("inf"), 0.0, m)
+
+
+@triton.jit
+def _block_stats(z, mask, HAS_SMOOTHING: tl.constexpr):
+    """(max, sum of exp(z - max), sum of z) of a block from _load_scaled; the sum of z only with smoothing."""
+    m = tl.max(z, axis=0)
+    s = tl.sum(tl.exp(z - _finite(m)), axis=0)
     z_sum = 0.0
-    for start in range(0, V, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        z = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32) * logit_scale
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
-        if HAS_SMOOTHING:
-            z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-    lse = m + tl.log(s)
-    valid = label != ignore_index
-    z_label = tl.load(base + label, mask=valid, other=0.0).to(tl.float32) * logit_scale
+    if HAS_SMOOTHING:
+        z_sum = tl.sum(tl.where(mask, z, 0.0), axis=0)
+    return m, s, z_sum
+
+
+@triton.jit
+def _combine_lse(m, s, AXIS: tl.constexpr):
+    """A row's log-sum-exp from its slices' maxima ``m`` and sums of exp(z - max) ``s`` along AXIS (entries
+    past the row's slices: -inf and 0)."""
+    top = _finite(tl.max(m, axis=AXIS, keep_dims=True))
+    return tl.max(top, axis=AXIS) + tl.log(tl.sum(s * tl.exp(m - top), axis=AXIS))
+
+
+@triton.jit
+def _load_label(LABELS, row, ignore_index):
+    """(the row's label as int32, whether the row is labelled). int32 because the label is compared with every
+    column index: an int64 compare widens them all, registers a memory-bound program needs for its loads in
+    flight. Labels are below V < 2**31 (checked before launch in eager mode)."""
+    label = tl.load(LABELS + row)
+    return label.to(tl.int32), label != ignore_index
+
+
+@triton.jit
+def _ce_loss(lse, z_label, z_sum, V, label_smoothing, lse_square_scale, HAS_SMOOTHING: tl.constexpr):
+    """A labelled row's loss from its lse, its label's scaled logit and, with smoothing, its scaled logits' sum."""
     if HAS_SMOOTHING:
         # torch's definition: (1 - eps) * NLL(label) + eps * mean over classes of NLL(class).
         loss = lse - (1.0 - label_smoothing) * z_label - label_smoothing * z_sum / V
     else:
         loss = lse - z_label
-    loss += lse_square_scale * lse * lse
-    return lse, loss, label, valid
+    return loss + lse_square_scale * lse * lse
 
 
 @lean_launch
 @triton.jit
 def _ce_fwd_kernel(
-    LOGITS, LABELS, LOSS, LSE, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS, LABELS, LOSS, LSE, STATS, stride_row, V, num_slices, plane, ignore_index, label_smoothing,
+    lse_square_scale, logit_scale, HAS_SMOOTHING: tl.constexpr, WHOLE_ROW: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    lse, loss, label, valid = _ce_row_loss(LOGITS + row * stride_row, LABELS, row, V, ignore_index, label_smoothing,
-                                           lse_square_scale, logit_scale, HAS_SMOOTHING, BLOCK_V)
-    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
-    tl.store(LSE + row, lse)
+    """One slice of a row (grid rows x slices, row-major). WHOLE_ROW (the row is one slice): the row's loss and
+    lse. Otherwise the slice's statistics at STATS[k * plane + program id]: k = 0 its max, 1 its sum of
+    exp(z - max), 2 (with smoothing) its sum of z."""
+    pid = tl.program_id(0)
+    row = (pid // num_slices).to(tl.int64)
+    start = (pid % num_slices) * BLOCK_V
+    cols = start + tl.arange(0, BLOCK_V)
+    z = _load_scaled(LOGITS + row * stride_row, cols, start, V, logit_scale, BLOCK_V)
+    m, s, z_sum = _block_stats(z, cols < V, HAS_SMOOTHING)
+    if WHOLE_ROW:
+        lse = _finite(m) + tl.log(s)
+        label, valid = _load_label(LABELS, row, ignore_index)
+        z_label = tl.sum(tl.where(cols == label, z, 0.0), axis=0)
+        loss = _ce_loss(lse, z_label, z_sum, V, label_smoothing, lse_square_scale, HAS_SMOOTHING)
+        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+        tl.store(LSE + row, lse)
+    else:
+        tl.store(STATS + pid, m)
+        tl.store(STATS + plane + pid, s)
+        if HAS_SMOOTHING:
+            tl.store(STATS + 2 * plane + pid, z_sum)
+
+
+@lean_launch
+@triton.jit
+def _ce_loss_kernel(
+    LOGITS, LABELS, STATS, LOSS, LSE, stride_row, N, V, num_slices, plane, ignore_index, label_smoothing,
+    lse_square_scale, logit_scale, HAS_SMOOTHING: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
+):
+    """Loss and lse of BLOCK_N rows from their slices' statistics (SLICES: num_slices padded to a power of two)
+    and their labels' logits, one element read per row."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_rows = rows < N
+    # The tile's lanes past the last row read the last row (their results are not stored): no -inf lse there.
+    rows = tl.minimum(rows, N - 1).to(tl.int64)
+    slices = tl.arange(0, SLICES)
+    mask = (slices < num_slices)[None, :]
+    at = STATS + rows[:, None] * num_slices + slices[None, :]
+    lse = _combine_lse(tl.load(at, mask=mask, other=-float("inf")), tl.load(at + plane, mask=mask, other=0.0), 1)
+    z_sum = 0.0
+    if HAS_SMOOTHING:
+        z_sum = tl.sum(tl.load(at + 2 * plane, mask=mask, other=0.0), axis=1)
+    label = tl.load(LABELS + rows).to(tl.int64)
+    valid = label != ignore_index
+    z_label = tl.load(LOGITS + rows * stride_row + label, mask=valid, other=0.0).to(tl.float32) * logit_scale
+    loss = _ce_loss(lse, z_label, z_sum, V, label_smoothing, lse_square_scale, HAS_SMOOTHING)
+    tl.store(LOSS + rows, tl.where(valid, loss, 0.0), mask=in_rows)
+    tl.store(LSE + rows, lse, mask=in_rows)
 
 
 @triton.jit
@@ -135,66 +251,119 @@ def _ce_bwd_kernel(
     lse_square_scale, logit_scale, HAS_DLSE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    label = tl.load(LABELS + row).to(tl.int64)
+    start = tl.program_id(1) * BLOCK_V
+    cols = start + tl.arange(0, BLOCK_V)
+    label, valid = _load_label(LABELS, row, ignore_index)
     lse = tl.load(LSE + row)
-    coef = tl.where(label != ignore_index, tl.load(DLOSS + row), 0.0)
+    coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
     p_coef = coef * (1.0 + 2.0 * lse_square_scale * lse)
     if HAS_DLSE:
         p_coef += tl.load(DLSE + row)
-    z = tl.load(LOGITS + row * stride_row + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
+    z = _load_scaled(LOGITS + row * stride_row, cols, start, V, logit_scale, BLOCK_V)
     g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
-    tl.store(DLOGITS + row * stride_drow + cols, g.to(DLOGITS.dtype.element_ty), mask=mask)
+    _store_block(DLOGITS + row * stride_drow, cols, start, V, g, BLOCK_V)
 
 
 @lean_launch
 @triton.jit
 def _ce_fwd_bwd_kernel(
-    LOGITS, LABELS, LOSS, DLOSS, stride_row, V, ignore_index, label_smoothing, lse_square_scale, logit_scale,
-    HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    LOGITS, LABELS, LOSS, DLOSS, STATS, stride_row, N, V, num_blocks, num_slices, plane, ignore_index,
+    label_smoothing, lse_square_scale, logit_scale, HAS_SMOOTHING: tl.constexpr, WHOLE_ROW: tl.constexpr,
+    BLOCK_V: tl.constexpr, SLICES: tl.constexpr,
 ):
-    """Loss and gradient of one row when its loss gradient DLOSS is known up front (a fused LM head scales it
-    later): the forward's online pass, then a second pass that overwrites the row with its gradient. The
-    second pass walks the row backwards, so it starts on the blocks the first pass read last, still in L2:
-    the row comes from HBM once instead of twice (two kernels: one read each)."""
-    row = tl.program_id(0).to(tl.int64)
+    """One block of a row (grid rows x blocks) when the row's loss gradient DLOSS is known up front (a fused LM
+    head scales it later): the block's gradient, written over the logits, and, from the block holding the label
+    (block 0 for an ignored row), the row's loss. The lse comes from the row's slices' statistics (SLICES:
+    num_slices padded to a power of two), or with WHOLE_ROW (the row is one block) from the block itself.
+    Rows run last to first: the statistics kernel read the last rows last, so theirs are the logits still in L2."""
+    pid = tl.program_id(0)
+    row = (N - 1 - pid // num_blocks).to(tl.int64)
+    block = pid % num_blocks
+    start = block * BLOCK_V
+    cols = start + tl.arange(0, BLOCK_V)
     base = LOGITS + row * stride_row
-    lse, loss, label, valid = _ce_row_loss(base, LABELS, row, V, ignore_index, label_smoothing, lse_square_scale,
-                                           logit_scale, HAS_SMOOTHING, BLOCK_V)
-    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    z = _load_scaled(base, cols, start, V, logit_scale, BLOCK_V)
+    if WHOLE_ROW:
+        m, s, z_sum = _block_stats(z, cols < V, HAS_SMOOTHING)
+        lse = _finite(m) + tl.log(s)
+    else:
+        slices = tl.arange(0, SLICES)
+        in_row = slices < num_slices
+        at = STATS + row * num_slices + slices
+        lse = _combine_lse(tl.load(at, mask=in_row, other=-float("inf")), tl.load(at + plane, mask=in_row, other=0.0), 0)
+        z_sum = 0.0
+        if HAS_SMOOTHING:
+            z_sum = tl.sum(tl.load(at + 2 * plane, mask=in_row, other=0.0), axis=0)
+    label, valid = _load_label(LABELS, row, ignore_index)
+    # Clamped: an out-of-range label (unchecked under torch.compile) still has its loss written by one block.
+    owner = tl.where(valid, tl.minimum(tl.maximum(label // BLOCK_V, 0), num_blocks - 1), 0)
+    if block == owner:
+        # The label's logit from the registers: the store below overwrites it in memory.
+        z_label = tl.sum(tl.where(cols == label, z, 0.0), axis=0)
+        loss = _ce_loss(lse, z_label, z_sum, V, label_smoothing, lse_square_scale, HAS_SMOOTHING)
+        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
     coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
     p_coef = coef * (1.0 + 2.0 * lse_square_scale * lse)
-    blocks = tl.cdiv(V, BLOCK_V)
-    for i in range(0, blocks):
-        cols = (blocks - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32) * logit_scale
-        g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
-        tl.store(base + cols, g.to(LOGITS.dtype.element_ty), mask=mask)
+    g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
+    _store_block(base, cols, start, V, g, BLOCK_V)
+
+
+def _slice_statistics(logits, labels, losses, lse, ignore_index, label_smoothing, lse_square_scale, logit_scale):
+    """Launches the forward kernel over every row. Rows of at most _SLICE logits: one program a row stores its
+    loss and lse, and this returns None. Wider rows: programs of _SLICE logits store their slices' statistics,
+    returned as (stats (k, rows * slices) float32, slices a row) for a kernel that combines them."""
+    N, V = logits.shape
+    whole_row = V <= _SLICE
+    block = next_power_of_2(V) if whole_row else _SLICE
+    slices = cdiv(V, block)
+    smoothing = label_smoothing > 0.0
+    stats = (dummy_pointer(logits.device, torch.float32) if whole_row else
+             torch.empty((3 if smoothing else 2, N * slices), device=logits.device, dtype=torch.float32))
+    _ce_fwd_kernel[(N * slices,)](
+        logits, labels, losses, lse, stats, logits.stride(0), V, slices, N * slices, ignore_index, label_smoothing,
+        lse_square_scale, logit_scale, HAS_SMOOTHING=smoothing, WHOLE_ROW=whole_row, BLOCK_V=block,
+        num_warps=_stats_warps(block),
+    )
+    return None if whole_row else (stats, slices)
 
 
 def ce_rows_fwd(logits, labels, ignore_index, label_smoothing, lse_square_scale, logit_scale):
+    """Per-row (losses, lse), float32."""
     N, V = logits.shape
     losses = torch.empty((N,), device=logits.device, dtype=torch.float32)
     lse = torch.empty((N,), device=logits.device, dtype=torch.float32)
-    block = min(_FWD_BLOCK, next_power_of_2(V))
-    _ce_fwd_kernel[(N,)](
-        logits, labels, losses, lse, logits.stride(0), V, ignore_index, label_smoothing, lse_square_scale,
-        logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_V=block, num_warps=warps_for_block(block, elems_per_thread=16),
-    )
+    split = _slice_statistics(logits, labels, losses, lse, ignore_index, label_smoothing, lse_square_scale,
+                              logit_scale)
+    if split is not None:
+        stats, slices = split
+        padded = next_power_of_2(slices)
+        block_n = max(1, min(next_power_of_2(N), _ROW_TILE // padded))
+        _ce_loss_kernel[(cdiv(N, block_n),)](
+            logits, labels, stats, losses, lse, logits.stride(0), N, V, slices, N * slices, ignore_index,
+            label_smoothing, lse_square_scale, logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_N=block_n,
+            SLICES=padded, num_warps=4,
+        )
     return losses, lse
 
 
 def ce_rows_fwd_bwd_(logits, labels, dlosses, ignore_index, label_smoothing, lse_square_scale, logit_scale):
     """Per-row losses (float32), with the logits gradient for the per-row loss gradients ``dlosses`` written
-    over ``logits`` in the same launch."""
+    over ``logits``: one launch for rows of at most _SLICE logits, two (statistics, then gradient) for wider."""
     N, V = logits.shape
     losses = torch.empty((N,), device=logits.device, dtype=torch.float32)
-    block = min(_FWD_BLOCK, next_power_of_2(V))
-    _ce_fwd_bwd_kernel[(N,)](
-        logits, labels, losses, dlosses, logits.stride(0), V, ignore_index, label_smoothing, lse_square_scale,
-        logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_V=block, num_warps=warps_for_block(block, elems_per_thread=16),
+    unused = dummy_pointer(logits.device, torch.float32)
+    whole_row = V <= _SLICE  # one program a row: statistics and gradient from the same registers
+    if whole_row:
+        stats, slices, block = unused, 1, next_power_of_2(V)
+    else:
+        stats, slices = _slice_statistics(logits, labels, losses, unused, ignore_index, label_smoothing,
+                                          lse_square_scale, logit_scale)
+        block = _GRAD_BLOCK
+    blocks = cdiv(V, block)
+    _ce_fwd_bwd_kernel[(N * blocks,)](
+        logits, labels, losses, dlosses, stats, logits.stride(0), N, V, blocks, slices, N * slices, ignore_index,
+        label_smoothing, lse_square_scale, logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, WHOLE_ROW=whole_row,
+        BLOCK_V=block, SLICES=next_power_of_2(slices), num_warps=_grad_warps(block),
     )
     return losses
 
@@ -202,11 +371,11 @@ def ce_rows_fwd_bwd_(logits, labels, dlosses, ignore_index, label_smoothing, lse
 def ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label_smoothing, lse_square_scale, logit_scale):
     """Writes the logits gradient into ``dlogits``, which may be ``logits`` itself."""
     N, V = logits.shape
-    block = min(_BWD_BLOCK, next_power_of_2(V))
+    block = min(_GRAD_BLOCK, next_power_of_2(V))
     _ce_bwd_kernel[(N, cdiv(V, block))](
         logits, dlogits, labels, lse, dlosses, dlse, logits.stride(0), dlogits.stride(0), V, ignore_index,
         label_smoothing, lse_square_scale, logit_scale, HAS_DLSE=dlse is not None, BLOCK_V=block,
-        num_warps=warps_for_block(block),
+        num_warps=_grad_warps(block),
     )
 
 

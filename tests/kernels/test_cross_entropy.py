@@ -50,15 +50,24 @@ def test_fwd_bwd(case, dtype, tol_dtype, inplace_backward):
     assert_close(got, want, tol_dtype, name="grad")
 
 
+def _slice_rows(monkeypatch, rows):
+    """With "small_slices", rows of 1000-2000 logits are cut as the kernels cut 50k-wide ones (statistics of 512
+    logits, gradient blocks of 256); with "default" sizes such rows are one program's."""
+    if rows == "small_slices":  # tile sizes, not settings: several slices and blocks at a small vocab
+        monkeypatch.setattr(ce, "_SLICE", 512)
+        monkeypatch.setattr(ce, "_GRAD_BLOCK", 256)
+
+
+@pytest.mark.parametrize("rows", ["default", "small_slices"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["plain", "smooth_zloss_scale_sum"])
-def test_one_launch_loss_and_gradient_equal_the_two_kernels(case, dtype, monkeypatch):
-    """ce_rows_fwd_bwd_ (the fused LM head's: loss gradient known up front, gradient written over the logits,
-    second pass walking each row backwards) against ce_rows_fwd + ce_rows_bwd, over several vocab blocks."""
-    monkeypatch.setattr(ce, "_FWD_BLOCK", 512)  # a tile size, not a setting: several vocab blocks at a small vocab
+def test_fused_loss_and_gradient_equal_the_two_kernels(case, dtype, rows, monkeypatch):
+    """ce_rows_fwd_bwd_ (the fused LM head's: loss gradient known up front, gradient written over the logits)
+    against ce_rows_fwd + ce_rows_bwd."""
+    _slice_rows(monkeypatch, rows)
     kw = {k: v for k, v in CASES[case].items() if k != "reduction"}
     args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0), kw.get("logit_scale", 1.0))
-    n, vocab = 23, 1999
+    n, vocab = 11, 1999
     logits = 3 * torch.randn(n, vocab, device=DEVICE).to(dtype)
     labels, dlosses = _labels(n, vocab), torch.rand(n, device=DEVICE)
     losses, lse = ce.ce_rows_fwd(logits, labels, *args)
@@ -67,6 +76,65 @@ def test_one_launch_loss_and_gradient_equal_the_two_kernels(case, dtype, monkeyp
     fused = logits.clone()
     torch.testing.assert_close(ce.ce_rows_fwd_bwd_(fused, labels, dlosses, *args), losses, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused, want, rtol=1e-6, atol=1e-6)
+
+
+def _labels_in_every_block(n, vocab, block):
+    """Labels in the first, a middle and the last block of the row (its first and last column too), and ignored
+    rows."""
+    picks = [0, vocab // 2, vocab - 1, -100, min(block, vocab - 1), -100, max(0, vocab - 1 - block // 2)]
+    return torch.tensor([picks[i % len(picks)] for i in range(n)], device=DEVICE)
+
+
+ODD_VOCABS = [  # (vocab, dtype, rows): one program a row; a row one logit past a slice; GPT-2's; small slices
+    (77, torch.float16, "default"), (1000, torch.float32, "default"), (8193, torch.float32, "default"),
+    (50257, torch.bfloat16, "default"), (1000, torch.float16, "small_slices"), (777, torch.bfloat16, "small_slices"),
+]
+
+
+@pytest.mark.parametrize("vocab,dtype,rows", ODD_VOCABS, ids=[f"{v}-{str(d)[6:]}-{r}" for v, d, r in ODD_VOCABS])
+def test_odd_vocab_sizes_with_every_option(vocab, dtype, rows, monkeypatch):
+    """Vocabularies that are no multiple of any block (the last block is partial, its loads masked), labels in
+    every block, ignored rows, smoothing, z-loss and a logit scale: loss, lse and gradient against the reference,
+    through the autograd op and through the fused one (gradient written over the logits)."""
+    _slice_rows(monkeypatch, rows)
+    kw = dict(label_smoothing=0.1, lse_square_scale=1e-3, logit_scale=0.7)
+    n = 7
+    logits = (3 * torch.randn(n, vocab, device=DEVICE)).to(dtype).requires_grad_()
+    labels = _labels_in_every_block(n, vocab, ce._GRAD_BLOCK)
+    ref_loss, ref_lse = ce.cross_entropy_ref(logits, labels, reduction="none", return_lse=True, **kw)
+    dlosses = torch.rand(n, device=DEVICE)
+    want = torch.autograd.grad(ref_loss, logits, dlosses)[0]
+    loss, lse = cross_entropy(logits, labels, reduction="none", return_lse=True, backend="triton", **kw)
+    assert_close(loss, ref_loss, torch.float32, name="loss")
+    assert_close(lse, ref_lse, torch.float32, name="lse")
+    assert_close(torch.autograd.grad(loss, logits, dlosses)[0], want, dtype, name="grad")
+    fused = logits.detach().clone()
+    args = (-100, kw["label_smoothing"], kw["lse_square_scale"], kw["logit_scale"])
+    assert_close(ce.ce_rows_fwd_bwd_(fused, labels, dlosses, *args), ref_loss, torch.float32, name="fused loss")
+    assert_close(fused, want, dtype, name="fused grad")
+
+
+@pytest.mark.parametrize("rows", ["default", "small_slices"])
+def test_masked_vocabulary_of_minus_inf(rows, monkeypatch):
+    """Logits of -inf (a vocabulary masked out), over the row's first slice (where a running max would start
+    at -inf) and over part of another: the loss and gradient stay finite and equal torch's, zero there."""
+    _slice_rows(monkeypatch, rows)
+    n, vocab = 6, 1000
+    logits = torch.randn(n, vocab, device=DEVICE)
+    logits[:, :600] = -float("inf")
+    logits[:, 900:950] = -float("inf")
+    labels = torch.tensor([600, 899, 999, -100, 700, 950], device=DEVICE)
+    dlosses = torch.rand(n, device=DEVICE)
+    x = logits.clone().requires_grad_()
+    want_loss = F.cross_entropy(x, labels, reduction="none")
+    want = torch.autograd.grad(want_loss, x, dlosses)[0]
+    losses, _ = ce.ce_rows_fwd(logits, labels, -100, 0.0, 0.0, 1.0)
+    assert_close(losses, want_loss, torch.float32, name="loss")
+    fused = logits.clone()
+    assert_close(ce.ce_rows_fwd_bwd_(fused, labels, dlosses, -100, 0.0, 0.0, 1.0), want_loss, torch.float32,
+                 name="fused loss")
+    assert_close(fused, want, torch.float32, name="fused grad")
+    assert not fused[:, :600].any()
 
 
 def test_inplace_backward_reuses_logits_buffer():

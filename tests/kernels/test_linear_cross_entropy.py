@@ -46,6 +46,23 @@ def test_fwd_bwd(case, dtype, scale, backend, bias):
         assert_close(got, want.to(got.dtype), dtype, scale=scale, name=f"grad {name}")
 
 
+def test_vocab_wider_than_one_program():
+    """A vocabulary one logit past a Triton CE statistics slice (8193: two slices, three gradient blocks, the
+    last of one logit), which the op pads to aligned rows (the kernels see the classes through a wider row):
+    loss and gradients against the reference, with labels in the first, middle and last block, ignored rows,
+    smoothing and a logit scale."""
+    kw = dict(reduction="sum", label_smoothing=0.1, logit_scale=0.5)
+    dtype, scale = DTYPES[1]
+    hidden, weight, b, labels = _inputs(dtype, True, h=16, vocab=8193)
+    labels[1, :4] = torch.tensor([0, 4096, 8191, 8192])
+    out = linear_cross_entropy(hidden, weight, labels, bias=b, chunk_size=32, backend="triton", **kw)
+    ref = linear_cross_entropy_ref(hidden.float(), weight.float(), labels, bias=b.float(), **kw)
+    assert_close(out, ref, dtype, scale=scale, name="loss")
+    for name, got, want in zip(["hidden", "weight", "bias"], torch.autograd.grad(out, (hidden, weight, b)),
+                               torch.autograd.grad(ref, (hidden, weight, b))):
+        assert_close(got, want.to(got.dtype), dtype, scale=scale, name=f"grad {name}")
+
+
 @pytest.mark.parametrize("chunk_size", [45, 64, 15, 7])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_last_chunk_weight_grad_in_backward(chunk_size, reduction):
