@@ -82,30 +82,40 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: s
 # A row of at most _SLICE logits is one program's, which keeps it in registers: one read (and one write).
 
 # Sizes for an H200 (132 SMs, ~4.8 TB/s; bf16 rows of 32k-256k), in vocab elements per program. A memory-bound
-# program needs many bytes of loads in flight per SM (tens of KB to cover HBM latency), so what counts is
-# elements a thread (16-byte loads) times the programs that fit on an SM, which registers limit. Compiled for
-# sm_90 with Triton 3.8: 8 elements a thread take ~32 registers, 16 take 31-39 without a gradient but 75-80
-# with one (the full thread count is resident only below 32 registers a thread).
-# Statistics: 8192 a program at 16 warps (16 a thread, two 16-byte loads): four programs an SM, 64 KB of
-# reads in flight. Larger slices would give a chunk's last wave fewer, longer programs; smaller ones more
-# statistics for each gradient program to combine.
+# program needs many bytes of loads in flight per SM (tens of KB to cover HBM latency): elements a thread
+# (16-byte loads) times the programs that fit on an SM, which registers limit (2048 threads fit at 32 registers
+# a thread). Registers counted by compiling for sm_90 with Triton 3.8 (ptxas): the masked branch of a block
+# past the row's end (a V that is no multiple of 16 loads element by element there) costs registers too.
+# Statistics: 8192 a program at 16 warps (16 a thread: two 16-byte loads of bf16), 30-50 registers, capped at
+# 40 (no spill in any variant) so that 3 programs fit on an SM: 48 KB of reads in flight. Larger slices would
+# give a chunk's last wave fewer, longer programs; smaller ones more statistics for each gradient program.
 _SLICE = 8192
-# Gradient: 4096 a program at 16 warps (8 a thread: one 16-byte load and store of bf16): 2048 threads an SM,
-# 32 KB of reads in flight; 16 a thread would fit only 3 programs of 8 warps (80 registers). 12-63 programs
-# a row at real vocabularies.
+_SLICE_REGISTERS = 40
+# Gradient: 4096 a program at 16 warps (8 a thread: one 16-byte load and store of bf16), 30-36 registers, capped
+# at 32 for 16-bit logits (no spill; float32 ones would spill) so that 4 programs fit: 32 KB of reads in
+# flight. 16 a thread would take 75-80 registers: 3 programs of 8 warps, 24 KB. 8-38 programs a row at
+# real vocabularies.
 _GRAD_BLOCK = 4096
+_GRAD_REGISTERS = 32
 _ROW_TILE = 1024  # statistics per program of the kernel that turns them into losses (rows x slices)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _stats_warps(block: int) -> int:
-    """Warps of a statistics (or whole-row forward) program of ``block`` elements: 16 a thread."""
-    return warps_for_block(block, elems_per_thread=16)
+def _stats_launch(block: int, whole_row: bool) -> dict:
+    """Launch options of the forward kernel over ``block`` logits a program (16 a thread). A whole row's
+    program computes its loss too and would spill under the register cap: it runs without one."""
+    options = dict(num_warps=warps_for_block(block, elems_per_thread=16))
+    if not whole_row:
+        options["maxnreg"] = _SLICE_REGISTERS
+    return options
 
 
-def _grad_warps(block: int) -> int:
-    """Warps of a gradient program of ``block`` elements: 8 a thread (32 warps for a whole row of 8192)."""
-    return warps_for_block(block, max_warps=32)
+def _grad_launch(block: int, dtype: torch.dtype) -> dict:
+    """Launch options of a gradient program over ``block`` logits (8 a thread; 32 warps for a whole row of 8192)."""
+    options = dict(num_warps=warps_for_block(block, max_warps=32))
+    if dtype != torch.float32:
+        options["maxnreg"] = _GRAD_REGISTERS
+    return options
 
 
 @triton.jit
@@ -115,11 +125,10 @@ def _load_scaled(base, cols, start, V, logit_scale, BLOCK_V: tl.constexpr):
     by a V that is not a multiple of 16 (GPT-2's 50257) makes Triton load element by element, 2 bytes at a
     time instead of 16."""
     if start + BLOCK_V <= V:
-        z = tl.load(base + cols).to(tl.float32) * logit_scale
+        x = tl.load(base + cols)
     else:
-        z = tl.load(base + cols, mask=cols < V, other=0.0).to(tl.float32) * logit_scale
-        z = tl.where(cols < V, z, -float("inf"))
-    return z
+        x = tl.load(base + cols, mask=cols < V, other=0.0)
+    return tl.where(cols < V, x.to(tl.float32) * logit_scale, -float("inf"))
 
 
 @triton.jit
@@ -253,13 +262,13 @@ def _ce_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK_V
     cols = start + tl.arange(0, BLOCK_V)
+    z = _load_scaled(LOGITS + row * stride_row, cols, start, V, logit_scale, BLOCK_V)  # first: see _ce_fwd_bwd_kernel
     label, valid = _load_label(LABELS, row, ignore_index)
     lse = tl.load(LSE + row)
     coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
     p_coef = coef * (1.0 + 2.0 * lse_square_scale * lse)
     if HAS_DLSE:
         p_coef += tl.load(DLSE + row)
-    z = _load_scaled(LOGITS + row * stride_row, cols, start, V, logit_scale, BLOCK_V)
     g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
     _store_block(DLOGITS + row * stride_drow, cols, start, V, g, BLOCK_V)
 
@@ -282,19 +291,25 @@ def _ce_fwd_bwd_kernel(
     start = block * BLOCK_V
     cols = start + tl.arange(0, BLOCK_V)
     base = LOGITS + row * stride_row
+    # The block's load first, before anything waits on the small loads below (L2 hits): one memory latency a
+    # program, not two.
     z = _load_scaled(base, cols, start, V, logit_scale, BLOCK_V)
+    label, valid = _load_label(LABELS, row, ignore_index)
+    coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
+    if not WHOLE_ROW:
+        slices = tl.arange(0, SLICES)
+        in_row = slices < num_slices
+        at = STATS + row * num_slices + slices
+        slice_max = tl.load(at, mask=in_row, other=-float("inf"))
+        slice_sum = tl.load(at + plane, mask=in_row, other=0.0)
+        z_sum = 0.0
+        if HAS_SMOOTHING:
+            z_sum = tl.sum(tl.load(at + 2 * plane, mask=in_row, other=0.0), axis=0)
     if WHOLE_ROW:
         m, s, z_sum = _block_stats(z, cols < V, HAS_SMOOTHING)
         lse = _finite(m) + tl.log(s)
     else:
-        slices = tl.arange(0, SLICES)
-        in_row = slices < num_slices
-        at = STATS + row * num_slices + slices
-        lse = _combine_lse(tl.load(at, mask=in_row, other=-float("inf")), tl.load(at + plane, mask=in_row, other=0.0), 0)
-        z_sum = 0.0
-        if HAS_SMOOTHING:
-            z_sum = tl.sum(tl.load(at + 2 * plane, mask=in_row, other=0.0), axis=0)
-    label, valid = _load_label(LABELS, row, ignore_index)
+        lse = _combine_lse(slice_max, slice_sum, 0)
     # Clamped: an out-of-range label (unchecked under torch.compile) still has its loss written by one block.
     owner = tl.where(valid, tl.minimum(tl.maximum(label // BLOCK_V, 0), num_blocks - 1), 0)
     if block == owner:
@@ -302,7 +317,6 @@ def _ce_fwd_bwd_kernel(
         z_label = tl.sum(tl.where(cols == label, z, 0.0), axis=0)
         loss = _ce_loss(lse, z_label, z_sum, V, label_smoothing, lse_square_scale, HAS_SMOOTHING)
         tl.store(LOSS + row, tl.where(valid, loss, 0.0))
-    coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
     p_coef = coef * (1.0 + 2.0 * lse_square_scale * lse)
     g = _ce_grad(z, cols, label, lse, coef, p_coef, label_smoothing, V, logit_scale)
     _store_block(base, cols, start, V, g, BLOCK_V)
@@ -322,7 +336,7 @@ def _slice_statistics(logits, labels, losses, lse, ignore_index, label_smoothing
     _ce_fwd_kernel[(N * slices,)](
         logits, labels, losses, lse, stats, logits.stride(0), V, slices, N * slices, ignore_index, label_smoothing,
         lse_square_scale, logit_scale, HAS_SMOOTHING=smoothing, WHOLE_ROW=whole_row, BLOCK_V=block,
-        num_warps=_stats_warps(block),
+        **_stats_launch(block, whole_row),
     )
     return None if whole_row else (stats, slices)
 
@@ -363,7 +377,7 @@ def ce_rows_fwd_bwd_(logits, labels, dlosses, ignore_index, label_smoothing, lse
     _ce_fwd_bwd_kernel[(N * blocks,)](
         logits, labels, losses, dlosses, stats, logits.stride(0), N, V, blocks, slices, N * slices, ignore_index,
         label_smoothing, lse_square_scale, logit_scale, HAS_SMOOTHING=label_smoothing > 0.0, WHOLE_ROW=whole_row,
-        BLOCK_V=block, SLICES=next_power_of_2(slices), num_warps=_grad_warps(block),
+        BLOCK_V=block, SLICES=next_power_of_2(slices), **_grad_launch(block, logits.dtype),
     )
     return losses
 
@@ -375,7 +389,7 @@ def ce_rows_bwd(logits, dlogits, labels, lse, dlosses, dlse, ignore_index, label
     _ce_bwd_kernel[(N, cdiv(V, block))](
         logits, dlogits, labels, lse, dlosses, dlse, logits.stride(0), dlogits.stride(0), V, ignore_index,
         label_smoothing, lse_square_scale, logit_scale, HAS_DLSE=dlse is not None, BLOCK_V=block,
-        num_warps=_grad_warps(block),
+        **_grad_launch(block, logits.dtype),
     )
 
 

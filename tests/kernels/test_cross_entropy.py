@@ -195,7 +195,7 @@ def test_bad_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("vocab", [50304, 128256, 262144])
+@pytest.mark.parametrize("vocab", [50257, 50304, 128256, 262144])
 def test_gpu_large_vocab(vocab):
     n = 8192 if vocab < 200000 else 1024
     logits = torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)

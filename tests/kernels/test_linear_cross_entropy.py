@@ -281,6 +281,25 @@ def test_gpu_llama_head():
         assert_close(g, w, torch.bfloat16, scale=2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [50257, 151936])
+def test_gpu_real_vocabularies_with_smoothing(vocab):
+    """GPT-2's vocabulary (no multiple of 16: the weight padded to aligned rows, each row's last block loaded
+    masked) and Qwen2's (19 statistics slices a row), with ignored rows and label smoothing."""
+    n, h = 4096, 768
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, h, device="cuda", dtype=torch.bfloat16) / 32).requires_grad_()
+    labels = torch.randint(0, vocab, (n,), device="cuda")
+    labels[::7] = -100
+    loss = linear_cross_entropy(hidden, weight, labels, label_smoothing=0.1)
+    ref = linear_cross_entropy_ref(hidden.float(), weight.float(), labels, label_smoothing=0.1)
+    assert_close(loss, ref, torch.bfloat16)
+    got = torch.autograd.grad(loss, (hidden, weight))
+    want = torch.autograd.grad(ref, (hidden, weight))
+    for name, g, w in zip(["hidden", "weight"], got, want):
+        assert_close(g, w.to(g.dtype), torch.bfloat16, scale=2, name=f"grad {name}")
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton", "auto"])
 def test_all_labels_ignored_gives_nan_as_torch_with_zero_gradients(backend):
     hidden, weight, b, labels = _inputs(torch.float32, bias=True)
