@@ -78,8 +78,9 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: s
 # sum of exp(z - max), with smoothing the sum of z) in a small float32 buffer; then either a small kernel turns
 # them into losses and lse (forward), or the gradient kernel, one program per block of a row, combines its
 # row's few statistics into the lse and writes its block's gradient (forward + backward). Each program reads
-# its block once, with thousands in flight: three bandwidth-bound passes over the logits (read, read, write).
-# A row of at most _SLICE logits is one program's, which keeps it in registers: one read (and one write).
+# its block once, with thousands in flight: bandwidth-bound passes over the logits (forward + backward: read,
+# read, write). A row of at most _SLICE logits is one program's, which keeps it in registers: one read (and
+# one write).
 
 # Sizes for an H200 (132 SMs, ~4.8 TB/s; bf16 rows of 32k-256k), in vocab elements per program. A memory-bound
 # program needs many bytes of loads in flight per SM (tens of KB to cover HBM latency): elements a thread
@@ -296,20 +297,17 @@ def _ce_fwd_bwd_kernel(
     z = _load_scaled(base, cols, start, V, logit_scale, BLOCK_V)
     label, valid = _load_label(LABELS, row, ignore_index)
     coef = tl.where(valid, tl.load(DLOSS + row), 0.0)
-    if not WHOLE_ROW:
-        slices = tl.arange(0, SLICES)
-        in_row = slices < num_slices
-        at = STATS + row * num_slices + slices
-        slice_max = tl.load(at, mask=in_row, other=-float("inf"))
-        slice_sum = tl.load(at + plane, mask=in_row, other=0.0)
-        z_sum = 0.0
-        if HAS_SMOOTHING:
-            z_sum = tl.sum(tl.load(at + 2 * plane, mask=in_row, other=0.0), axis=0)
     if WHOLE_ROW:
         m, s, z_sum = _block_stats(z, cols < V, HAS_SMOOTHING)
         lse = _finite(m) + tl.log(s)
     else:
-        lse = _combine_lse(slice_max, slice_sum, 0)
+        slices = tl.arange(0, SLICES)
+        in_row = slices < num_slices
+        at = STATS + row * num_slices + slices
+        lse = _combine_lse(tl.load(at, mask=in_row, other=-float("inf")), tl.load(at + plane, mask=in_row, other=0.0), 0)
+        z_sum = 0.0
+        if HAS_SMOOTHING:
+            z_sum = tl.sum(tl.load(at + 2 * plane, mask=in_row, other=0.0), axis=0)
     # Clamped: an out-of-range label (unchecked under torch.compile) still has its loss written by one block.
     owner = tl.where(valid, tl.minimum(tl.maximum(label // BLOCK_V, 0), num_blocks - 1), 0)
     if block == owner:
