@@ -140,7 +140,7 @@ def _chunked(hidden, weight, bias, labels, row_grad, *, vocab_size, chunk_size, 
                     torch.sum(dlogits, 0, dtype=torch.float32, out=dbias)
                 else:
                     dbias += dlogits.sum(0, dtype=torch.float32)
-        logits = dlogits = None  # freed before the next chunk's logits exist: one chunk at a time, not two
+        logits = classes = dlogits = None  # freed before the next chunk's logits exist: one chunk at a time, not two
     return losses, dhidden, dweight, dbias, last_dlogits
 
 

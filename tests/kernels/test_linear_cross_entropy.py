@@ -2,6 +2,7 @@
 PyTorch chunk path) against the unfused reference: loss and the gradients of hidden, weight and bias."""
 
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -245,6 +246,40 @@ def test_gpu_compile_fullgraph_takes_the_scaled_gemm(monkeypatch):
     want = torch.autograd.grad(head_loss(hidden, weight), (hidden, weight))
     for name, g, w in zip(["hidden", "weight"], got, want):
         assert_close(g, w, torch.bfloat16, name=f"grad {name}")
+
+
+class _LogitsWatch:
+    """torch.nn.functional for linear_cross_entropy's module, whose ``linear`` (one chunk's logits) checks that
+    no earlier chunk's logits buffer is still alive when it makes the next."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def __getattr__(self, name):
+        return getattr(torch.nn.functional, name)
+
+    def linear(self, *args, **kwargs):
+        alive = sum(ref() is not None for ref in self.chunks)
+        assert alive == 0, f"{alive} earlier chunk(s) of logits alive while the next is made"
+        out = torch.nn.functional.linear(*args, **kwargs)
+        self.chunks.append(weakref.ref(out))
+        return out
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_chunk_of_logits_alive_at_a_time(monkeypatch, padded):
+    """The chunk loop drops each chunk's logits (and every view of them) before it makes the next: the forward's
+    memory is one chunk of logits, not two. Padded: the classes are a view of the first vocab_size columns."""
+    lce = importlib.import_module("flash_kernels.linear_cross_entropy")
+    watch = _LogitsWatch()
+    monkeypatch.setattr(lce, "F", watch)
+    hidden, weight, _, labels = _inputs(torch.float32, False, vocab=256)
+    vocab_size = 251 if padded else None
+    if padded:
+        labels = torch.where(labels >= vocab_size, vocab_size - 1, labels)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=8, vocab_size=vocab_size, backend="triton")
+    loss.backward()
+    assert len(watch.chunks) >= 5  # 45 rows in chunks of 8: the check ran between chunks
 
 
 @pytest.mark.gpu
