@@ -21,6 +21,7 @@ from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
     VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, zero_vocab_padding,
 )
+from ..runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
 from .hf_config import ModelConfig
 from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, packed_documents
@@ -221,6 +222,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
         # The tokens come from our own sampler over this model's logits: in range, no device check needed.
         hidden = self._backbone(tokens, mask.cache_slots, mask, rope_tables, cache, check_ids=False)
         return self._logits(hidden[:, -1])
+
+    def lean_decode_step(self, cache: KVCache):
+        """``decode_step`` against ``cache`` in far fewer torch calls, where the runtime has such a step for this
+        model here (runtime/cpu_decode.py: a float32 pre-norm decoder on the CPU, no grad), else None."""
+        return LeanCpuStep(self, cache) if lean_step_unsupported(self, cache) is None else None
 
     def _backbone(self, input_ids, position_ids, mask, rope_tables, kv_cache, *, check_ids: bool = True) -> torch.Tensor:
         """Embeddings, every block, the final norm: the residual stream, (B, S) ids -> (B, S, hidden)."""

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -34,11 +34,16 @@ class CausalDecoder(Protocol):
         """tokens (B, 1) against a filled ``cache`` with room reserved -> next-token logits (B, V)."""
         ...
 
+    def lean_decode_step(self, cache: KVCache) -> Callable[[torch.Tensor, KVCache, Any], torch.Tensor] | None:
+        """A faster callable that computes ``decode_step`` against ``cache`` on this device, or None."""
+        ...
+
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  kv_cache: KVCache | None = None) -> CausalLMOutput: ...
 
 
-_MEMBERS = sorted({*CausalDecoder.__annotations__, "device", "dtype", "new_kv_cache", "decode_step", "__call__"})
+_MEMBERS = sorted({*CausalDecoder.__annotations__, "device", "dtype", "new_kv_cache", "decode_step", "lean_decode_step",
+                   "__call__"})
 
 
 def missing_members(model) -> list[str]:

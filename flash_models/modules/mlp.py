@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_kernels
-from flash_kernels.fused_dense import gemm_unsupported, optional_extension
 from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
@@ -91,11 +90,15 @@ class MLP(nn.Module):
         extension can take the GEMMs in the compute dtype (CUDA, half precision, widths that are multiples of 8,
         built; a failed build warns once and trains unfused). Measured by `flash-models bench ops --only fused_dense`."""
         layers = (self.fc1, self.fc2)
-        if not (torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU and self.kernel_backend != "reference"
+        if not (x.is_cuda and torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU and self.kernel_backend != "reference"
                 and not (self.recompute_activation or self.recompute_weight_casts) and not torch.compiler.is_compiling()
                 and all(plain_linear(layer) and layer.bias is not None for layer in layers)
                 and (torch.is_autocast_enabled(x.device.type) or all(layer.weight.dtype == x.dtype for layer in layers))):
             return False
+        # Imported here: the module marks a function for torch.compile, which imports torch._dynamo (a second
+        # of a CPU program's start for a path only CUDA takes).
+        from flash_kernels.fused_dense import gemm_unsupported, optional_extension
+
         return (gemm_unsupported(x, self.fc1.weight.shape, compute_dtype(x)) is None
                 and optional_extension("a GELU MLP's training step", "it trains unfused") is not None)
 

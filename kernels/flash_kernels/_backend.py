@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from ._triton_compat import TRITON_AVAILABLE
+from ._triton_compat import NOT_LOADED_REASON, TRITON_AVAILABLE
 
 KernelBackend = Literal["reference", "triton", "auto"]
 BACKENDS: tuple[str, ...] = ("reference", "triton", "auto")
@@ -60,10 +60,7 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
     if not TRITON_AVAILABLE:
         if backend == "auto":
             return False
-        raise ValueError(
-            f"{op}: backend='triton' needs Triton, which is not installed here (it ships for Linux only). "
-            "Use backend='reference' or 'auto'."
-        )
+        raise ValueError(f"{op}: backend='triton' needs Triton: {NOT_LOADED_REASON}. Use backend='reference' or 'auto'.")
     on_device = x.device.type == "cuda" or (x.device.type == "cpu" and triton_interpreter_enabled())
     if backend == "auto":
         return x.device.type == "cuda" and unsupported is None

@@ -53,17 +53,18 @@ from ._triton_compat import TRITON_AVAILABLE, triton
 _INT32 = range(-(2**31), 2**31)  # `in range` is a constant-time bounds check for an int
 _Tensor = torch.Tensor
 
-try:  # Triton 3.6+ (Gluon's Hopper descriptor); without it no argument is one
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
-    _GluonDescriptor = ()
-
-
-try:  # Triton 3.5+: launch hooks are chains, empty unless a profiler registers one
-    from triton.knobs import HookChain as _HookChain
-    from triton.knobs import runtime as _runtime_knobs
-except ImportError:  # pragma: no cover - depends on the installed Triton
-    _HookChain, _runtime_knobs = (), None
+_GluonDescriptor = ()  # without Gluon's Hopper descriptor (Triton 3.6+) no argument is one
+_HookChain, _runtime_knobs = (), None  # Triton 3.5+: launch hooks are chains, empty unless a profiler registers one
+if TRITON_AVAILABLE:  # not Triton's own import where it is not loaded (see _triton_compat)
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+        pass
+    try:
+        from triton.knobs import HookChain as _HookChain
+        from triton.knobs import runtime as _runtime_knobs
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        pass
 
 # The current device's index and its current stream's handle, without torch.cuda.current_device's lazy-init
 # check (a launch's tensors are CUDA tensors: CUDA is initialized) or Triton's driver proxy.

@@ -5,17 +5,52 @@ op modules define their kernels at import time with ``@triton.jit`` / ``@triton.
 decorators then return kernels that cannot launch, and ``_backend.use_triton`` never picks them: backend
 "auto" runs the PyTorch references, and backend="triton" raises a ValueError that says Triton is missing.
 The few plain helpers used outside kernels (``cdiv``, ``next_power_of_2``, ``Config``) work either way.
+
+The stand-in also serves where Triton is installed but nothing here can run its kernels: no CUDA GPU and no
+interpreter (``TRITON_INTERPRET=1``, which must be set before the first op module is imported, as before
+Triton's own import). Importing Triton costs about a second and pulls in most of its compiler; a CPU machine
+runs the references only, so it is never imported there (``TRITON_INSTALLED`` then tells the two cases apart
+for the error messages).
 """
 
 from __future__ import annotations
 
-try:
-    import triton
-    import triton.language as tl
+import importlib.metadata
+import importlib.util
+import os
 
-    TRITON_AVAILABLE = True
-except ImportError:
-    TRITON_AVAILABLE = False
+import torch
+
+
+def _installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules (tests that hide Triton), a broken install
+        return False
+
+
+def _kernels_can_run() -> bool:
+    """A CUDA GPU, or Triton's interpreter asked for: the only places a Triton kernel runs."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available()
+
+
+TRITON_INSTALLED = _installed()
+TRITON_AVAILABLE = False  # whether ``triton`` below is Triton itself
+if TRITON_INSTALLED and _kernels_can_run():
+    try:
+        import triton
+        import triton.language as tl
+
+        TRITON_AVAILABLE = True
+    except ImportError:
+        TRITON_INSTALLED = False
+
+# Why the stand-in is here, for the errors that name it.
+NOT_LOADED_REASON = ("Triton is installed but was not loaded: there is no CUDA GPU here and TRITON_INTERPRET=1 was "
+                     "not set before flash_kernels' first op was imported" if TRITON_INSTALLED
+                     else "Triton is not installed here (it ships for Linux only)")
+
+if not TRITON_AVAILABLE:
 
     class _UnlaunchableKernel:
         """What ``@triton.jit`` / ``@triton.autotune`` make without Triton: a kernel that refuses to launch."""
@@ -25,10 +60,10 @@ except ImportError:
             self.__name__ = getattr(fn, "__name__", "kernel")
 
         def __getitem__(self, grid):
-            raise RuntimeError(f"{self.__name__}: Triton is not installed, so its kernels cannot launch")
+            raise RuntimeError(f"{self.__name__}: {NOT_LOADED_REASON}, so its kernels cannot launch")
 
     class _MissingTriton:
-        __version__ = "not installed"
+        __version__ = f"{importlib.metadata.version('triton')} (not loaded)" if TRITON_INSTALLED else "not installed"
 
         class Config:
             def __init__(self, kwargs, num_warps=4, num_stages=2, **extra):
@@ -58,4 +93,4 @@ except ImportError:
     triton = _MissingTriton()
     tl = _MissingLanguage()
 
-__all__ = ["TRITON_AVAILABLE", "tl", "triton"]
+__all__ = ["NOT_LOADED_REASON", "TRITON_AVAILABLE", "TRITON_INSTALLED", "tl", "triton"]

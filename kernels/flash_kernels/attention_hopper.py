@@ -49,19 +49,21 @@ from ._launch import arguments_key, lean_launch
 from ._triton_compat import TRITON_AVAILABLE, triton
 from ._triton_utils import cdiv, device_capability, dummy_pointer, sm_count
 
-try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                   warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.compiler.errors import CompilationError
+GLUON_AVAILABLE = False
+if TRITON_AVAILABLE:  # not Triton's own import where it is not loaded (see _triton_compat)
+    try:  # Gluon and its Hopper ops: Triton 3.6 has them; older releases do not.
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                       warpgroup_mma_wait)
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        from triton.compiler.errors import CompilationError
 
-    GLUON_AVAILABLE = TRITON_AVAILABLE
-    # A barrier across the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7 on.
-    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
-    GLUON_AVAILABLE = False
+        GLUON_AVAILABLE = True
+        # A barrier across the CTA's threads: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.7 on.
+        _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+        pass
 
 logger = logging.getLogger(__name__)
 
