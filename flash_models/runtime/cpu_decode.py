@@ -267,7 +267,7 @@ class LeanCpuStep:
         """The cache slots every row reads (a slice shared by all rows) and, where rows differ in length, the
         boolean mask (B, 1, 1, keys) of each row's own keys; with a sliding window, only the last W keys."""
         end = max(lengths) + 1
-        start = max(0, end - self.window) if self.window is not None else 0
+        start = max(0, min(lengths) + 1 - self.window) if self.window is not None else 0  # the shortest row's window
         if min(lengths) == max(lengths):
             return slice(start, end), None
         slots = torch.arange(start, end)

@@ -54,6 +54,8 @@ def test_greedy_generation_equals_hf_for_32_tokens(ours, hf_model, tokenizer):
     ref = hf_model.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = ours.generate(ids, max_new_tokens=32, eos_token_id=[])
     assert torch.equal(out, ref)
+    with torch.inference_mode():  # what generate decoded with: the lean CPU step (runtime/cpu_decode.py)
+        assert ours.lean_decode_step(ours.new_kv_cache(1, 8)) is not None
 
 
 def test_chat_answer_names_paris(ours, tokenizer):
