@@ -13,6 +13,15 @@ from .norm import Norm
 from .vocab_padding import hide_vocab_padding, padded_vocab_size, zero_vocab_padding
 
 
+def _table(rows: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
+    """``nn.Embedding(rows, dim)``; on the meta device (a model built for loading) without its N(0, 1) init,
+    which means nothing there and whose meta implementation imports torch._dynamo (seconds of a program's
+    start, for nothing)."""
+    if torch.empty(0).is_meta:  # the device the surrounding ``torch.device`` context creates tensors on
+        return nn.Embedding(rows, dim, padding_idx=padding_idx, _weight=torch.empty(rows, dim))
+    return nn.Embedding(rows, dim, padding_idx=padding_idx)
+
+
 class Embeddings(nn.Module):
     """hidden = project_in(tokens(ids)) + positions(position_ids + position_offset) + token_types(type_ids)."""
 
@@ -26,14 +35,14 @@ class Embeddings(nn.Module):
         super().__init__()
         token_dim = token_dim or hidden_size
         self.vocab_size = vocab_size
-        self.tokens = nn.Embedding(padded_vocab_size(vocab_size, vocab_multiple), token_dim, padding_idx=padding_idx)
+        self.tokens = _table(padded_vocab_size(vocab_size, vocab_multiple), token_dim, padding_idx=padding_idx)
         if self.tokens.num_embeddings != vocab_size:
             zero_vocab_padding(self.tokens, vocab_size)
             hide_vocab_padding(self.tokens, vocab_size)
         self.project_in = nn.Linear(token_dim, hidden_size, bias=False) if token_dim != hidden_size else None
         self.position_offset = position_offset
-        self.positions = nn.Embedding(max_positions + position_offset, hidden_size) if max_positions is not None else None
-        self.token_types = nn.Embedding(type_vocab_size, hidden_size) if type_vocab_size else None
+        self.positions = _table(max_positions + position_offset, hidden_size) if max_positions is not None else None
+        self.token_types = _table(type_vocab_size, hidden_size) if type_vocab_size else None
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,

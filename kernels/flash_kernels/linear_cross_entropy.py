@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, pick, placeholder
 from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref, mean_over_labelled
-from .fused_dense import gemm_unsupported, optional_extension
 
 
 def linear_cross_entropy_ref(
@@ -158,12 +157,18 @@ def _scaled_weight_grad(partial: torch.Tensor, dlogits: torch.Tensor, h: torch.T
 
 def _epilogue_scaling(dlogits: torch.Tensor, h: torch.Tensor) -> bool:
     """Whether ``_scaled_weight_grad`` takes the cuBLASLt GEMM (else torch, with a pass for the scale)."""
+    if not h.is_cuda:  # the extension is CUDA's; its module imports torch._dynamo, seconds of a CPU program's start
+        return False
+    from .fused_dense import gemm_unsupported
+
     return gemm_unsupported(h, (dlogits.shape[1], h.shape[1])) is None
 
 
 def _scaling_extension():
     """The fused_dense extension, or None (one warning) when its build fails: for this op it only saves a pass
     over the weight gradient, so a broken toolchain should cost that pass and not stop a training run."""
+    from .fused_dense import optional_extension
+
     return optional_extension("linear_cross_entropy", "the weight gradient is scaled in a separate pass (slower, "
                               "and rounded twice rather than once)")
 
