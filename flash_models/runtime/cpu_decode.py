@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_kernels.rotary import apply_rotary_ref
+
 from ..modules.attention import Attention
 from ..modules.block import PreNormBlock
 from ..modules.kv_cache import KVCache
@@ -103,6 +105,12 @@ class _Norm:
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+def _version(weight: torch.Tensor) -> int:
+    """The in-place update count of ``weight``; an inference tensor (made under torch.inference_mode) keeps none,
+    and being read-only outside inference mode, counts as never updated."""
+    return -1 if weight.is_inference() else weight._version
+
+
 class TransposedWeights:
     """Each weight (out, in) as a contiguous (in, out) copy, made on first use and made again when the weight
     changes: replaced by another tensor, or updated in place (its version counter moves: an optimizer step,
@@ -116,8 +124,8 @@ class TransposedWeights:
         fresh = TransposedWeights()
         for w in weights:
             entry = self._copies.get(id(w))
-            if entry is None or entry[0] is not w or entry[1] != w._version:
-                entry = (w, w._version, w.detach().t().contiguous())
+            if entry is None or entry[0] is not w or entry[1] != _version(w):
+                entry = (w, _version(w), w.detach().t().contiguous())
             fresh._copies[id(w)] = entry
         return fresh
 
@@ -185,10 +193,12 @@ class _Projection:
 
 class LeanCpuStep:
     """``model.decode_step`` for the models ``lean_step_unsupported`` accepts: called as
-    ``step(tokens (B, 1), cache, rope_tables) -> logits (B, V)``, the cache advanced by one token per row,
-    after the caller reserved the room (``cache.reserve(1)``) as it does for ``decode_step``.
+    ``step(tokens (B, S), cache, rope_tables) -> logits (B, V)`` of each row's last token, the cache advanced
+    by S tokens per row, after the caller reserved the room (``cache.reserve(S)``) as it does for
+    ``decode_step``. S is 1 (a decode step; rows may hold different lengths), or any length going into an empty
+    cache (a prefill of unpadded prompts, whose first token is a user's wait).
 
-    It holds the model's modules, not copies of their weights: a model updated in place is seen."""
+    It holds the model's modules, and transposed copies of their weights kept in step with them."""
 
     def __init__(self, model, cache: KVCache):
         reason = lean_step_unsupported(model, cache)
@@ -213,42 +223,53 @@ class LeanCpuStep:
         rope = dc.rope
         self.rotary_dim = rope.rotary_dim if rope is not None else 0
         self.interleaved = rope is not None and rope.interleaved
-        batch = torch.arange(cache.batch_size)
-        self.row_offsets = batch * cache.max_len  # (B,) each row's first slot in the flattened cache
-        self.batch = batch
+        self.row_offsets = torch.arange(cache.batch_size) * cache.max_len  # each row's first slot, cache flattened
 
     def __call__(self, tokens: torch.Tensor, cache: KVCache, rope_tables) -> torch.Tensor:
-        assert cache is self.cache and tokens.shape == (cache.batch_size, 1), "one token per row of the step's cache"
-        model = self.model
-        B = cache.batch_size
+        B, S = tokens.shape
+        assert cache is self.cache and B == cache.batch_size, "tokens (B, S) for the step's own cache"
         lengths = cache.seqlens.tolist()  # a CPU tensor: no device to wait for
-        positions = cache.seqlens.long()  # (B,) the new token's position = its slot: the cache holds real tokens only
-        keys, mask = self._keys(lengths, positions)
-        write_at = self.row_offsets + positions  # (B,) into each layer's cache viewed as (B * max_len, Hkv, D)
-        rotation = self._rotation(positions, rope_tables) if rope_tables is not None else None
-
+        assert S == 1 or max(lengths) == 0, "several tokens a row go into an empty cache only (a prefill)"
+        # Each new token's position is its slot: the cache holds real tokens only.
+        positions = cache.seqlens.long()[:, None] + torch.arange(S)  # (B, S)
+        if S == 1:
+            keys, mask = self._keys(lengths, positions[:, 0])
+            write_at = self.row_offsets + positions[:, 0]  # (B,) into a layer's cache viewed as (B * max_len, Hkv, D)
+            rotation = self._rotation(positions[:, 0], rope_tables) if rope_tables is not None else None
+        else:
+            mask = self._prefill_mask(S)
+        model = self.model
         embed = model.embed
-        x = F.embedding(tokens[:, 0], embed.tokens.weight)  # (B, token_dim)
+        x = F.embedding(tokens.reshape(-1), embed.tokens.weight)  # (B * S, token_dim)
         if self.project_in is not None:
             x = self.project_in(x)
         if embed.positions is not None:
-            x = x + F.embedding(positions + embed.position_offset, embed.positions.weight)
+            x = x + F.embedding(positions.reshape(-1) + embed.position_offset, embed.positions.weight)
         hq, hkv, D = self.hq, self.hkv, self.head_dim
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(layer.norm1(x)).view(B, hq + 2 * hkv, D)
-            qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv:]
+            qkv = layer.qkv(layer.norm1(x)).view(B, S, hq + 2 * hkv, D)
+            qk, v = qkv[:, :, : hq + hkv], qkv[:, :, hq + hkv:]
             if layer.q_norm is not None:
-                qk = torch.cat((layer.q_norm(qk[:, :hq]), layer.k_norm(qk[:, hq:])), dim=1)
-            if rotation is not None:
-                qk = torch.matmul(qk, rotation)  # (B, Hq + Hkv, D) @ (B, D, D): q and k heads rotated at once
+                qk = torch.cat((layer.q_norm(qk[:, :, :hq]), layer.k_norm(qk[:, :, hq:])), dim=2)
             k_cache, v_cache = cache.k[i], cache.v[i]
-            k_cache.view(-1, hkv, D).index_copy_(0, write_at, qk[:, hq:])
-            v_cache.view(-1, hkv, D).index_copy_(0, write_at, v)
+            if S == 1:
+                if rotation is not None:  # (B, Hq + Hkv, D) @ (B, D, D): q and k heads rotated at once
+                    qk = torch.matmul(qk.view(B, hq + hkv, D), rotation).view(B, 1, hq + hkv, D)
+                k_cache.view(-1, hkv, D).index_copy_(0, write_at, qk[:, 0, hq:])
+                v_cache.view(-1, hkv, D).index_copy_(0, write_at, v[:, 0])
+                q, k, v = qk[:, :, :hq], k_cache[:, keys], v_cache[:, keys]
+            else:
+                if rope_tables is not None:
+                    cos, sin = rope_tables
+                    qk = apply_rotary_ref(qk, cos, sin, interleaved=self.interleaved, position_ids=positions)
+                k_cache[:, :S] = qk[:, :, hq:]
+                v_cache[:, :S] = v
+                q, k = qk[:, :, :hq], qk[:, :, hq:]
             out = F.scaled_dot_product_attention(
-                qk[:, :hq].unsqueeze(2), k_cache[:, keys].transpose(1, 2), v_cache[:, keys].transpose(1, 2),
-                attn_mask=mask, scale=layer.scale, enable_gqa=hq != hkv,
-            )  # (B, Hq, 1, D)
-            x = layer.out.add_to(x, out.view(B, hq * D))
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=layer.scale,
+                is_causal=S > 1 and mask is None, enable_gqa=hq != hkv,
+            )  # (B, Hq, S, D)
+            x = layer.out.add_to(x, out.transpose(1, 2).reshape(B * S, hq * D))
             h = layer.up(layer.norm2(x))
             if layer.gated:
                 gate, up = h.chunk(2, dim=-1)
@@ -256,12 +277,20 @@ class LeanCpuStep:
             else:
                 h = self.act(h)
             x = layer.down.add_to(x, h)
-        cache.seqlens.add_(1)
-        x = self.norm_f(x)
+        cache.seqlens.add_(S)
+        x = self.norm_f(x.view(B, S, -1)[:, -1])
         if self.project_out is not None:
             x = self.project_out(x)
         logits = self.head(x)
         return logits if logits.shape[-1] == self.vocab else logits[:, : self.vocab]
+
+    def _prefill_mask(self, S: int) -> torch.Tensor | None:
+        """None (causal attention says it all), or with a sliding window shorter than the prompt the (S, S)
+        causal mask that keeps each query's last W keys."""
+        if self.window is None or self.window >= S:
+            return None
+        q, k = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        return (k <= q) & (q - k < self.window)
 
     def _keys(self, lengths: list[int], positions: torch.Tensor) -> tuple[slice, torch.Tensor | None]:
         """The cache slots every row reads (a slice shared by all rows) and, where rows differ in length, the
