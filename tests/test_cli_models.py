@@ -127,6 +127,7 @@ def test_bench_cpu_measures_both_sides_on_the_same_tokens(tmp_path, tiny_folder)
     assert [row["side"] for row in result["rows"]] == ["ours", "hf"]
     assert all(row["same_tokens"] and row["decode_tok_s"] > 0 and row["first_token_s"] > 0 for row in result["rows"])
     assert result["env"]["threads"] == 1 and result["env"]["new_tokens"] == 4
+    assert result["env"]["ours_path"] == "lean CPU step"  # the float32 LLaMA-style model takes runtime/cpu_decode.py
 
 
 @pytest.mark.slow

@@ -84,6 +84,7 @@ def measure(model_name: str, *, prompt: str, new_tokens: int, rounds: int, threa
     from ..checkpoint.tokenizer import load_tokenizer
     from ..cli_source import locate_model
     from ..compare import load_hf
+    from ..runtime.cpu_decode import lean_step_unsupported
 
     torch.set_num_threads(threads)
     source = str(locate_model(model_name, need_tokenizer=True).path)
@@ -109,8 +110,11 @@ def measure(model_name: str, *, prompt: str, new_tokens: int, rounds: int, threa
             samples[name].append((times[0] - start, rate))
     same = tokens["ours"] == tokens["hf"]
     result = BenchResult(area="cpu")
+    ours = sides["ours"][0]
+    why_not_lean = lean_step_unsupported(ours, ours.new_kv_cache(1, 1))  # the path our side took
     result.env.update(cpu=_cpu_name(), cpu_count=os.cpu_count(), threads=threads, model=source, prompt_tokens=int(ids.shape[1]), new_tokens=new_tokens,
-                      rounds=rounds, dtype="float32", decoding="greedy")
+                      rounds=rounds, dtype="float32", decoding="greedy",
+                      ours_path="lean CPU step" if why_not_lean is None else f"plain forward ({why_not_lean})")
     hf_rate = _summary(samples["hf"])["decode_tok_s"]
     for name in sides:
         row = result.add(side=name, **_summary(samples[name]), same_tokens=same)
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
                      threads=args.threads)
     env = result.env
     print(f"{env['model']}: {env['prompt_tokens']} prompt tokens, {env['new_tokens']} new, fp32 greedy, "
-          f"{env['threads']} threads, {env['rounds']} rounds per side (median, range)")
+          f"{env['threads']} threads, {env['rounds']} rounds per side (median, range); ours: {env['ours_path']}")
     print(result.markdown(COLUMNS))
     result.write_json(args.out)
     print(f"wrote {args.out}")

@@ -12,6 +12,9 @@ then runs each layer in about a dozen calls:
     the cache -> out GEMV + residual (one addmm) -> norm -> [gate; up] GEMV -> activation -> down GEMV +
     residual
 
+It also runs generate's prefill of unpadded prompts into the empty cache (the first token a user waits for),
+with the LM head on the last position only.
+
 Every projection multiplies by a transposed copy of its weight, (in, out) contiguous, made once per model and
 kept while the weight is unchanged (``TransposedWeights``). A batch-1 step is a chain of matrix-vector
 products that stream the weights from memory, and torch's BLAS (MKL) streams a row-major (out, in) weight
@@ -65,7 +68,7 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
         return "grad mode is on"
     if model.kernel_backend == "triton" or model.attn_impl not in ("auto", "sdpa"):
         return f"kernel_backend={model.kernel_backend!r}, attn_impl={model.attn_impl!r} asked for"
-    if any(p.dtype != torch.float32 for p in model.parameters()) or cache.k[0].dtype != torch.float32:
+    if model.dtype != torch.float32 or cache.k[0].dtype != torch.float32:
         return "not float32"
     if dc.block != "pre_norm":
         return f"{dc.block} blocks"
@@ -75,15 +78,19 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
     if type(cache) is not KVCache:
         return f"a {type(cache).__name__}"
     for block in model.blocks:
-        parts = (block, block.norm1, block.attn, block.norm2, block.mlp)
         if (type(block) is not PreNormBlock or type(block.attn) is not Attention or type(block.mlp) not in (GatedMLP, MLP)
-                or type(block.norm1) is not Norm or type(block.norm2) is not Norm or any(map(_hooked, parts))):
-            return "a block of other modules, or with hooks"
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    embeddings = [m for m in model.embed.modules() if isinstance(m, nn.Embedding)]
-    if (not all(map(plain_linear, linears)) or _hooked(model) or any(map(_hooked, embeddings))
-            or any(type(e) is not nn.Embedding for e in embeddings) or model.embed.token_types is not None):
-        return "adapted or hooked layers"
+                or type(block.norm1) is not Norm or type(block.norm2) is not Norm):
+            return "a block of other modules"
+    if model.embed.token_types is not None:
+        return "token type embeddings"
+    for module in model.modules():  # one pass: this runs at every generate's start
+        if _hooked(module):
+            return "forward hooks, which the step would not call"
+        if (isinstance(module, nn.Linear) and not plain_linear(module)) or (
+                isinstance(module, nn.Embedding) and type(module) is not nn.Embedding):
+            return "adapted layers (LoRA and the like keep their own forward)"
+        if any(p.dtype != torch.float32 for p in module._parameters.values() if p is not None):
+            return "not float32"
     return None
 
 
@@ -201,14 +208,13 @@ class LeanCpuStep:
     It holds the model's modules, and transposed copies of their weights kept in step with them."""
 
     def __init__(self, model, cache: KVCache):
-        reason = lean_step_unsupported(model, cache)
-        assert reason is None, reason
         dc = model.decoder_config
         att = dc.attention
         self.model, self.cache = model, cache
-        projections = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        projections = [layer for block in model.blocks for layer in (block.attn.qkv, block.attn.out_proj, *block.mlp.children())]
+        projections += [layer for layer in (model.embed.project_in, model.project_out) if layer is not None]
         transposed = _TRANSPOSED.get(model, TransposedWeights()).refreshed(
-            [m.weight for m in projections] + [model.output_embeddings()])
+            [layer.weight for layer in projections] + [model.output_embeddings()])
         _TRANSPOSED[model] = transposed
         self.layers = [_Layer.of(block, transposed) for block in model.blocks]
         self.project_in = _Projection.of(model.embed.project_in, transposed) if model.embed.project_in is not None else None
