@@ -99,7 +99,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         """GPT-2/LLaMA practice: N(0, initializer_range) for linears and embeddings, zero biases, unit norms;
         with ``scale_residual_init`` (GPT-2) the projections that write into the residual stream get
         std / sqrt(2 * layers)."""
-        if self.embed.tokens.weight.is_meta:  # a model built for loading: nothing to initialize (see modules/embedding.py)
+        if self.embed.tokens.weight.is_meta:  # built for loading: nothing to initialize (see modules/embedding.py)
             return
         dc = self.decoder_config
         std = dc.initializer_range

@@ -90,7 +90,8 @@ class MLP(nn.Module):
         extension can take the GEMMs in the compute dtype (CUDA, half precision, widths that are multiples of 8,
         built; a failed build warns once and trains unfused). Measured by `flash-models bench ops --only fused_dense`."""
         layers = (self.fc1, self.fc2)
-        if not (x.is_cuda and torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU and self.kernel_backend != "reference"
+        if not (x.is_cuda and torch.is_grad_enabled() and self.cfg.activation in _CUBLASLT_GELU
+                and self.kernel_backend != "reference"
                 and not (self.recompute_activation or self.recompute_weight_casts) and not torch.compiler.is_compiling()
                 and all(plain_linear(layer) and layer.bias is not None for layer in layers)
                 and (torch.is_autocast_enabled(x.device.type) or all(layer.weight.dtype == x.dtype for layer in layers))):
