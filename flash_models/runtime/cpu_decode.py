@@ -21,7 +21,10 @@ products that stream the weights from memory, and torch's BLAS (MKL) streams a r
 through ``x @ W.T`` at a fraction of the speed it streams the (in, out) copy through ``x @ W_t``: measured on a
 2-core AMD EPYC (AVX-512) at SmolLM2's sizes, 16-17 against 23 GB/s at 2 threads, 11 against 14-20 at 1 (the
 first kernel barely uses the second thread). The copies cost the projections' memory once more (540 MB for
-SmolLM2-135M in float32), the price of a third of the step's time.
+SmolLM2-135M in float32), the price of a third of the step's time. The faster kernel does split across the
+threads, so where another process holds one of the cores torch was told to use, every projection waits for it
+(on that 2-core machine, 2 threads with the other core busy: 0.7 s a step instead of 28 ms): give torch the
+cores that are free (``torch.set_num_threads``).
 
 The same numbers as the plain forward in float32, up to summation order (an add folded into a GEMM, a rotation
 summed by a matmul): about 1e-6 relative, far below the float32 parity tolerance with HF.
