@@ -21,10 +21,10 @@ products that stream the weights from memory, and torch's BLAS (MKL) streams a r
 through ``x @ W.T`` at a fraction of the speed it streams the (in, out) copy through ``x @ W_t``: measured on a
 2-core AMD EPYC (AVX-512) at SmolLM2's sizes, 16-17 against 23 GB/s at 2 threads, 11 against 14-20 at 1 (the
 first kernel barely uses the second thread). The copies cost the projections' memory once more (540 MB for
-SmolLM2-135M in float32), the price of a third of the step's time. The faster kernel does split across the
-threads, so where another process holds one of the cores torch was told to use, every projection waits for it
-(on that 2-core machine, 2 threads with the other core busy: 0.7 s a step instead of 28 ms): give torch the
-cores that are free (``torch.set_num_threads``).
+SmolLM2-135M in float32), the price of a third of the step's time, so they are made only while they take at
+most an eighth of the machine's memory; a larger model multiplies by its weights' transposed views instead.
+The faster kernel does split across the threads, so where another process holds one of the cores torch was
+told to use, every projection waits for it: give torch the cores that are free (``torch.set_num_threads``).
 
 The same numbers as the plain forward in float32, up to summation order (an add folded into a GEMM, a rotation
 summed by a matmul): about 1e-6 relative, far below the float32 parity tolerance with HF.
@@ -35,6 +35,7 @@ everything else.
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -121,21 +122,31 @@ def _version(weight: torch.Tensor) -> int:
     return -1 if weight.is_inference() else weight._version
 
 
+def _copy_budget() -> int:
+    """Bytes the transposed copies may take: an eighth of the machine's memory (0 where it cannot be read)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
 class TransposedWeights:
-    """Each weight (out, in) as a contiguous (in, out) copy, made on first use and made again when the weight
-    changes: replaced by another tensor, or updated in place (its version counter moves: an optimizer step,
-    ``load_state_dict``)."""
+    """Each weight (out, in) as (in, out) for ``x @ weight_t``: a contiguous copy, made on first use and made again
+    when the weight changes (replaced by another tensor, or updated in place: its version counter moves, as an
+    optimizer step or ``load_state_dict`` moves it), when all the copies together fit in ``_copy_budget()``;
+    else the weight's own transposed view (no memory, the slower kernel)."""
 
     def __init__(self):
         self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def refreshed(self, weights: list[torch.Tensor]) -> "TransposedWeights":
-        """The copies of exactly ``weights``: current ones kept, stale or unused ones dropped."""
+        """The (in, out) forms of exactly ``weights``: current copies kept, stale or unused ones dropped."""
         fresh = TransposedWeights()
+        copy = sum(w.numel() * w.element_size() for w in {id(w): w for w in weights}.values()) <= _copy_budget()
         for w in weights:
             entry = self._copies.get(id(w))
-            if entry is None or entry[0] is not w or entry[1] != _version(w):
-                entry = (w, _version(w), w.detach().t().contiguous())
+            if entry is None or entry[0] is not w or entry[1] != _version(w) or entry[2].is_contiguous() != copy:
+                entry = (w, _version(w), w.detach().t().contiguous() if copy else w.detach().t())
             fresh._copies[id(w)] = entry
         return fresh
 

@@ -9,6 +9,7 @@ import flash_models as fm
 from flash_kernels.rotary import apply_rotary_ref
 from flash_models.generation.engine import DecodeRunner
 from flash_models.registry import get_family, get_preset
+from flash_models.runtime import cpu_decode
 from flash_models.runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from flash_models.testing import max_rel_err, randomize_
 
@@ -142,6 +143,27 @@ def test_weights_updated_in_place_are_seen():
     after = model.generate(ids, max_new_tokens=6, eos_token_id=[])
     assert torch.equal(after, greedy_without_cache(model, ids, 6))
     assert not torch.equal(after, before)
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40], ids=["over-budget", "within-budget"])
+def test_copies_only_within_the_memory_budget(monkeypatch, budget):
+    """Over the budget for transposed copies the step multiplies by the weights' own transposed views: no second
+    copy of the weights, the same logits."""
+    monkeypatch.setattr(cpu_decode, "_copy_budget", lambda: budget)
+    model = tiny("llama-1b")
+    ids = torch.randint(0, 131, (2, 6))
+    with torch.inference_mode():
+        cache, logits = prefilled(model, ids, torch.ones_like(ids), 8)
+        step = model.lean_decode_step(cache)
+        weights = [model.blocks[0].attn.qkv.weight, model.blocks[0].mlp.down.weight, model.output_embeddings()]
+        forms = [cpu_decode._TRANSPOSED[model][w] for w in weights]
+        assert all((f.data_ptr() == w.data_ptr()) == (budget == 0) for f, w in zip(forms, weights))
+        plain_cache, _ = prefilled(model, ids, torch.ones_like(ids), 8)
+        token = logits.argmax(-1)[:, None]
+        cache.reserve(1)
+        plain_cache.reserve(1)
+        tables = model.rotary.tables(8, ids.device)
+        assert max_rel_err(step(token, cache, tables), model.decode_step(token, plain_cache, tables)) < 1e-5
 
 
 def refusal(model, cache_kwargs=None):
