@@ -199,6 +199,11 @@ def _load(args, model_name: str):
         from .checkpoint import from_pretrained
 
         model = from_pretrained(source.path, dtype=args.dtype, device=args.device)
+        if model.device.type == "cpu":  # the CPU decode step's weight copies now, not in the first answer's wait
+            from .runtime.cpu_decode import prepare_lean_step
+
+            status.show("preparing the CPU decode step...")
+            prepare_lean_step(model)
     finally:
         status.clear()
     return model, tokenizer, time.perf_counter() - start

@@ -212,6 +212,26 @@ class _Projection:
         return torch.addmm(x, h, self.weight_t) if self.bias is None else x + self(h)
 
 
+def _transposed_weights(model) -> TransposedWeights:
+    """The (in, out) forms of every projection's weight of ``model``, made or refreshed now."""
+    projections = [layer for block in model.blocks for layer in (block.attn.qkv, block.attn.out_proj, *block.mlp.children())]
+    projections += [layer for layer in (model.embed.project_in, model.project_out) if layer is not None]
+    transposed = _TRANSPOSED.get(model, TransposedWeights()).refreshed(
+        [layer.weight for layer in projections] + [model.output_embeddings()])
+    _TRANSPOSED[model] = transposed
+    return transposed
+
+
+def prepare_lean_step(model) -> bool:
+    """Make the lean step's weight copies now, where it will run ``model``'s generation (a CLI calls it while it
+    loads, so that the first answer does not wait for them); whether it will."""
+    with torch.no_grad():
+        if lean_step_unsupported(model, model.new_kv_cache(1, 1)) is not None:
+            return False
+        _transposed_weights(model)
+    return True
+
+
 class LeanCpuStep:
     """``model.decode_step`` for the models ``lean_step_unsupported`` accepts: called as
     ``step(tokens (B, S), cache, rope_tables) -> logits (B, V)`` of each row's last token, the cache advanced
@@ -225,11 +245,7 @@ class LeanCpuStep:
         dc = model.decoder_config
         att = dc.attention
         self.model, self.cache = model, cache
-        projections = [layer for block in model.blocks for layer in (block.attn.qkv, block.attn.out_proj, *block.mlp.children())]
-        projections += [layer for layer in (model.embed.project_in, model.project_out) if layer is not None]
-        transposed = _TRANSPOSED.get(model, TransposedWeights()).refreshed(
-            [layer.weight for layer in projections] + [model.output_embeddings()])
-        _TRANSPOSED[model] = transposed
+        transposed = _transposed_weights(model)
         self.layers = [_Layer.of(block, transposed) for block in model.blocks]
         self.project_in = _Projection.of(model.embed.project_in, transposed) if model.embed.project_in is not None else None
         self.project_out = _Projection.of(model.project_out, transposed) if model.project_out is not None else None

@@ -166,6 +166,16 @@ def test_copies_only_within_the_memory_budget(monkeypatch, budget):
         assert max_rel_err(step(token, cache, tables), model.decode_step(token, plain_cache, tables)) < 1e-5
 
 
+def test_prepare_makes_the_copies_generate_then_uses():
+    model = tiny("llama-1b")
+    assert cpu_decode.prepare_lean_step(model)
+    head = model.output_embeddings()
+    prepared = cpu_decode._TRANSPOSED[model][head]
+    model.generate(torch.randint(0, 131, (1, 5)), max_new_tokens=3, eos_token_id=[])
+    assert cpu_decode._TRANSPOSED[model][head] is prepared  # kept, not made again
+    assert not cpu_decode.prepare_lean_step(tiny("llama-1b").to(torch.bfloat16))
+
+
 def refusal(model, cache_kwargs=None):
     with torch.inference_mode():
         cache = model.new_kv_cache(1, 16, **(cache_kwargs or {}))
