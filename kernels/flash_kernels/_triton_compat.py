@@ -6,9 +6,9 @@ decorators then return kernels that cannot launch, and ``_backend.use_triton`` n
 "auto" runs the PyTorch references, and backend="triton" raises a ValueError that says Triton is missing.
 The few plain helpers used outside kernels (``cdiv``, ``next_power_of_2``, ``Config``) work either way.
 
-The stand-in also serves where Triton is installed but nothing here can run its kernels: no CUDA GPU and no
+The stand-in also serves where Triton is installed but nothing here can run its kernels: no CUDA GPU, no
 interpreter (``TRITON_INTERPRET=1``, which must be set before the first op module is imported, as before
-Triton's own import). Importing Triton costs about a second and pulls in most of its compiler; a CPU machine
+Triton's own import), and no Triton imported by the program itself. Importing Triton costs about a second and pulls in most of its compiler; a CPU machine
 runs the references only, so it is never imported there (``TRITON_INSTALLED`` then tells the two cases apart
 for the error messages).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -29,14 +30,17 @@ def _installed() -> bool:
         return False
 
 
-def _kernels_can_run() -> bool:
-    """A CUDA GPU, or Triton's interpreter asked for: the only places a Triton kernel runs."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or torch.cuda.is_available()
+def _worth_loading() -> bool:
+    """A CUDA GPU or Triton's interpreter asked for (the only places a Triton kernel runs), or a program that
+    imported Triton itself (one compiling kernels ahead of time for a GPU it does not have): loading costs
+    nothing more there."""
+    return ("triton" in sys.modules or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+            or torch.cuda.is_available())
 
 
 TRITON_INSTALLED = _installed()
 TRITON_AVAILABLE = False  # whether ``triton`` below is Triton itself
-if TRITON_INSTALLED and _kernels_can_run():
+if TRITON_INSTALLED and _worth_loading():
     try:
         import triton
         import triton.language as tl
