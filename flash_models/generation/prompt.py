@@ -63,9 +63,9 @@ def prefill_logits(model: CausalDecoder, input_ids: torch.Tensor, attention_mask
     """The prompt into ``cache`` -> (B, V) logits at each row's last real token: the last column for an
     unpadded or left-padded row, an earlier one for a right-padded row. The cache holds only real tokens,
     compacted, so every row continues right after its own last real token."""
-    unpadded = attention_mask is None or bool(attention_mask.all())
-    lean = model.lean_decode_step(cache) if unpadded and cache.empty else None
-    if lean is not None:  # the CPU's lean step takes unpadded prompts too (runtime/cpu_decode.py)
+    lean = model.lean_decode_step(cache) if cache.empty else None  # None off the CPU: no mask read there
+    if lean is not None and (attention_mask is None or bool(attention_mask.all())):
+        # the CPU's lean step takes unpadded prompts too (runtime/cpu_decode.py)
         cache.reserve(input_ids.shape[1])
         tables = model.rotary.tables(input_ids.shape[1], input_ids.device) if model.rotary is not None else None
         return lean(input_ids, cache, tables)
