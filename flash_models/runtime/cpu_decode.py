@@ -35,6 +35,7 @@ everything else.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from ..modules.attention import Attention
 from ..modules.block import PreNormBlock
 from ..modules.kv_cache import KVCache
 from ..modules.linear import plain_linear
-from ..modules.mlp import _GELU_APPROX, MLP, GatedMLP
+from ..modules.mlp import MLP, GatedMLP, activation
 from ..modules.norm import Norm
 
 
@@ -158,13 +159,6 @@ class TransposedWeights:
 _TRANSPOSED: "weakref.WeakKeyDictionary[nn.Module, TransposedWeights]" = weakref.WeakKeyDictionary()
 
 
-def _activation(name: str):
-    if name in _GELU_APPROX:
-        approximate = _GELU_APPROX[name]
-        return lambda x: F.gelu(x, approximate=approximate)
-    return F.relu if name == "relu" else F.silu
-
-
 @dataclass(frozen=True)
 class _Layer:
     norm1: _Norm
@@ -253,7 +247,7 @@ class LeanCpuStep:
         self.head = _Projection(transposed[model.output_embeddings()], head_bias)
         self.hq, self.hkv, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
         self.window = att.sliding_window
-        self.act = _activation(dc.mlp.activation)
+        self.act = functools.partial(activation, name=dc.mlp.activation, backend="reference")
         self.norm_f = _Norm.of(model.norm_f)
         self.vocab = dc.vocab_size
         rope = dc.rope
