@@ -6,10 +6,13 @@ Two things differ from autograd's own Linear, neither in the result:
   forward to the backward. With ``recompute_weight_cast`` the float32 parameter is kept instead (it lives
   anyway) and cast again in the backward: for LLaMA-1.1B that frees 65 MB a layer (the qkv, output and
   gate/up projections) at the cost of one cast per weight in the backward.
-- On CUDA the bias gradient is one cuBLAS GEMV of the gradient against a vector of ones (float32
-  accumulation, rounded to the gradient's dtype as autograd's own sum is). torch's reduction over the rows of
-  a narrow gradient is slow: on an H200, 16384 x 768 bf16 takes 25 us that way and 8.7 us as a GEMV (2304
-  wide: 35 vs 23 us; 3072: 41 vs 28 us), 0.7 ms of GPT-2 124M's step.
+- On CUDA the bias gradient is one cuBLAS GEMV of the gradient against a vector of ones. torch's reduction
+  over the rows of a narrow gradient is slow: on an H200, 16384 x 768 bf16 takes 25 us that way and 8.7 us as
+  a GEMV (2304 wide: 35 vs 23 us; 3072: 41 vs 28 us), 0.7 ms of GPT-2 124M's step.
+- On CUDA, under autocast, the weight and bias gradients of a float32 layer come out of their GEMMs in
+  float32 (``torch.mm``'s ``out_dtype``; the accumulation is float32 either way) instead of being rounded to
+  bf16 and cast: two launches fewer per layer. An eager GPT-2 step is bound by the host's launches, and one
+  launch costs the host 14 us on the H200 machine, more than these casts take on the GPU.
 
 Only plain nn.Linear layers with plain tensors and no hooks take this path (``plain_linear``); anything else,
 and every call under torch.compile, is the layer's own forward. Without grad mode a plain layer is ``dense``:
@@ -45,22 +48,38 @@ def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
     return ones[:n]
 
 
+def _product_out_in_float32(a: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a GEMM of ``a``'s dtype can write its product as ``dtype`` itself: a bf16/fp16 product as float32,
+    on CUDA (``torch.mm``'s ``out_dtype``)."""
+    return a.is_cuda and dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def mm_as(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b).to(dtype)`` for 2-D a and b, written by the GEMM itself where it can (see above)."""
+    return torch.mm(a, b, out_dtype=dtype) if _product_out_in_float32(a, dtype) else (a @ b).to(dtype)
+
+
 def bias_grad(dy2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The sum of dy2 (M, N) over its rows, as ``dtype``: a GEMV against ones on CUDA, torch's sum elsewhere."""
-    total = torch.mv(dy2.t(), _ones(dy2.shape[0], dy2)) if dy2.is_cuda else dy2.sum(0)
-    return total.to(dtype)
+    """The sum of dy2 (M, N) over its rows, as ``dtype``: a GEMV against ones on CUDA (a GEMM against a ones
+    column where it writes float32 itself), torch's sum elsewhere."""
+    if not dy2.is_cuda:
+        return dy2.sum(0).to(dtype)
+    ones = _ones(dy2.shape[0], dy2)
+    if _product_out_in_float32(dy2, dtype):
+        return torch.mm(dy2.t(), ones.unsqueeze(1), out_dtype=dtype).view(-1)
+    return torch.mv(dy2.t(), ones).to(dtype)
 
 
 def linear_grads(ctx, dy: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  cast_weight: torch.Tensor | None = None):
     """Gradients of ``F.linear(h, weight.to(h.dtype), bias)`` for ``dy``: (dh, dweight, dbias), each None when
     ``ctx.needs_input_grad`` (input order: h, weight, bias) says it is not needed. The weight gradient is
-    computed in h's dtype and cast to the weight's, as autograd does for an autocast weight. ``cast_weight``
+    computed in h's dtype and given in the weight's, as autograd does for an autocast weight. ``cast_weight``
     is the forward's ``weight.to(h.dtype)`` if it was kept; else the cast is made again."""
     w = cast_weight if cast_weight is not None else weight.to(h.dtype)
     dy2, h2 = dy.reshape(-1, dy.shape[-1]), h.reshape(-1, h.shape[-1])
-    dh = dy @ w if ctx.needs_input_grad[0] else None
-    dweight = (dy2.t() @ h2).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    dh = torch.mm(dy2, w).view(*dy.shape[:-1], w.shape[1]) if ctx.needs_input_grad[0] else None
+    dweight = mm_as(dy2.t(), h2, weight.dtype) if ctx.needs_input_grad[1] else None
     dbias = bias_grad(dy2, bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
     return dh, dweight, dbias
 
