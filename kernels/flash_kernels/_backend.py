@@ -96,7 +96,8 @@ def capturing_cuda_graph() -> bool:
 
 def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: int | None = None,
                        static_input: bool = False) -> None:
-    """Every id in [0, high) (or equal to ``ignore``); ``message`` names the problem and the fix.
+    """Every id in [0, high) (or equal to ``ignore``); ``message`` names the problem and the fix. Ids of a
+    floating, complex or bool dtype are refused with that message, on every device.
 
     On the CPU a ValueError says so, naming the first bad id. On CUDA the check is an asynchronous device
     assert: reading the answer on the host would stall the launch queue once per forward, and an
@@ -105,6 +106,9 @@ def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: in
     it copies in, or passes ``static_input=True`` for ids that are the graph's static input buffer, whose
     captured check then tests each replay's own ids.
     """
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        # Else torch's own error (an embedding's or a gather's) would name none of the caller's inputs.
+        raise ValueError(f"{message}; got a tensor of {ids.dtype}: pass integer ids (torch.long)")
     compiling = torch.compiler.is_compiling()  # traced into the graph: no host read, no capture query
     if ids.is_cuda and not compiling and not static_input and capturing_cuda_graph():
         return

@@ -59,6 +59,8 @@ def cross_entropy_ref(
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: str) -> None:
     """Labels must lie in [0, vocab) or equal ignore_index; a silent out-of-range label corrupts the loss."""
+    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+        raise ValueError(f"{op}: labels must be integer class ids (torch.long), got a tensor of {labels.dtype}")
     check_ids_in_range(
         labels, vocab_size, ignore=ignore_index,
         message=f"{op}: a label is outside the vocabulary [0, {vocab_size}); use ignore_index={ignore_index} for "

@@ -85,6 +85,28 @@ def test_token_ids_outside_vocab():
         model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 500]]))
 
 
+@pytest.mark.parametrize("preset, overrides", [
+    ("gpt2", dict(n_layer=1, n_embd=32, n_head=4)),
+    ("bert-base", dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=40)),
+])
+def test_empty_input_ids(preset, overrides):
+    model = fm.create_model(preset, **overrides)
+    with pytest.raises(ValueError, match="input_ids is empty: give at least one token"):
+        model(torch.zeros(2, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_token_ids_and_labels_of_a_non_integer_dtype(dtype):
+    # torch's own errors (an embedding's, a gather's) would name neither input.
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=97, n_positions=16)
+    ids = torch.tensor([[1, 0, 1]])
+    with pytest.raises(ValueError, match=rf"input_ids must lie in .*got a tensor of {dtype}: pass integer ids"):
+        model(ids.to(dtype))
+    for train in (True, False):  # the fused loss, and the loss over the logits
+        with pytest.raises(ValueError, match=rf"labels must be integer class ids \(torch.long\), got .*{dtype}"):
+            model.train(train)(ids, labels=ids.to(dtype))
+
+
 @pytest.mark.parametrize("attn_impl", ["flash", "bogus"])
 def test_explicit_attention_backend_that_cannot_run(attn_impl):
     # Our kernels take head dims up to 256 (FA2's limit): 2 heads over a width of 528 are 264 wide.

@@ -78,6 +78,8 @@ class BertModel(BertPreTrainedModel):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
         B, S = input_ids.shape
+        if S == 0:
+            raise ValueError("input_ids is empty: give at least one token")
         limit = self.config.max_position_embeddings
         if S > limit:
             raise ValueError(f"sequence of {S} tokens exceeds BERT's {limit} positions; truncate the input")
