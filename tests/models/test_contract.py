@@ -94,3 +94,25 @@ def test_generation_protocol_is_offered_by_decoders_only(name):
     if name not in DECODERS:
         with pytest.raises(TypeError, match="cannot generate"):
             fm.generation.generate(model, torch.zeros(1, 3, dtype=torch.long))
+
+
+def one_preset_per_family() -> list[str]:
+    firsts = {}
+    for name in fm.list_models():
+        firsts.setdefault(get_preset(name).model_type, name)
+    return sorted(firsts.values())
+
+
+@pytest.mark.parametrize("name", one_preset_per_family())
+def test_training_step_traces_as_one_graph(name):
+    """The training forward and loss above are one torch.compile graph (fullgraph=True: a graph break raises),
+    traced by Dynamo alone (the "eager" backend: what breaks a graph is decided there; tests/models/
+    test_compile.py runs a whole compiled step). One preset per family: tracing takes seconds on the CPU."""
+    torch._dynamo.reset()
+    model = tiny_model(name).train()
+    compiled = torch.compile(lambda: training_loss(model, name)[1], fullgraph=True, backend="eager")
+    torch.manual_seed(0)
+    got = compiled()
+    torch.manual_seed(0)
+    want = training_loss(model, name)[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
