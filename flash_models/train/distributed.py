@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -104,9 +105,38 @@ def barrier(state: DistState) -> None:
         dist.barrier()
 
 
-def teardown(state: DistState) -> None:
-    if state.strategy != "none" and dist.is_initialized():
+# Seconds the closing ranks wait, with the GIL free, for the backend's worker threads to let go of their last
+# collective before the interpreter may start shutting down (see leave_process_group).
+SETTLE_SECONDS = 0.2
+
+
+def leave_process_group() -> None:
+    """End this process's part in a run that went well: a collective, every rank calls it after its last one.
+
+    Why not a bare ``destroy_process_group()`` before exit: a collective's backend worker thread (gloo's
+    ``pt_gloo_runloop``) drops its reference to the finished work, and with it the work's tensors, only after
+    the caller's ``wait()`` has returned. When the caller's Python references to those tensors are gone by then
+    (``all_gather_object``'s buffers, for one), that drop takes the GIL. If the main thread has reached
+    interpreter shutdown in the meantime, CPython ends the worker thread inside ``take_gil`` with
+    ``pthread_exit``, whose unwinding through torch's noexcept destructor calls std::terminate: the process
+    dies with SIGABRT ("terminate called without an active exception") after a run that succeeded.
+    ``destroy_process_group`` does not stop those threads (they end with the group's last reference, and a
+    DDP model keeps references that outlive it), so the barrier and a short wait without the GIL give them
+    the time to finish first. This narrows torch's race; it cannot close it from outside torch."""
+    dist.barrier()
+    time.sleep(SETTLE_SECONDS)
+    dist.destroy_process_group()
+
+
+def teardown(state: DistState, *, failed: bool = False) -> None:
+    """Leave the process group a distributed run made. After a failure, without the closing barrier: the other
+    ranks may never reach it, and this rank would wait there instead of exiting with its error."""
+    if state.strategy == "none" or not dist.is_initialized():
+        return
+    if failed:
         dist.destroy_process_group()
+    else:
+        leave_process_group()
 
 
 # ------------------------------------------------------------------------------------------------------------

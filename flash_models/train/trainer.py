@@ -549,8 +549,10 @@ class Trainer:
             "exported": str(exported) if exported else None,
         }
 
-    def close(self) -> None:
-        D.teardown(self.dist)
+    def close(self, *, failed: bool = False) -> None:
+        """Leave the process group of a distributed run (every rank calls it; a no-op in one process).
+        ``failed=True`` after an error: no closing barrier, which the other ranks may never reach."""
+        D.teardown(self.dist, failed=failed)
 
 
 def _tokens_per_image(model: nn.Module) -> int | None:
@@ -590,6 +592,9 @@ def train(config: ExperimentConfig | str | Path | dict, overrides: list[str] | t
     cfg = config if isinstance(config, ExperimentConfig) else load_config(config, overrides)
     trainer = Trainer(cfg)
     try:
-        return trainer.fit()
-    finally:
-        trainer.close()
+        summary = trainer.fit()
+    except BaseException:
+        trainer.close(failed=True)
+        raise
+    trainer.close()
+    return summary

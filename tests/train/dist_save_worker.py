@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from flash_models.train import Trainer, load_config
 from flash_models.train import checkpoint as train_checkpoint
+from flash_models.train.distributed import leave_process_group
 
 
 def folder_bytes(path: Path) -> dict:
@@ -77,7 +78,7 @@ def main(config_path: str, out_path: str) -> None:
     results = {name: run(config) for name, config in runs.items()}
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave_process_group()  # barrier, then leave: a bare destroy + exit can abort (see its docstring)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from flash_models.train import Trainer, load_config
+from flash_models.train.distributed import leave_process_group
 
 
 def main(config_path: str, out_path: str) -> None:
@@ -38,7 +39,7 @@ def main(config_path: str, out_path: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    leave_process_group()  # barrier, then leave: a bare destroy + exit can abort (see its docstring)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
-from flash_models.train import Trainer, load_config
+from flash_models.train import Trainer, load_config, train
+from flash_models.train import distributed as D
 from flash_models.train.distributed import fused_row_order
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -22,6 +24,34 @@ LLAMA = {"vocab_size": 257, "hidden_size": 32, "intermediate_size": 48, "num_hid
 def test_fused_row_order_gives_each_rank_its_own_heads():
     order = fused_row_order([4, 2, 2], 2)  # q 4 rows, k 2, v 2 -> rank 0: q0 q1 k0 v0 | rank 1: q2 q3 k1 v1
     assert order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+
+
+def test_teardown_waits_at_a_barrier_only_after_a_run_that_went_well(monkeypatch):
+    """A finished run: barrier, a GIL-free wait for the backend's threads, then leave the group. A failed one
+    leaves at once (the other ranks may never reach a barrier); one process has no group to leave."""
+    calls = []
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(D.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(D.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(D.time, "sleep", lambda seconds: calls.append(("sleep", seconds)))
+    D.teardown(D.DistState(strategy="fsdp", world=2))
+    assert calls == ["barrier", ("sleep", D.SETTLE_SECONDS), "destroy"] and D.SETTLE_SECONDS > 0
+    calls.clear()
+    D.teardown(D.DistState(strategy="ddp", world=2), failed=True)
+    assert calls == ["destroy"]
+    calls.clear()
+    D.teardown(D.DistState())
+    assert calls == []
+
+
+def test_train_closes_without_the_barrier_after_an_error(tiny_config, monkeypatch):
+    closed = []
+    monkeypatch.setattr(Trainer, "close", lambda self, failed=False: closed.append(failed))
+    assert train(tiny_config(train={"max_steps": 1}))["steps"] == 1
+    monkeypatch.setattr(Trainer, "fit", lambda self: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train(tiny_config())
+    assert closed == [False, True]
 
 
 def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
