@@ -47,7 +47,8 @@ def test_teardown_waits_at_a_barrier_only_after_a_run_that_went_well(monkeypatch
 def test_train_closes_without_the_barrier_after_an_error(tiny_config, monkeypatch):
     closed = []
     monkeypatch.setattr(Trainer, "close", lambda self, failed=False: closed.append(failed))
-    assert train(tiny_config(train={"max_steps": 1}))["steps"] == 1
+    monkeypatch.setattr(Trainer, "fit", lambda self: {"steps": 0})
+    assert train(tiny_config()) == {"steps": 0}
     monkeypatch.setattr(Trainer, "fit", lambda self: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train(tiny_config())
