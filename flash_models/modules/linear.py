@@ -1,6 +1,6 @@
 """``linear(x, layer)``: an nn.Linear's forward with a leaner backward, for training.
 
-Two things differ from autograd's own Linear, neither in the result:
+Three things differ from autograd's own Linear; only the third changes a result, and only by skipping a rounding:
 
 - Under autocast the weight is cast to bf16/fp16 for the GEMM, and autograd keeps that copy alive from the
   forward to the backward. With ``recompute_weight_cast`` the float32 parameter is kept instead (it lives
@@ -11,8 +11,8 @@ Two things differ from autograd's own Linear, neither in the result:
   a GEMV (2304 wide: 35 vs 23 us; 3072: 41 vs 28 us), 0.7 ms of GPT-2 124M's step.
 - On CUDA, under autocast, the weight and bias gradients of a float32 layer come out of their GEMMs in
   float32 (``torch.mm``'s ``out_dtype``; the accumulation is float32 either way) instead of being rounded to
-  bf16 and cast: two launches fewer per layer. An eager GPT-2 step is bound by the host's launches, and one
-  launch costs the host 14 us on the H200 machine, more than these casts take on the GPU.
+  bf16 and cast: two launches fewer per layer. A small model's eager step is bound by the host's launches
+  (``flash-models bench overhead`` gives their host cost), which cost more there than these casts take on the GPU.
 
 Only plain nn.Linear layers with plain tensors and no hooks take this path (``plain_linear``); anything else,
 and every call under torch.compile, is the layer's own forward. Without grad mode a plain layer is ``dense``:

@@ -94,6 +94,11 @@ def capturing_cuda_graph() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def holds_integers(t: torch.Tensor) -> bool:
+    """Whether t's dtype can hold ids (token ids, labels, positions): an integer one, bool excluded."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
 def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: int | None = None,
                        static_input: bool = False) -> None:
     """Every id in [0, high) (or equal to ``ignore``); ``message`` names the problem and the fix. Ids of a
@@ -106,7 +111,7 @@ def check_ids_in_range(ids: torch.Tensor, high: int, *, message: str, ignore: in
     it copies in, or passes ``static_input=True`` for ids that are the graph's static input buffer, whose
     captured check then tests each replay's own ids.
     """
-    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not holds_integers(ids):
         # Else torch's own error (an embedding's or a gather's) would name none of the caller's inputs.
         raise ValueError(f"{message}; got a tensor of {ids.dtype}: pass integer ids (torch.long)")
     compiling = torch.compiler.is_compiling()  # traced into the graph: no host read, no capture query

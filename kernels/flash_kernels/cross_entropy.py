@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._backend import check_ids_in_range, use_triton
+from ._backend import check_ids_in_range, holds_integers, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._triton_utils import as_rows, cdiv, dummy_pointer, eager_function, next_power_of_2, pick, warps_for_block
@@ -59,7 +59,7 @@ def cross_entropy_ref(
 
 def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: str) -> None:
     """Labels must lie in [0, vocab) or equal ignore_index; a silent out-of-range label corrupts the loss."""
-    if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+    if not holds_integers(labels):
         raise ValueError(f"{op}: labels must be integer class ids (torch.long), got a tensor of {labels.dtype}")
     check_ids_in_range(
         labels, vocab_size, ignore=ignore_index,
