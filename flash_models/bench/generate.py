@@ -2,8 +2,8 @@
 with a static cache + torch.compile, in one process on one GPU, on random-init bf16 models.
 
 Models: GPT-2 124M and a LLaMA of ~1.1B (TinyLlama shape). Batch 1 and 16, prompts of 128 and 512 tokens,
-256 new tokens, greedy, no EOS. ms/token = (time of a 256-token generate - time of a 1-token generate) / 255,
-so the prefill is left out on both sides. The bandwidth bound is the weight bytes plus the mean KV-cache
+256 new tokens, greedy, no EOS. ms/token = the median over repeats of (a 256-token generate's time - the time
+of the 1-token generate right after it) / 255, so the prefill is left out on both sides. The bandwidth bound is the weight bytes plus the mean KV-cache
 bytes read per step, over the measured device copy bandwidth.
 
 ``--dry-run`` runs the whole script on tiny fp32 models on the CPU (wall clock, no static+compile peer): it
@@ -43,23 +43,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn, repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
 
 
 def _per_step_ms(generate, new_tokens: int, repeats: int, device: torch.device) -> float:
+    """One decode step's time: a whole generate less its prefill (a generate of one token), timed back to back in
+    each repeat and the median of those differences taken, so that a drift in the host's speed between the two
+    timings cancels rather than lands in one of them (two separate medians could even differ the wrong way
+    round on a busy host). Raises where the decode steps still do not show above the timing's noise."""
     generate(new_tokens)  # warm-up: compilation, graph capture, autotuning
     generate(1)
-    full = _median_time(lambda: generate(new_tokens), repeats, device)
-    prefill = _median_time(lambda: generate(1), repeats, device)
-    return (full - prefill) / (new_tokens - 1) * 1e3
+    differences = [_seconds(lambda: generate(new_tokens), device) - _seconds(lambda: generate(1), device)
+                   for _ in range(repeats)]
+    per_step = statistics.median(differences) / (new_tokens - 1)
+    if per_step <= 0:
+        raise RuntimeError(f"the {new_tokens - 1} decode steps took no measurable time beyond the prefill "
+                           f"(differences {differences}); raise --new-tokens or --repeats, or run on an idle machine")
+    return per_step * 1e3
 
 
 def _hf_twin(ours):
