@@ -3,8 +3,8 @@ with a static cache + torch.compile, in one process on one GPU, on random-init b
 
 Models: GPT-2 124M and a LLaMA of ~1.1B (TinyLlama shape). Batch 1 and 16, prompts of 128 and 512 tokens,
 256 new tokens, greedy, no EOS. ms/token = the median over repeats of (a 256-token generate's time - the time
-of the 1-token generate right after it) / 255, so the prefill is left out on both sides. The bandwidth bound is the weight bytes plus the mean KV-cache
-bytes read per step, over the measured device copy bandwidth.
+of the 1-token generate right after it) / 255, so the prefill is left out on both sides. The bandwidth bound is
+the weight bytes plus the mean KV-cache bytes read per step, over the measured device copy bandwidth.
 
 ``--dry-run`` runs the whole script on tiny fp32 models on the CPU (wall clock, no static+compile peer): it
 checks the code, not speed.
