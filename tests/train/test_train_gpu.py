@@ -77,14 +77,18 @@ def test_cuda_graph_training_equals_eager(tiny_config, tmp_path, precision, micr
 
 def test_clipping_inside_fused_adamw_equals_clipping_the_gradients(tiny_config, tmp_path, monkeypatch):
     """Fused AdamW dividing by grad_scale (how the trainer clips on CUDA) gives the steps of multiplying the
-    gradients by the clip coefficient first: a clip norm small enough that every step clips."""
+    gradients by the clip coefficient first: a clip norm small enough that every step clips.
+
+    In float32 with plain attention: the two ways round differently in the last bit, and under bf16 autocast
+    (or a kernel with atomics) such a bit can flip a weight's bf16 rounding and grow into a 0.3% difference in a
+    later step's gradient norm, which says nothing about the clipping."""
     runs = {}
     for inside in (True, False):
         if not inside:
             monkeypatch.setattr(Trainer, "_clips_in_optimizer", lambda self: False)  # the other way, not a setting
         trainer = Trainer(tiny_config(
-            model={"overrides": dict(FLASH_GPT2), "attn_impl": "flash"}, data={"packing": "stream", "seq_len": 64},
-            train={"device": "cuda", "max_steps": 5, "precision": "bf16_autocast", "output_dir": str(tmp_path / str(inside))},
+            model={"overrides": dict(FLASH_GPT2), "attn_impl": "eager"}, data={"packing": "stream", "seq_len": 64},
+            train={"device": "cuda", "max_steps": 5, "precision": "fp32", "output_dir": str(tmp_path / str(inside))},
             optim={"grad_clip": 0.05}))
         assert trainer._clips_in_optimizer() is inside
         trainer.fit()
