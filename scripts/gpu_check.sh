@@ -7,6 +7,7 @@
 #   bash scripts/gpu_check.sh tests-kernels  # GPU tests: kernels (builds fused_dense)
 #   bash scripts/gpu_check.sh bench-models   # bench bert (with ours+graphs), bench train (eager sides), bench overhead
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
+#   bash scripts/gpu_check.sh bench-loop [CASE...]  # the README's plain loop per real-vocabulary case, one process each
 #   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
 #   bash scripts/gpu_check.sh bench-vit      # bench vit (ours, ours+graphs, timm eager, timm compile)
 #   bash scripts/gpu_check.sh bench-ops      # bench ops, every group, eager (liger's side where its wheel is installed)
@@ -36,6 +37,15 @@ case "${1:-}" in
     bench-compile)
         timeout 560 python -m flash_models bench train --cases gpt2,llama-1b --sides ours,ours+compile,hf+compile \
             --steps 8 --warmup 3 --out "$OUT/train-compile.json" 2>&1 | tee "$OUT/bench-compile.log" | grep "^|" ;;
+    bench-loop)
+        # One process per case, back to back (an eager step bound by the host reads slower while anything else runs
+        # there), then one result for the page. Each case takes 1-2 minutes, so a call fits about four.
+        shift
+        for case in ${@:-gpt2 gpt2-medium smollm2-135m qwen2-0.5b}; do
+            timeout 200 python -m flash_models bench train --cases "$case" --sides loop:ours,loop:hf,loop:hf+compile \
+                --steps 8 --warmup 3 --out "$OUT/loop-$case.json" 2>&1 | tee -a "$OUT/bench-loop.log" | grep "^|"
+        done
+        python -m flash_models.bench.page --merge "$OUT/train.json" "$OUT"/loop-*.json ;;
     bench-generate)
         timeout 560 python -m flash_models bench generate --batches 1 16 --prompts 128 512 --repeats 3 --out "$OUT" 2>&1 \
             | tee "$OUT/bench-generate.log" | grep "^|" ;;
@@ -63,6 +73,6 @@ case "${1:-}" in
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
         exit 2 ;;
 esac

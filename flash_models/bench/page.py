@@ -7,6 +7,8 @@ numbers' history is in git. Plots (PNG, beside the JSON) need matplotlib: ``pip 
 
     python -m flash_models.bench.page              # docs/results/*.json -> docs/benchmarks.md and the plots
     python -m flash_models.bench.page --no-plots   # the page alone
+    python -m flash_models.bench.page --merge docs/results/train.json run-a.json run-b.json
+                                                   # one area's runs (one case per process) as one result file
 """
 
 from __future__ import annotations
@@ -86,6 +88,33 @@ def load(path: Path) -> BenchResult:
         return BenchResult(area=data["area"], rows=list(data["rows"]), env=dict(data["env"]))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path} is not a bench result (JSON with area, rows and env): {err}") from None
+
+
+# Facts of a run that every merged run must share: numbers measured apart are only shown together when they
+# come from the same machine and software.
+_SHARED_FACTS = ("device", "torch", "triton", "transformers")
+
+
+def merge(paths: list[Path]) -> BenchResult:
+    """Several runs of one area as one result: the rows in the order given, the shared environment once, and
+    each run's command and commit (a page section shows one provenance, so it lists every run's). Runs of
+    different areas, devices or versions are refused, naming the first difference."""
+    if not paths:
+        raise ValueError("merge needs at least one bench result")
+    runs = [load(path) for path in paths]
+    first = runs[0]
+    for path, run in zip(paths[1:], runs[1:]):
+        if run.area != first.area:
+            raise ValueError(f"{path} is a {run.area!r} result, {paths[0]} a {first.area!r} one: merge one area at a time")
+        for fact in _SHARED_FACTS:
+            if run.env.get(fact) != first.env.get(fact):
+                raise ValueError(f"{path} ran with {fact} {run.env.get(fact)!r}, {paths[0]} with "
+                                 f"{first.env.get(fact)!r}: only runs on one machine and software merge")
+    env = dict(first.env)
+    env["date"] = max(str(run.env.get("date", "")) for run in runs)
+    env["commit"] = ", ".join(dict.fromkeys(str(run.env.get("commit")) for run in runs if run.env.get("commit")))
+    env["command"] = "\n".join(dict.fromkeys(str(run.env.get("command")) for run in runs if run.env.get("command")))
+    return BenchResult(area=first.area, rows=[row for run in runs for row in run.rows], env=env)
 
 
 def _blank(value) -> bool:
@@ -209,7 +238,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of bench JSON results (default: %(default)s)")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to write (default: %(default)s)")
     parser.add_argument("--no-plots", action="store_true", help="write the page without drawing the plots")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar=("OUT", "RUN"),
+                        help="only merge the runs (JSON of one area) into OUT; render the page after")
     args = parser.parse_args(argv)
+    if args.merge:
+        if len(args.merge) < 2:
+            parser.error("--merge takes the output file, then one or more runs")
+        out, *runs = args.merge
+        try:
+            merged = merge(runs)
+        except ValueError as err:
+            parser.error(str(err))
+        merged.write_json(out)
+        print(f"wrote {out} ({len(merged.rows)} rows from {len(runs)} runs)")
+        return
     if not args.no_plots:
         draw_plots(args.results)
     args.page.write_text(render(args.results))

@@ -39,3 +39,35 @@ def test_a_file_that_is_not_a_result_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"train\.json is not a bench result"):
         page.render(tmp_path)
 
+
+
+def _run(tmp_path, name, *, area="train", device="Some GPU", case="gpt2", commit="abc1234"):
+    result = BenchResult(area=area, env={"device": device, "date": "2026-01-0" + name[-1], "torch": "9.9",
+                                         "commit": commit, "command": f"flash-models bench {area} --cases {case}"})
+    result.add(case=case, side="loop:ours", step_ms=10.0 + len(case))
+    result.write_json(tmp_path / f"{name}.json")
+    return tmp_path / f"{name}.json"
+
+
+def test_runs_of_one_area_merge_into_one_section(tmp_path):
+    """One case per process, one page section: every run's rows in the order given, every command and commit."""
+    runs = [_run(tmp_path, "run1", case="gpt2"), _run(tmp_path, "run2", case="qwen2-0.5b", commit="def5678")]
+    out = tmp_path / "results" / "train.json"
+    page.main(["--merge", str(out), *map(str, runs)])
+    merged = page.load(out)
+    assert [row["case"] for row in merged.rows] == ["gpt2", "qwen2-0.5b"]
+    assert merged.env["commit"] == "abc1234, def5678" and merged.env["date"] == "2026-01-02"
+    text = page.render(out.parent)
+    assert "flash-models bench train --cases gpt2\nflash-models bench train --cases qwen2-0.5b" in text
+    assert "| gpt2 | loop:ours |" in text and "| qwen2-0.5b | loop:ours |" in text
+
+
+@pytest.mark.parametrize("other, message", [(dict(area="bert"), r"a 'bert' result.*one area at a time"),
+                                            (dict(device="Other GPU"), r"ran with device 'Other GPU'")])
+def test_runs_that_do_not_belong_together_are_not_merged(tmp_path, other, message):
+    runs = [_run(tmp_path, "run1"), _run(tmp_path, "run2", **other)]
+    with pytest.raises(ValueError, match=message):
+        page.merge(runs)
+    with pytest.raises(SystemExit):  # the command line says the same and writes nothing
+        page.main(["--merge", str(tmp_path / "out.json"), *map(str, runs)])
+    assert not (tmp_path / "out.json").exists()
