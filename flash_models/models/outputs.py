@@ -4,35 +4,57 @@
 ``out[0]``, ``out.to_tuple()``, ``out.items()``. Like HF's, an output is an ordered dict of its fields that are
 not None, in the order the fields are declared (the loss first, as HF declares it), so ``out[0]`` is the loss
 when there is one and the logits otherwise; a None field is an attribute but not a key. accelerate rebuilds
-outputs as ``type(out)(dict_of_fields)`` when it casts them (``convert_outputs_to_fp32``), which
-``__post_init__`` accepts as HF's does.
+outputs as ``type(out)(dict_of_fields)`` when it casts them (``convert_outputs_to_fp32``), and
+``torch.nn.DataParallel`` (the Trainer's choice on several GPUs without torchrun) as ``type(out)(pairs)`` when
+it gathers them, which ``__post_init__`` accepts as HF's does. Like HF's, every output class is a pytree node:
+DistributedDataParallel finds the tensors it must hook (``static_graph=True``, ``find_unused_parameters=True``)
+by flattening the output, and a leaf would hide them, leaving the ranks' gradients unreduced.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
+import torch.utils._pytree as pytree
 
 
 class ModelOutput(OrderedDict):
     """Base of the output dataclasses: attribute, key and index access over the fields that are not None."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        pytree.register_pytree_node(cls, _flatten, functools.partial(_unflatten, output_type=cls),
+                                    serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+
     def __post_init__(self):
-        # The dataclass __init__ has filled the dict through __setattr__; one Mapping as the first field is the
-        # ``type(out)(dict)`` form.
+        # The dataclass __init__ has filled the dict through __setattr__; one Mapping, or an iterable of (name,
+        # value) pairs, as the first field is the ``type(out)(dict)`` / ``type(out)(pairs)`` form.
         names = [f.name for f in fields(self)]
         first = getattr(self, names[0])
-        if isinstance(first, Mapping) and all(getattr(self, name) is None for name in names[1:]):
-            unknown = set(first) - set(names)
-            if unknown:
-                raise ValueError(f"{type(self).__name__} has no fields {sorted(unknown)}; its fields are {names}")
-            setattr(self, names[0], None)
-            for name in names:  # declaration order, whatever the order of the Mapping
-                if first.get(name) is not None:
-                    setattr(self, name, first[name])
+        if first is None or torch.is_tensor(first) or any(getattr(self, name) is not None for name in names[1:]):
+            return
+        if isinstance(first, Mapping):
+            values = dict(first)
+        else:
+            try:
+                pairs = list(first)
+            except TypeError:
+                return
+            if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+                raise ValueError(f"{type(self).__name__}({names[0]}=...) got an iterable that is not (name, value) "
+                                 f"pairs; pass the fields by name")
+            values = dict(pairs)
+        unknown = set(values) - set(names)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} has no fields {sorted(unknown)}; its fields are {names}")
+        setattr(self, names[0], None)
+        for name in names:  # declaration order, whatever the order given
+            if values.get(name) is not None:
+                setattr(self, name, values[name])
 
     def __getitem__(self, key):
         if isinstance(key, str):
@@ -65,6 +87,14 @@ class ModelOutput(OrderedDict):
 
     def __reduce__(self):  # pickling and deepcopy: rebuild through the constructor, not the dict protocol
         return type(self), tuple(getattr(self, f.name) for f in fields(self))
+
+
+def _flatten(output: ModelOutput) -> tuple[list, list[str]]:
+    return list(output.values()), list(output.keys())
+
+
+def _unflatten(values, names: list[str], *, output_type: type[ModelOutput]) -> ModelOutput:
+    return output_type(**dict(zip(names, values)))
 
 
 @dataclass

@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 import transformers
 
 from flash_models.models.outputs import CausalLMOutput, HeadOutput
@@ -34,6 +35,25 @@ def test_outputs_index_like_hf_model_outputs():
     assert list(rebuilt) == ["loss", "logits"] and rebuilt.logits is logits
     for again in (pickle.loads(pickle.dumps(rebuilt)), copy.deepcopy(rebuilt)):
         assert list(again) == ["loss", "logits"] and torch.equal(again.logits, logits)
+
+
+def test_outputs_are_pytrees_and_rebuild_from_pairs():
+    """DistributedDataParallel hooks the tensors it finds by flattening the output as a pytree (a leaf output left
+    static_graph=True runs with unreduced gradients); DataParallel gathers an output as type(out)(pairs)."""
+    loss, logits = torch.rand(()), torch.randn(2, 3, 5)
+    out = CausalLMOutput(logits=logits, loss=loss, last_hidden_state=torch.randn(2, 3, 4))
+    leaves, spec = pytree.tree_flatten(out)
+    assert len(leaves) == 3 and leaves[0] is loss and leaves[1] is logits
+    doubled = pytree.tree_unflatten([t * 2 for t in leaves], spec)
+    assert type(doubled) is CausalLMOutput and list(doubled) == list(out)
+    torch.testing.assert_close(doubled.logits, logits * 2)
+    gathered = type(out)((name, value) for name, value in out.items())  # torch.nn.parallel.gather's form
+    assert list(gathered) == ["loss", "logits", "last_hidden_state"] and gathered.logits is logits
+    assert HeadOutput([("logits", logits)]).to_tuple() == (logits,)
+    with pytest.raises(ValueError, match="not \\(name, value\\) pairs"):
+        CausalLMOutput([logits, logits])
+    with pytest.raises(ValueError, match="no fields \\['scores'\\]"):
+        CausalLMOutput([("scores", logits)])
 
 
 def test_model_config_takes_run_time_settings_and_keeps_the_architecture():
