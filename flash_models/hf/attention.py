@@ -15,7 +15,9 @@ What it reads from HF's call, as HF's FlashAttention-2 integration does:
 - ``is_causal`` (the module's, or the call's), ``scaling``, ``dropout``, ``sliding_window`` (W keys: the query
   and the W - 1 before it) and ``softcap``; with a KV cache (more keys than queries) the causal diagonal is
   aligned bottom-right.
-Attention sinks (``s_aux``) and returned attention weights are not supported and raise.
+Attention sinks (``s_aux``, ``sinks``), additive biases (T5's relative ``position_bias``), sparse key selections
+(``indices``, ``block_indices``), 4D masks and returned attention weights are not supported and raise, naming
+the argument: an attention that ignored them would compute another function without a word.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from ..modules.varlen import UnpaddedBatch
 # transformers reads any implementation name containing "flash" as a request for a FlashAttention kernel from
 # the Hub (utils.generic.is_flash_attention_requested), so the name avoids that word.
 ATTN_IMPLEMENTATION = "fm_attention"
+
+# Arguments some HF models pass to their attention function that change what it computes (T5 and its kin: a
+# relative position bias added to the scores; sparse-attention models: which keys each query reads; attention
+# sinks): none of our kernels takes them, so a call that carries one is refused.
+UNSUPPORTED_ARGUMENTS = {
+    "position_bias": "an additive attention bias (T5-style relative positions)",
+    "sinks": "attention sinks",
+    "indices": "a sparse selection of keys",
+    "block_indices": "a sparse selection of key blocks",
+}
 
 
 def register(*, backend: str = "auto") -> str:
@@ -56,11 +68,16 @@ def flash_models_attention(
     """HF's attention-function signature: query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) -> ((B, Sq, Hq, D), None)."""
     if s_aux is not None:
         raise ValueError("attn_implementation='fm_attention' does not support attention sinks (s_aux); use 'eager' or 'sdpa'")
+    for name, what in UNSUPPORTED_ARGUMENTS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation='fm_attention' does not support {what} ({name}=, passed by "
+                             f"{type(module).__name__}); load this model with attn_implementation='eager' or 'sdpa'")
     if kwargs.get("output_attentions"):
         raise ValueError("attn_implementation='fm_attention' does not return attention weights; use 'eager'")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"attn_implementation='fm_attention' takes a (batch, keys) padding mask, got a mask of shape "
-                         f"{tuple(attention_mask.shape)}: was it registered with register()?")
+                         f"{tuple(attention_mask.shape)}: a 4D (custom) attention mask is not supported (use 'sdpa' "
+                         "or 'eager' for it), and a model loaded before register() was called gets HF's masks")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
     window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None and Sk > sliding_window else (-1, -1)

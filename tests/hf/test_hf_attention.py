@@ -121,3 +121,16 @@ def test_refuses_what_it_cannot_do():
         ours(input_ids=torch.randint(0, VOCAB, (1, 4)), output_attentions=True)
     with pytest.raises(ValueError, match="backend"):
         flash_models.hf.register(backend="cuda")
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.bool)).expand(1, 1, 4, 4)
+    with pytest.raises(ValueError, match="4D \\(custom\\) attention mask"):
+        ours(input_ids=torch.randint(0, VOCAB, (1, 4)), attention_mask=causal)
+
+
+def test_refuses_a_model_whose_attention_takes_a_bias():
+    """T5 adds a relative position bias to the scores through the interface: refused, never dropped."""
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=40, num_layers=1, num_heads=4,
+                                   dropout_rate=0.0)
+    t5 = random_hf_model(config, seed=6, auto_class="AutoModelForSeq2SeqLM", attn_implementation="fm_attention")
+    ids = torch.randint(0, VOCAB, (2, 5))
+    with pytest.raises(ValueError, match="position_bias=, passed by T5Attention"):
+        t5(input_ids=ids, decoder_input_ids=ids)
