@@ -26,7 +26,11 @@ def classification_loss(logits: torch.Tensor, labels: torch.Tensor, *, problem_t
         else:
             problem_type = "multi_label_classification"
     if problem_type == "regression":
-        return F.mse_loss(logits.squeeze(-1).float(), labels.float().reshape(logits.shape[:-1]))
+        if logits.shape[-1] == 1:  # one target per example: labels (B,) or (B, 1)
+            return F.mse_loss(logits.squeeze(-1).float(), labels.float().reshape(logits.shape[:-1]))
+        if labels.shape != logits.shape:  # several targets per example (HF: num_labels > 1)
+            raise ValueError(f"regression labels shape {tuple(labels.shape)} must be the logits' {tuple(logits.shape)}")
+        return F.mse_loss(logits.float(), labels.float())
     if problem_type == "single_label_classification":
         return cross_entropy(logits, labels)
     return F.binary_cross_entropy_with_logits(logits.float(), labels.float())

@@ -14,11 +14,20 @@ VOCAB, SEQ, LABELS = 89, 11, 3
 NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
-def bert(architecture: str, auto_class: str):
+def bert(architecture: str, auto_class: str, **head):
+    head = {"num_labels": LABELS, **head}
     config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=48, max_position_embeddings=32, num_labels=LABELS,
-                                     architectures=[architecture], **NO_DROPOUT)
+                                     intermediate_size=48, max_position_embeddings=32, architectures=[architecture],
+                                     **head, **NO_DROPOUT)
     return random_hf_model(config, seed=0, auto_class=auto_class)
+
+
+def vit(**head):
+    head = {"num_labels": LABELS, **head}
+    config = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+                                    image_size=16, patch_size=4, architectures=["ViTForImageClassification"], **head,
+                                    **NO_DROPOUT)
+    return random_hf_model(config, seed=0, auto_class="AutoModelForImageClassification")
 
 
 def text_rows(n: int, *, token_labels: bool, seed: int) -> list[dict]:
@@ -60,13 +69,50 @@ CASES = {
                          text_rows(8, token_labels=False, seed=1), (8, LABELS)),
     "token": lambda: (bert("BertForTokenClassification", "AutoModelForTokenClassification"),
                       text_rows(8, token_labels=True, seed=2), (8, SEQ, LABELS)),
-    "image": lambda: (random_hf_model(transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                             intermediate_size=48, image_size=16, patch_size=4,
-                                                             num_labels=LABELS, architectures=["ViTForImageClassification"],
-                                                             **NO_DROPOUT),
-                                      seed=0, auto_class="AutoModelForImageClassification"),
-                      image_rows(8, seed=3), (8, LABELS)),
+    "image": lambda: (vit(), image_rows(8, seed=3), (8, LABELS)),
 }
+
+
+# Heads and labels for each problem_type (HF's rule: one output is regression, float labels are multi-label).
+PROBLEMS = {
+    "regression-one-output": dict(num_labels=1),
+    "regression-several-outputs": dict(num_labels=LABELS, problem_type="regression"),
+    "multi-label-by-dtype": dict(num_labels=LABELS),
+    "multi-label-named": dict(num_labels=LABELS, problem_type="multi_label_classification"),
+}
+
+
+def problem_labels(problem: str, batch: int) -> torch.Tensor:
+    if problem == "regression-one-output":
+        return torch.randn(batch)
+    if problem == "regression-several-outputs":
+        return torch.randn(batch, LABELS)
+    return torch.randint(0, 2, (batch, LABELS)).float()
+
+
+@pytest.mark.parametrize("problem", sorted(PROBLEMS))
+@pytest.mark.parametrize("family", ["bert", "vit"])
+def test_problem_types_give_hf_losses_and_gradients(family, problem):
+    hf = (bert("BertForSequenceClassification", "AutoModelForSequenceClassification", **PROBLEMS[problem])
+          if family == "bert" else vit(**PROBLEMS[problem]))
+    ours = ours_from_hf(hf)
+    if family == "bert":
+        inputs = {"input_ids": torch.randint(1, VOCAB, (3, 7)), "attention_mask": torch.tensor([[1] * 7] * 2 + [[1] * 4 + [0] * 3])}
+    else:
+        inputs = {"pixel_values": torch.randn(3, 3, 16, 16)}
+    labels = problem_labels(problem, 3)
+    want, got = hf(**inputs, labels=labels).loss, ours(**inputs, labels=labels).loss
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    want.backward()
+    got.backward()
+    ours_head = ours.classifier if family == "bert" else ours.head
+    torch.testing.assert_close(ours_head.weight.grad, hf.classifier.weight.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_regression_refuses_labels_of_another_shape():
+    ours = ours_from_hf(vit(**PROBLEMS["regression-several-outputs"]))
+    with pytest.raises(ValueError, match="regression labels shape \\(2,\\) must be the logits' \\(2, 3\\)"):
+        ours(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.randn(2))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ...config import check_choice
 from ..family import hf_class
+from ..losses import PROBLEM_TYPES
 
 if TYPE_CHECKING:
     import transformers
@@ -43,6 +44,7 @@ class ViTConfig:
     initializer_range: float = 0.02
     architecture: str | None = None
     labels: tuple[str, ...] = ()  # HF id2label, in id order
+    problem_type: str | None = None  # HF's: which loss labels get (losses.classification_loss)
     encoder_stride: int = 16  # HF field kept for the round trip (masked image modeling only)
 
     model_type = "vit"
@@ -51,6 +53,7 @@ class ViTConfig:
     def __post_init__(self):
         check_choice("global_pool", self.global_pool, GLOBAL_POOLS)
         check_choice("architecture", self.architecture, ARCHITECTURES)
+        check_choice("problem_type", self.problem_type, PROBLEM_TYPES)
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.global_pool == "token" and not self.class_token:
@@ -86,7 +89,7 @@ class ViTConfig:
             qkv_bias=hf.qkv_bias, num_classes=hf.num_labels if classify else 0, pooler=not classify,
             hidden_dropout_prob=hf.hidden_dropout_prob, attention_probs_dropout_prob=hf.attention_probs_dropout_prob,
             initializer_range=hf.initializer_range, architecture=architecture, encoder_stride=hf.encoder_stride,
-            labels=tuple(hf.id2label[i] for i in range(hf.num_labels)),
+            labels=tuple(hf.id2label[i] for i in range(hf.num_labels)), problem_type=hf.problem_type,
         )
 
     def to_hf(self) -> transformers.ViTConfig:
@@ -103,6 +106,7 @@ class ViTConfig:
             hidden_act=self.hidden_act, layer_norm_eps=self.layer_norm_eps, qkv_bias=self.qkv_bias,
             hidden_dropout_prob=self.hidden_dropout_prob, attention_probs_dropout_prob=self.attention_probs_dropout_prob,
             initializer_range=self.initializer_range, encoder_stride=self.encoder_stride, id2label=dict(enumerate(labels)),
+            problem_type=self.problem_type,
         )
         hf.architectures = ["ViTForImageClassification" if self.num_classes else "ViTModel"]
         return hf

@@ -14,6 +14,7 @@ from torch import nn
 from ...config import AttentionConfig, MLPConfig, head_dim_of
 from ...modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
 from ...runtime.cuda_graphs import GraphedInference, replays_graph
+from ..losses import classification_loss
 from ..outputs import VisionOutput
 from ..pretrained import PretrainedModel
 from .config import ViTConfig
@@ -71,7 +72,7 @@ class VisionTransformer(PretrainedModel):
                 nn.init.trunc_normal_(param, std=std)
 
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> VisionOutput:
-        """pixel_values (B, C, H, W) at the config's image size; labels (B,) class ids for a cross-entropy loss."""
+        """pixel_values (B, C, H, W) at the config's image size; labels for ``loss``."""
         c = self.config
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, c.image_size, c.image_size):
             raise ValueError(f"pixel_values must be (B, {c.num_channels}, {c.image_size}, {c.image_size}), "
@@ -82,8 +83,16 @@ class VisionTransformer(PretrainedModel):
             logits, hidden, pooled = self.graphed(pixel_values)
         else:
             logits, hidden, pooled = self._encode(pixel_values)
-        loss = F.cross_entropy(logits.float(), labels) if labels is not None else None
+        loss = None if labels is None else self.loss(logits, labels)
         return VisionOutput(logits=logits, loss=loss, last_hidden_state=hidden, pooler_output=pooled)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """An HF checkpoint's head follows HF's rule (its ``problem_type``, else regression for one label,
+        single-label for integer labels, multi-label for float ones). A timm model takes class ids (B,) or
+        class probabilities (B, classes), as timm's training recipes (mixup) give: cross-entropy either way."""
+        if self.config.architecture is None:
+            return F.cross_entropy(logits.float(), labels)
+        return classification_loss(logits, labels, problem_type=self.config.problem_type)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 8) -> VisionTransformer:
         """Run eval-mode forwards without autograd (``torch.inference_mode()`` or ``no_grad``) on CUDA from CUDA
