@@ -15,7 +15,7 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask
-from ..modules.linear import autocast_like, dense
+from ..modules.linear import autocast_like, dense, plain_linear
 from ..modules.varlen import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
@@ -125,6 +125,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.tokens.weight.dtype
+
+    def adapted_head(self) -> bool:
+        """Whether an adapter (PEFT's LoRA on ``lm_head``, or its ``modules_to_save`` copy) has taken the LM head's
+        place: its own forward computes the logits then, since ``output_embeddings()`` is the base weight."""
+        return self.lm_head is not None and not plain_linear(self.lm_head)
 
     def output_embeddings(self) -> torch.Tensor:
         """The LM head's weight (V_padded, hidden): rows past ``decoder_config.vocab_size`` are zero padding."""
@@ -257,9 +262,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
         50257), the rows up to the last multiple of 64 and the few after it are two GEMMs, concatenated: for an
         odd output width cuBLAS falls back to unaligned kernels, 96 us instead of about 20 for GPT-2's batch-16
         decode step on an H200, a sixth of the whole step."""
+        vocab = self.decoder_config.vocab_size
+        if self.adapted_head():
+            return self.lm_head(hidden)[..., :vocab]
         weight = self.output_embeddings()
         bias = self.lm_head.bias if self.lm_head is not None else None
-        vocab = self.decoder_config.vocab_size
         aligned = weight.shape[0] // 64 * 64
         if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight, self.kernel_backend):
             logits = dense(hidden, weight, bias, backend=self.kernel_backend)  # our GEMV takes any width
@@ -332,6 +339,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
         """The shifted LM loss straight from the final hidden states (B, S, H), without the logits."""
         if labels.shape != hidden.shape[:2]:
             raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids {tuple(hidden.shape[:2])}")
+        if self.adapted_head():  # the fused kernel would read the base weight only
+            return self.loss(self._logits(hidden), labels, num_items_in_batch)
         weight = self.output_embeddings()
         bias = self.lm_head.bias if self.lm_head is not None else None
         if torch.is_autocast_enabled(hidden.device.type):  # a custom op: cast as autocast would for a linear

@@ -86,6 +86,12 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
         if (type(block) is not PreNormBlock or type(block.attn) is not Attention or type(block.mlp) not in (GatedMLP, MLP)
                 or type(block.norm1) is not Norm or type(block.norm2) is not Norm):
             return "a block of other modules"
+        # The step reads these layers' weights: a wrapper in their place (PEFT's LoRA layers are not nn.Linear
+        # subclasses, and forward .weight to the base layer) must run its own forward.
+        if not all(plain_linear(layer) for layer in (block.attn.qkv, block.attn.out_proj, *block.mlp.children())):
+            return "adapted layers (LoRA and the like keep their own forward)"
+    if model.adapted_head() or type(model.embed.tokens) is not nn.Embedding:
+        return "an adapted LM head or token table (LoRA and the like keep their own forward)"
     if model.embed.token_types is not None:
         return "token type embeddings"
     for module in model.modules():  # one pass: this runs at every generate's start

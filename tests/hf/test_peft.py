@@ -1,6 +1,9 @@
 """PEFT LoRA on our causal LM (our fused projections are the targets: qkv, out_proj, gate_up, down), in the Trainer."""
 
+import copy
+
 import peft
+import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
@@ -29,3 +32,25 @@ def test_lora_adapters_train_and_only_they_change(tmp_path):
     assert not torch.allclose(after, before)  # the adapters learned something, and the forward used them
     changed = [k for k, v in merged.state_dict().items() if not torch.equal(v, base[k])]
     assert changed and all(any(t in k for t in ("qkv", "out_proj", "gate_up", "down")) for k in changed)
+
+
+@pytest.mark.parametrize("targets", [["qkv", "out_proj", "gate_up", "down"], ["lm_head"]], ids=["blocks", "lm_head"])
+def test_adapters_run_in_forward_loss_and_generate(targets):
+    """What the adapted model computes equals the merged model, in every path that reads the weights: the
+    forward, the fused training loss (the LM head), generate's prefill and decode steps (the CPU's lean step)."""
+    config = tiny_llama_config()
+    adapted = peft.get_peft_model(ours_from_hf(random_hf_model(config, seed=2)),
+                                  peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    merged = copy.deepcopy(adapted).merge_and_unload()
+    base = ours_from_hf(random_hf_model(config, seed=2))
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        logits = adapted(input_ids=ids).logits
+        torch.testing.assert_close(logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(logits, base(ids).logits, atol=1e-3)  # the adapters change the numbers
+        adapted.train(), merged.train()
+        torch.testing.assert_close(adapted(input_ids=ids, labels=ids).loss, merged(ids, labels=ids).loss,
+                                   atol=1e-5, rtol=1e-5)
+        adapted.eval(), merged.eval()
+    kw = dict(max_new_tokens=5, do_sample=False)
+    assert torch.equal(adapted.generate(ids, **kw), merged.generate(ids, **kw))
