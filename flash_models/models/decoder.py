@@ -24,7 +24,7 @@ from ..modules.vocab_padding import (
 from ..runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
 from .hf_config import ModelConfig
-from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, packed_documents
+from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, accepts_hf_flags, packed_documents
 from .outputs import CausalLMOutput, EncoderOutput
 
 
@@ -149,6 +149,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return PagedKVCache(**shape, block_size=block_size, num_blocks=num_blocks)
 
     # ----------------------------------------------------------------------------------------------------
+    @accepts_hf_flags
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -366,6 +367,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         an output whose ``last_hidden_state`` is the final hidden states (B, S, hidden)."""
         return self.hidden_states
 
+    @accepts_hf_flags
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cu_seqlens=None, **hf_kwargs) -> EncoderOutput:
         B, S = input_ids.shape
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, None, cu_seqlens, hf_kwargs)
@@ -390,6 +392,17 @@ class DecoderLM(HFModelProtocol, nn.Module):
     @generation_config.setter
     def generation_config(self, value) -> None:
         self._generation_config = value
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                                      **hf_kwargs) -> dict:
+        """HF's per-step hook of its own generation loop, which PEFT's ``task_type="CAUSAL_LM"`` wrapper reads when
+        it is built. ``generate`` here keeps its own KV cache and does not call it: it gives the forward's inputs
+        for the whole sequence so far. HF's cache arguments (``past_key_values``, ...) are refused."""
+        given = sorted(name for name, value in hf_kwargs.items() if value is not None)
+        if given:
+            raise ValueError(f"prepare_inputs_for_generation: {given} are HF generation-loop state; flash-models "
+                             "models generate with model.generate, which keeps its own cache")
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
 
     def get_output_embeddings(self) -> nn.Module:
         """The LM head with the real vocabulary's rows (the padding hidden: ``RealVocabHead``)."""

@@ -8,6 +8,8 @@ Every model class mixes this in; the decoder and the task heads set the class at
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -140,17 +142,9 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
       begins a document (HF's rule for packed rows: a position that does not follow its predecessor), as HF's
       own models read them. This reads the positions on the host.
     - ``use_cache`` is accepted and has no effect: the forward keeps a cache only when given a ``kv_cache``.
-    Flags asking for outputs we do not return (``output_attentions`` / ``output_hidden_states`` True,
-    ``return_dict`` False) and unknown names raise."""
+    Unknown names raise (HF's call flags are dropped before, by ``accepts_hf_flags`` on the forward)."""
     kwargs = dict(hf_kwargs)
     kwargs.pop("use_cache", None)
-    for flag in ("output_attentions", "output_hidden_states"):
-        if kwargs.pop(flag, False):
-            raise ValueError(f"{flag}=True is not supported by flash-models models: they return the last hidden "
-                             "state only (out.last_hidden_state)")
-    if kwargs.pop("return_dict", True) is False:
-        raise ValueError("return_dict=False is not supported: the output already indexes like a tuple "
-                         "(out[0], out.to_tuple())")
     cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
     for name in ("max_length_q", "max_length_k", "seq_idx"):  # derived from the offsets where needed
         kwargs.pop(name, None)
@@ -167,6 +161,29 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
             and input_ids.shape[0] == 1):
         return offsets_from_positions(position_ids)
     return cu_seqlens
+
+
+def accepts_hf_flags(forward):
+    """``forward`` that also takes HF's call flags with their default values, which change nothing here: PEFT's
+    task wrappers (``task_type`` CAUSAL_LM, SEQ_CLS, TOKEN_CLS, FEATURE_EXTRACTION) call every model with
+    ``inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None``. Those are dropped
+    before the forward runs; a value that asks for what our models do not take or return raises, naming it. The
+    signature, as ``inspect`` and the Trainer's column filter see it, stays the forward's."""
+    @functools.wraps(forward)
+    def call(self, *args, **kwargs):
+        if kwargs.pop("inputs_embeds", None) is not None:
+            raise ValueError("inputs_embeds is not supported by flash-models models: pass input_ids (PEFT's "
+                             "prompt-learning methods, which feed embeddings, are not supported; LoRA-style adapters are)")
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.pop(flag, None):
+                raise ValueError(f"{flag}=True is not supported by flash-models models: they return the last hidden "
+                                 "state only (out.last_hidden_state)")
+        if kwargs.pop("return_dict", None) is False:
+            raise ValueError("return_dict=False is not supported: the output already indexes like a tuple "
+                             "(out[0], out.to_tuple())")
+        return forward(self, *args, **kwargs)
+
+    return call
 
 
 def offsets_from_positions(position_ids: torch.Tensor) -> torch.Tensor | None:

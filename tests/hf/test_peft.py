@@ -5,6 +5,7 @@ import copy
 import peft
 import pytest
 import torch
+import transformers
 from transformers import Trainer, TrainingArguments
 
 from flash_models.testing import ours_from_hf, random_hf_model
@@ -54,3 +55,40 @@ def test_adapters_run_in_forward_loss_and_generate(targets):
         adapted.eval(), merged.eval()
     kw = dict(max_new_tokens=5, do_sample=False)
     assert torch.equal(adapted.generate(ids, **kw), merged.generate(ids, **kw))
+
+
+def tiny_bert(architecture: str, auto_class: str):
+    config = transformers.BertConfig(vocab_size=89, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=48, max_position_embeddings=32, num_labels=3,
+                                     architectures=[architecture], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return ours_from_hf(random_hf_model(config, seed=3, auto_class=auto_class))
+
+
+TASKS = {  # PEFT task_type -> (our model, its inputs with labels, PEFT's wrapper class)
+    "CAUSAL_LM": lambda ids, mask: (ours_from_hf(random_hf_model(tiny_llama_config(), seed=3)),
+                                    dict(input_ids=ids, attention_mask=mask, labels=ids), peft.PeftModelForCausalLM),
+    "SEQ_CLS": lambda ids, mask: (tiny_bert("BertForSequenceClassification", "AutoModelForSequenceClassification"),
+                                  dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([2, 0])),
+                                  peft.PeftModelForSequenceClassification),
+    "TOKEN_CLS": lambda ids, mask: (tiny_bert("BertForTokenClassification", "AutoModelForTokenClassification"),
+                                    dict(input_ids=ids, attention_mask=mask, labels=torch.randint(0, 3, ids.shape)),
+                                    peft.PeftModelForTokenClassification),
+}
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_peft_task_wrappers(task):
+    """LoraConfig(task_type=...) as the tutorials write it: PEFT's wrapper calls our forward with HF's flags
+    (inputs_embeds=None, output_attentions=None, ...) and the adapted model computes the merged model."""
+    ids, mask = torch.randint(0, 89, (2, 6)), torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    model, inputs, wrapper = TASKS[task](ids, mask)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["qkv"], task_type=task,
+                                                         init_lora_weights=False))
+    assert type(adapted) is wrapper
+    merged = copy.deepcopy(adapted).merge_and_unload()
+    torch.testing.assert_close(adapted(**inputs).loss, merged(**inputs).loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="inputs_embeds is not supported"):
+        adapted(inputs_embeds=torch.randn(2, 6, 32), **{k: v for k, v in inputs.items() if k != "input_ids"})
+    if task == "CAUSAL_LM":
+        kw = dict(max_new_tokens=4, do_sample=False)
+        assert torch.equal(adapted.generate(input_ids=ids[:1], **kw), merged.generate(ids[:1], **kw))

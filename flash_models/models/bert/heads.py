@@ -9,6 +9,7 @@ from torch import nn
 
 from ...modules import Norm
 from ...modules.mlp import activation
+from ..hf_protocol import accepts_hf_flags
 from ..losses import classification_loss, cross_entropy
 from ..outputs import HeadOutput
 from .config import ARCHITECTURES, BertConfig
@@ -74,6 +75,7 @@ class BertForMaskedLM(_BertWithHead):
     def head(self, config):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
 
+    @accepts_hf_flags
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
                 cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -90,6 +92,7 @@ class BertForPreTraining(_BertWithHead):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
         self.nsp = nn.Linear(config.hidden_size, 2)
 
+    @accepts_hf_flags
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -110,6 +113,7 @@ class BertForSequenceClassification(_BertWithHead):
     def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
+    @accepts_hf_flags
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
                 cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -126,6 +130,7 @@ class BertForTokenClassification(_BertWithHead):
     def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
+    @accepts_hf_flags
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
                 cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
