@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -16,8 +14,6 @@ from .classification import (
     ImageFolderData, TextClassification, collate_classification, collate_images, collate_packed_classification,
 )
 from .data import LMWindows, PackedExamples, build_token_store, collate_lm, load_tokenizer, synthetic_store
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,20 +79,9 @@ def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
 def _with_sequence_head(base: nn.Module, num_labels: int) -> nn.Module:
     """A BertForSequenceClassification whose encoder (and pooler) are ``base``'s weights and whose classifier
     is freshly initialised; a checkpoint that already has the right head is kept as it is."""
-    from ..models.bert import BertForSequenceClassification, BertModel
+    from ..models.bert import BertForSequenceClassification
 
-    if isinstance(base, BertForSequenceClassification) and base.config.num_labels == num_labels:
-        return base
-    encoder = base if isinstance(base, BertModel) else base.bert
-    config = dataclasses.replace(base.config.typed, architecture="BertForSequenceClassification",
-                                 labels=tuple(f"LABEL_{i}" for i in range(num_labels)))
-    model = BertForSequenceClassification(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
-    missing, unexpected = model.bert.load_state_dict(encoder.state_dict(), strict=False)
-    if unexpected or any(not k.startswith("pooler.") for k in missing):
-        raise ValueError(f"the BERT checkpoint does not fit the classifier's encoder: missing {missing}, unexpected {unexpected}")
-    if missing:
-        log.warning("the checkpoint has no pooler weights: the pooler starts from random init")
-    return model
+    return BertForSequenceClassification.on_encoder(base, num_labels=num_labels)
 
 
 def tokenizer_name(cfg: ExperimentConfig) -> str:

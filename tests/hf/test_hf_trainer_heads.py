@@ -150,3 +150,28 @@ def test_gradient_accumulation_averages_per_example_losses(tmp_path):
     _, accumulated = train(ours_from_hf(hf), data, tmp_path / "accumulated", per_device_train_batch_size=2,
                            gradient_accumulation_steps=2)
     assert accumulated == pytest.approx(whole, abs=1e-5, rel=0)
+
+
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForTokenClassification"])
+def test_a_base_checkpoint_loads_under_a_fresh_head(head, tmp_path):
+    """HF's AutoModelFor<Task>.from_pretrained(base_dir, num_labels=N): the encoder's weights, a new head."""
+    from flash_models.models import bert as bert_models
+
+    base = ours_from_hf(bert("BertModel", "AutoModel"))
+    base.save_pretrained(tmp_path / "base")
+    cls = getattr(bert_models, head)
+    model = cls.from_pretrained(tmp_path / "base", num_labels=5)
+    assert type(model) is cls and model.config.num_labels == 5 and not model.training
+    ids, mask = torch.randint(1, VOCAB, (2, 7)), torch.tensor([[1] * 7, [1] * 5 + [0] * 2])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).last_hidden_state,
+                                   base(ids, attention_mask=mask).last_hidden_state, atol=1e-6, rtol=0)
+        model.save_pretrained(tmp_path / "head")
+        again = cls.from_pretrained(tmp_path / "head")  # a checkpoint of this head loads as it is
+        torch.testing.assert_close(again(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+    assert cls.from_pretrained(tmp_path / "head", num_labels=2).config.num_labels == 2
+    llama = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=16)
+    ours_from_hf(random_hf_model(llama)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="holds a LlamaForCausalLM, not a BertPreTrainedModel"):
+        cls.from_pretrained(tmp_path / "llama")

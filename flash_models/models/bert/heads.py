@@ -3,6 +3,9 @@ classification. The checkpoint's ``architectures`` picks the class (exact lookup
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +17,8 @@ from ..losses import classification_loss, cross_entropy
 from ..outputs import HeadOutput
 from .config import ARCHITECTURES, BertConfig
 from .model import BertModel, BertPreTrainedModel
+
+log = logging.getLogger(__name__)
 
 
 class MaskedLMHead(nn.Module):
@@ -50,6 +55,35 @@ class _BertWithHead(BertPreTrainedModel):
         for module in self.modules():
             if isinstance(module, MaskedLMHead):  # HF zeroes the MLM output bias
                 nn.init.zeros_(module.bias)
+
+    @classmethod
+    def from_pretrained(cls, path, *, num_labels: int | None = None, **kwargs):
+        """HF's ``AutoModelFor<Task>.from_pretrained(path, num_labels=N)``: any BERT checkpoint (a ``BertModel``
+        such as all-MiniLM, or another head) as this head (``on_encoder``). ``kwargs`` as
+        ``flash_models.from_pretrained``."""
+        base = BertPreTrainedModel.from_pretrained(path, **kwargs)  # whichever BERT class the checkpoint names
+        return cls.on_encoder(base, num_labels=num_labels)
+
+    @classmethod
+    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None) -> _BertWithHead:
+        """This head on ``base``'s encoder (and pooler) weights, the head freshly initialised; ``base`` itself when
+        it already is this head with ``num_labels`` labels (its own count when None). A pooler this head lacks is
+        dropped; one it needs and the checkpoint lacks starts from random init (logged), as in HF."""
+        if type(base) is cls and num_labels in (None, base.config.num_labels):
+            return base
+        encoder = base if isinstance(base, BertModel) else base.bert
+        labels = base.config.typed.labels if num_labels is None else tuple(f"LABEL_{i}" for i in range(num_labels))
+        config = dataclasses.replace(base.config.typed, architecture=cls.__name__, labels=labels)
+        reference = next(encoder.parameters())
+        model = cls(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
+        state = {k: v for k, v in encoder.state_dict().items() if cls.pooler or not k.startswith("pooler.")}
+        missing, unexpected = model.bert.load_state_dict(state, strict=False)
+        if unexpected or any(not k.startswith("pooler.") for k in missing):
+            raise ValueError(f"the BERT checkpoint does not fit {cls.__name__}'s encoder: missing {missing}, "
+                             f"unexpected {unexpected}")
+        if missing:
+            log.warning("the checkpoint has no pooler weights: the pooler starts from random init")
+        return model.to(device=reference.device, dtype=reference.dtype).train(base.training)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16):
         """The encoder's ``BertModel.use_cuda_graphs``; the head runs eagerly after it."""
