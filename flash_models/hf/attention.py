@@ -8,8 +8,9 @@ so ``AutoModelForCausalLM.from_pretrained(..., attn_implementation="fm_attention
 (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2/3, GPT-2, Phi3, ... all of transformers' modern decoders).
 
 What it reads from HF's call, as HF's FlashAttention-2 integration does:
-- a padded batch: the padding mask; queries and keys are unpadded to packed documents, the output padded back
-  (padding rows are zero);
+- a padded batch: the padding mask; keys (and a causal or windowed layer's queries) are unpadded to packed
+  documents, the output padded back (such a layer's padding rows are zero; other layers' queries, such as
+  cross-attention's, are all computed, as in eager);
 - a packed row (padding-free collators): ``cu_seq_lens_q/k`` when the collator gives them, else restarts of
   ``position_ids`` in a (1, S) row without a mask;
 - ``is_causal`` (the module's, or the call's), ``scaling``, ``dropout``, ``sliding_window`` (W keys: the query
@@ -102,9 +103,15 @@ def flash_models_attention(
 
 
 def _padded(q, k, v, mask, options) -> torch.Tensor:
-    """Attention over a padded batch as packed documents: mask (B, Sk) marks real keys; the queries are the last
-    Sq positions of each row."""
-    keys, queries = UnpaddedBatch.from_mask(mask), UnpaddedBatch.from_mask(mask[:, -q.shape[1]:])
+    """Attention over a padded batch as packed documents: mask (B, Sk) marks real keys. Causal or windowed
+    attention is self-attention (a window relates query and key positions): the queries are the last Sq positions
+    of each row (with a KV cache, the new ones), padding queries left out (zero). Other attention may be
+    cross-attention, whose queries are another sequence than its keys (BART, Whisper): the mask says nothing
+    about them, so every query is computed, as in HF's eager and sdpa (an encoder's padding rows too)."""
+    B, Sq = q.shape[:2]
+    self_attention = options["causal"] or options["window_size"] != (-1, -1)
+    query_mask = mask[:, -Sq:] if self_attention else torch.ones(B, Sq, dtype=torch.bool, device=mask.device)
+    keys, queries = UnpaddedBatch.from_mask(mask), UnpaddedBatch.from_mask(query_mask)
     out = flash_kernels.flash_attn_varlen_func(
         queries.unpad(q)[0], keys.unpad(k)[0], keys.unpad(v)[0], cu_seqlens_q=queries.cu_seqlens,
         cu_seqlens_k=keys.cu_seqlens, max_seqlen_q=queries.max_seqlen, max_seqlen_k=keys.max_seqlen, **options,

@@ -38,10 +38,11 @@ def pair(name: str, seed: int):
     return sdpa, ours
 
 
-def logits_and_grads(model, **inputs):
+def logits_and_grads(model, labels_mask=None, **inputs):
+    """Logits at the real positions (``labels_mask``, else the attention mask) and the gradients they give."""
     model.zero_grad()
     logits = model(**inputs).logits
-    mask = inputs.get("attention_mask")
+    mask = inputs.get("attention_mask") if labels_mask is None else labels_mask
     real = logits if mask is None else logits[mask.bool()]  # padding rows differ between implementations
     (real * torch.linspace(-1, 1, real.shape[-1])).sum().backward()
     return real.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -134,3 +135,21 @@ def test_refuses_a_model_whose_attention_takes_a_bias():
     ids = torch.randint(0, VOCAB, (2, 5))
     with pytest.raises(ValueError, match="position_bias=, passed by T5Attention"):
         t5(input_ids=ids, decoder_input_ids=ids)
+
+
+@pytest.mark.parametrize("decoder_len", [5, 9], ids=["shorter", "same-length"])
+def test_cross_attention_equals_eager(decoder_len):
+    """BART: the encoder's padding mask covers the cross-attention's keys, not its queries (the decoder's tokens),
+    whatever the two lengths."""
+    config = lambda: transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,  # noqa: E731
+                                             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=40,
+                                             decoder_ffn_dim=40, dropout=0.0, attention_dropout=0.0,
+                                             activation_dropout=0.0, max_position_embeddings=32)
+    eager = random_hf_model(config(), seed=7, auto_class="AutoModelForSeq2SeqLM", attn_implementation="eager")
+    ours = random_hf_model(config(), seed=7, auto_class="AutoModelForSeq2SeqLM", attn_implementation="fm_attention")
+    inputs = dict(input_ids=torch.randint(3, VOCAB, (2, 9)), attention_mask=torch.tensor([[1] * 9, [1] * 4 + [0] * 5]),
+                  decoder_input_ids=torch.randint(3, VOCAB, (2, decoder_len)))
+    inputs["decoder_attention_mask"] = torch.ones(2, decoder_len, dtype=torch.long)
+    inputs["decoder_attention_mask"][1, -2:] = 0
+    real = inputs["decoder_attention_mask"].bool()
+    assert_same(logits_and_grads(ours, **inputs, labels_mask=real), logits_and_grads(eager, **inputs, labels_mask=real))
