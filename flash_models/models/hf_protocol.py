@@ -57,6 +57,10 @@ class HFModelProtocol:
         blocks = self._transformer_blocks()
         uncheckpoint_blocks(blocks)  # a second call with other settings replaces the first
         checkpoint_blocks(blocks, every=every_n_layers, **dict(activation_checkpointing_kwargs or {}))
+        if self.get_input_embeddings() is not None:
+            # As HF's models do: with frozen embeddings (PEFT adapters), reentrant checkpointing would find no
+            # input that requires grad and give the adapters inside the blocks no gradient at all.
+            self.enable_input_require_grads()
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, *,
                                       every_n_layers: int = 1, offload: bool = False) -> None:
@@ -65,6 +69,7 @@ class HFModelProtocol:
 
     def activation_checkpointing_disable(self) -> None:
         uncheckpoint_blocks(self._transformer_blocks())
+        self.disable_input_require_grads()
 
     gradient_checkpointing_disable = activation_checkpointing_disable
 
@@ -96,10 +101,13 @@ class HFModelProtocol:
         table = self.get_input_embeddings()
         if table is None:
             raise ValueError(f"{type(self).__name__} has no token embedding table to hook; freeze fewer layers instead")
+        self.disable_input_require_grads()  # one hook, however often this is called
         self._require_grads_hook = table.register_forward_hook(hook)
 
     def disable_input_require_grads(self) -> None:
-        self._require_grads_hook.remove()
+        hook = self.__dict__.pop("_require_grads_hook", None)
+        if hook is not None:
+            hook.remove()
 
     # ----------------------------------------------------------------------------------------------------
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

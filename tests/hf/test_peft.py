@@ -92,3 +92,19 @@ def test_peft_task_wrappers(task):
     if task == "CAUSAL_LM":
         kw = dict(max_new_tokens=4, do_sample=False)
         assert torch.equal(adapted.generate(input_ids=ids[:1], **kw), merged.generate(ids[:1], **kw))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointing_gives_adapters_gradients(reentrant):
+    """gradient_checkpointing_enable() makes the (frozen) embeddings' output require grad, as HF's models do: with
+    reentrant checkpointing the adapters inside the blocks would otherwise get no gradient (an error here)."""
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=4))
+    adapted = peft.get_peft_model(ours, peft.LoraConfig(r=4, target_modules=["qkv", "down"]))
+    adapted.train()
+    adapted.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    ids = torch.randint(0, 97, (2, 6))
+    adapted(input_ids=ids, labels=ids).loss.backward()
+    lora = [p for n, p in adapted.named_parameters() if "lora_" in n]
+    assert len(lora) == 8 and all(p.grad is not None for p in lora)
+    adapted.gradient_checkpointing_disable()
+    assert not ours.get_input_embeddings()._forward_hooks  # the hook goes with the checkpointing
