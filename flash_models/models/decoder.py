@@ -3,6 +3,7 @@ checkpoint rules; the residual stream lives here, readable in one place."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import torch
 from torch import nn
@@ -50,7 +51,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         flash_kernels._backend.check_backend_name(kernel_backend)
         self.config = ModelConfig(config, architecture=type(self).__name__)  # wraps the family's frozen config
         self._generation_config = None  # made on first use (generation_config)
-        self.attn_impl, self.kernel_backend = attn_impl, kernel_backend
+        self.attn_impl, self.kernel_backend, self.vocab_multiple = attn_impl, kernel_backend, vocab_multiple
         dc: DecoderConfig = config.decoder()
         self.decoder_config = dc
         self.embed = Embeddings(
@@ -409,6 +410,53 @@ class DecoderLM(HFModelProtocol, nn.Module):
         head = self.lm_head if self.lm_head is not None else TiedOutputEmbeddings(self.embed.tokens)
         vocab = self.decoder_config.vocab_size
         return head if head.weight.shape[0] == vocab else RealVocabHead(head, vocab)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """HF's method (tokens added to the tokenizer, TRL's ``clone_chat_template``): the vocabulary becomes
+        ``new_num_tokens`` ids (rounded up to ``pad_to_multiple_of``), in place. The first ids keep their rows in the
+        token table and an untied LM head; new rows start at the mean of the old ones (``mean_resizing``, as HF
+        does, which keeps the old tokens' next-token distribution), or from the model's init. ``config.vocab_size``
+        follows. Returns the token table; an optimizer built before holds the old tables, as with HF."""
+        old = self.decoder_config.vocab_size
+        new = old if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            new = padded_vocab_size(new, pad_to_multiple_of)
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+        if new == old:
+            return self.get_input_embeddings()
+        self.config.replace_typed(dataclasses.replace(self.config.typed, vocab_size=new))
+        self.decoder_config = self.config.typed.decoder()
+        self.embed.tokens = self._resized_table(self.embed.tokens, old, new, mean_resizing)
+        self.embed.vocab_size = new
+        if self.lm_head is not None:
+            self.lm_head = self._resized_table(self.lm_head, old, new, mean_resizing)
+        return self.get_input_embeddings()
+
+    def _resized_table(self, table: nn.Module, old: int, new: int, mean_resizing: bool) -> nn.Module:
+        """A copy of ``table`` (the token nn.Embedding or the LM head's nn.Linear, padded to ``vocab_multiple``)
+        with ``new`` real rows: the first min(old, new) copied, the others initialized, the padding zero."""
+        rows, weight = padded_vocab_size(new, self.vocab_multiple), table.weight
+        if isinstance(table, nn.Embedding):
+            resized = nn.Embedding(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        else:
+            resized = nn.Linear(weight.shape[1], rows, bias=table.bias is not None, device=weight.device, dtype=weight.dtype)
+        kept = min(old, new)
+        with torch.no_grad():
+            for name, param in resized.named_parameters():
+                source = getattr(table, name)[:old]
+                if mean_resizing:
+                    param[kept:new] = source.mean(dim=0)
+                elif param.dim() > 1:
+                    nn.init.normal_(param[kept:new], mean=0.0, std=self.decoder_config.initializer_range)
+                else:
+                    param[kept:new] = 0
+                param[:kept] = source[:kept]
+            zero_vocab_padding(resized, new)
+        if rows != new:
+            hide_vocab_padding(resized, new)
+        return resized.train(table.training)
 
     # ----------------------------------------------------------------------------------------------------
     # Generation and saving live in higher layers (generation/, checkpoint/); these methods are the HF-style

@@ -118,6 +118,14 @@ class ModelConfig:
                 setattr(hf, name, value)
         return hf
 
+    def replace_typed(self, typed) -> None:
+        """Put ``typed`` (the same family's config) in place of the typed config, keeping the run-time settings:
+        only for the model's own methods that change its shapes together with its weights
+        (``resize_token_embeddings``)."""
+        assert type(typed) is type(self.typed), (type(typed), type(self.typed))
+        object.__setattr__(self, "typed", typed)
+        object.__setattr__(self, "_hf", None)
+
     def get_text_config(self, *args, **kwargs) -> ModelConfig:
         """HF's accessor for a multimodal model's text part; our models are one part: the config itself."""
         return self

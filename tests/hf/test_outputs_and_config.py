@@ -105,3 +105,28 @@ def test_frozen_embeddings_with_checkpointing_still_train_the_blocks():
     ours(ids, labels=ids).loss.backward()
     assert ours.blocks[0].attn.qkv.weight.grad is not None
     ours.disable_input_require_grads()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_resize_token_embeddings_as_hf(tied, tmp_path):
+    """Tokens added to the tokenizer: the old ids' logits stay, new rows start at the mean (HF's mean_resizing,
+    which draws within 1e-9 of it), config.vocab_size follows, and the saved model loads in transformers."""
+    config = transformers.LlamaConfig(**{**tiny_llama_config().to_dict(), "tie_word_embeddings": tied})
+    hf = random_hf_model(config, seed=3)
+    ours = ours_from_hf(hf)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        before = ours(ids).logits
+        ours.resize_token_embeddings(VOCAB + 5)
+        hf.resize_token_embeddings(VOCAB + 5)
+        after = ours(ids).logits
+        assert ours.config.vocab_size == VOCAB + 5 and after.shape[-1] == VOCAB + 5
+        torch.testing.assert_close(after[..., :VOCAB], before, atol=0, rtol=0)
+        torch.testing.assert_close(after, hf(ids).logits, atol=1e-4, rtol=0)
+        new_ids = torch.tensor([[VOCAB + 4, 3, VOCAB]])
+        ours.save_pretrained(tmp_path)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+        torch.testing.assert_close(reloaded(new_ids).logits, ours(new_ids).logits, atol=1e-5, rtol=0)
+        ours.resize_token_embeddings(40, pad_to_multiple_of=16)
+        assert ours(torch.tensor([[0, 47]])).logits.shape == (1, 2, 48)
+        torch.testing.assert_close(ours(ids % 40).logits[..., :40], hf(ids % 40).logits[..., :40], atol=1e-4, rtol=0)
