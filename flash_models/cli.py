@@ -25,6 +25,7 @@ import sys
 
 # Nothing heavy at import time: help and argument errors must not wait for torch (seconds). The commands
 # import what they use.
+from .checkpoint.sizes import parse_size  # torch-free
 from .cli_source import ModelSource, check_device_name, locate_model  # torch-free
 
 DEBUG_ENV = "FLASH_MODELS_DEBUG"
@@ -73,36 +74,59 @@ class UsageError(Exception):
 
 # ------------------------------------------------------------------------------------------------------------
 # Argument types: checked by argparse, before anything loads
+def _number(text: str, kind: type):
+    """``kind(text)`` with argparse's error naming what was expected (its own would name this function)."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
+
+def _integer(text: str) -> int:
+    return _number(text, int)
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _number(text, int)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
 
 
 def _probability(text: str) -> float:
-    value = float(text)
+    value = _number(text, float)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
 
 
 def _device(text: str) -> str:
-    check_device_name(text)  # its ValueError becomes argparse's "invalid _device value"
+    try:
+        check_device_name(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _shard_size(text: str) -> str:
+    try:
+        parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 
@@ -348,7 +372,7 @@ def _generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature (with --do-sample)")
     p.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=_probability, default=1.0, help="nucleus sampling mass (1: all)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--seed", type=_integer, default=0, help="random seed for sampling")
     p.add_argument("--stats", action="store_true", help="print load time, time to first token and tokens/s to stderr")
 
 
@@ -398,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("convert", "load any supported checkpoint (GGUF too) and save it as an HF folder, tokenizer included")
     p.add_argument("src", help="a local HF folder, a .gguf file, a hub repo id or an alias")
     p.add_argument("dst", help="the folder to write")
-    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard")
+    p.add_argument("--max-shard-size", type=_shard_size, default="5GB", help="largest safetensors shard")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="dtype of the saved weights (default: float32)")
     p.add_argument("--overwrite", action="store_true", help="replace DST when it already holds files")
     p.set_defaults(func=cmd_convert)

@@ -2,7 +2,8 @@
 
 The folder holds what transformers and our own command line need to use it on their own: config.json and
 safetensors (``save_pretrained``), the tokenizer with its chat template, and generation_config.json when the
-source says which tokens begin, end and pad a sequence. A GGUF file's tokenizer is the one transformers
+source says which tokens begin, end and pad a sequence. DST is written whole (``checkpoint.atomic``): it holds
+the old folder or the new one, never a mix. A GGUF file's tokenizer is the one transformers
 builds from the file's metadata (``checkpoint.tokenizer``); its special token ids come from the same file.
 """
 
@@ -59,6 +60,7 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
 def convert(src: str | Path, dst: str | Path, *, dtype=None, max_shard_size: int | str = "5GB") -> str:
     """Load ``src`` (a .gguf file or an HF folder) and write ``dst``; returns a one-line summary."""
     from .checkpoint import from_pretrained
+    from .checkpoint.atomic import atomic_folder
     from .checkpoint.hub import TOKENIZER_FILES, is_gguf
 
     src, dst = Path(src), Path(dst)
@@ -70,20 +72,25 @@ def convert(src: str | Path, dst: str | Path, *, dtype=None, max_shard_size: int
     else:
         tokenizer, generation = None, None
     model = from_pretrained(src, dtype=dtype)
-    model.save_pretrained(dst, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(dst)
-        if generation:
-            _write_generation_config(generation, dst)
-        extras = ["tokenizer", "chat template" if tokenizer.chat_template else None, "generation config" if generation else None]
-    else:
-        copied = _copy_tokenizer_files(src, dst)
-        has_tokenizer = any(name in copied for name in TOKENIZER_FILES)
-        if not has_tokenizer:
-            log.warning("%s has no tokenizer files: %s holds the model only", src, dst)
-        template = any(name.startswith("chat_template") for name in copied) or _config_has_template(dst)
-        extras = ["tokenizer" if has_tokenizer else None, "chat template" if template else None,
-                  "generation config" if GENERATION_CONFIG in copied else None]
+    # The whole folder (weights, tokenizer, generation config) is written aside and swapped in at once: a
+    # failure leaves DST as it was, and an --overwrite keeps none of the old folder's files (a previous
+    # model's tokenizer files must not sit beside this model's).
+    with atomic_folder(dst) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+            if generation:
+                _write_generation_config(generation, tmp)
+            extras = ["tokenizer", "chat template" if tokenizer.chat_template else None,
+                      "generation config" if generation else None]
+        else:
+            copied = _copy_tokenizer_files(src, tmp)
+            has_tokenizer = any(name in copied for name in TOKENIZER_FILES)
+            if not has_tokenizer:
+                log.warning("%s has no tokenizer files: %s holds the model only", src, dst)
+            template = any(name.startswith("chat_template") for name in copied) or _config_has_template(tmp)
+            extras = ["tokenizer" if has_tokenizer else None, "chat template" if template else None,
+                      "generation config" if GENERATION_CONFIG in copied else None]
     parameters = sum(p.numel() for p in model.parameters())
     written = ", ".join(e for e in extras if e)
     return f"wrote {dst} ({model.config.model_type}, {parameters:,} parameters{'; ' + written if written else ''})"

@@ -46,9 +46,27 @@ def test_mistakes_found_without_a_model_do_not_import_torch(tmp_path):
     for args, needle in [(["generate", "--max-new-tokens", "-5", "Hello"], "--max-new-tokens"),
                          (["chat", "./no-such-dir"], "no model folder there"),
                          (["generate", "gpt2", "Hello"], "HF cache"),
-                         (["train", "configs/gpt2-small.yaml"], "data.train")]:
+                         (["train", "configs/gpt2-small.yaml"], "data.train"),
+                         (["convert", "smollm2", str(tmp_path / "out"), "--max-shard-size", "5 gigs"],
+                          "--max-shard-size: max_shard_size '5 gigs' is not a size")]:
         assert_short_error(run_cli(*args, env=env), needle)
     assert run_cli("--help", env=env).returncode == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--max-new-tokens", "ten", "Hi"], "argument --max-new-tokens: expected an integer, got 'ten'"),
+    (["chat", "--top-p", "most", "-p", "Hi"], "argument --top-p: expected a number, got 'most'"),
+    (["generate", "--seed", "x", "Hi"], "argument --seed: expected an integer, got 'x'"),
+    (["generate", "--device", "gpu", "Hi"], "argument --device: 'gpu' is not a device: cpu, cuda, cuda:N or mps"),
+    (["convert", "a", "b", "--max-shard-size", "-1"], "argument --max-shard-size: max_shard_size '-1' is not a size"),
+    (["convert", "a", "b", "--max-shard-size", "0"], "argument --max-shard-size: max_shard_size must be at least 1"),
+])
+def test_bad_option_values_say_what_was_expected(args, message, capsys):
+    """In process (argparse alone): the message names the option and what it takes, not a parser function."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "invalid" not in err, err
 
 
 def test_folder_without_tokenizer(tmp_path):

@@ -144,3 +144,37 @@ def test_compare_reports_parity():
     assert run.returncode == 0, run.stderr
     assert "identical: yes" in run.stdout
     assert float(run.stdout.split("max |logits ours - HF|:")[1].split()[0]) < 1e-3
+
+
+def _files(folder) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_convert_overwrite_keeps_nothing_of_the_old_folder(tmp_path, tiny_folder):
+    from flash_models.convert import convert
+
+    fresh, reused = tmp_path / "fresh", tmp_path / "reused"
+    convert(tiny_folder, fresh)
+    reused.mkdir()
+    for stale in ("vocab.txt", "merges.txt", "model-00001-of-00002.safetensors", "notes.md"):
+        (reused / stale).write_text("from an earlier conversion")
+    convert(tiny_folder, reused)  # what `convert --overwrite` does
+    assert _files(reused) == _files(fresh)
+    assert transformers.AutoTokenizer.from_pretrained(reused).chat_template
+
+
+def test_convert_failing_midway_leaves_the_destination_as_it_was(tmp_path, tiny_folder, monkeypatch):
+    import flash_models.convert as convert_module
+
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "config.json").write_text('{"old": true}')
+
+    def broken_copy(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert_module, "_copy_tokenizer_files", broken_copy)
+    with pytest.raises(OSError, match="disk full"):
+        convert_module.convert(tiny_folder, dst)
+    assert _files(dst) == {"config.json"} and json.loads((dst / "config.json").read_text()) == {"old": True}
+    assert _files(tmp_path) == {"out"}  # no temporary folder left beside it

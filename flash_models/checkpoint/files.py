@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .atomic import atomic_folder
+from .sizes import parse_size
 
 log = logging.getLogger(__name__)
 
@@ -113,17 +114,6 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
             state.update(_read_safetensors(path) if path.suffix == ".safetensors" else _read_bin(path))
             bar.update(path.stat().st_size)
     return state
-
-
-def parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    text = size.strip().upper()
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
