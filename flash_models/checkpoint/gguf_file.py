@@ -103,6 +103,29 @@ def _dequantize(tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32).reshape(shape))  # a copy: GGUF data is memory-mapped
 
 
+def check_tensor_types(reader: GGUFFile) -> None:
+    """Every tensor's type must be one the ``gguf`` package dequantizes: each type is tried on one row up front,
+    so an unsupported one is named (with its tensors) before minutes of dequantizing the rest."""
+    import gguf
+
+    tried: dict = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type not in tried:
+            try:
+                gguf.quants.dequantize(tensor.data[:1], tensor.tensor_type)
+                tried[tensor.tensor_type] = True
+            except NotImplementedError:
+                tried[tensor.tensor_type] = False
+    unsupported = sorted(t.name for t, ok in tried.items() if not ok)
+    if unsupported:
+        names = [t.name for t in reader.tensors if t.tensor_type.name in unsupported]
+        raise ValueError(
+            f"{reader.path}: tensor type(s) {', '.join(unsupported)} cannot be dequantized by the gguf package "
+            f"(tensors {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}); use a file quantized as F32, F16, "
+            "BF16, Q8_0, Q4_0/Q4_1/Q5_0/Q5_1 or a K-quant"
+        )
+
+
 def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a GGUF file: (HF config dict, HF-named float32 state dict with Q/K rows un-permuted)."""
     path = Path(path)
@@ -110,6 +133,7 @@ def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
         raise FileNotFoundError(f"no GGUF file at {path}")
     reader = GGUFFile(path)
     config = hf_config_dict(reader)
+    check_tensor_types(reader)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     state = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", disable=len(reader.tensors) < 64, leave=False):

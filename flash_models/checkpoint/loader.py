@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import difflib
 import json
 import logging
@@ -21,15 +22,48 @@ from .remap import check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 log = logging.getLogger(__name__)
 
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """A floating torch dtype from a dtype or its name; None is float32. Anything else is a ValueError."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, str):
-        value = getattr(torch, dtype, None)
+        value = getattr(torch, dtype.removeprefix("torch."), None)
         if not isinstance(value, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype (try 'float32', 'bfloat16', 'float16')")
-        return value
+            auto = " ('auto', the checkpoint's own dtype, is for from_pretrained)" if dtype == "auto" else ""
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype{auto}; use one of {DTYPE_NAMES} or a torch.dtype")
+        dtype = value
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or its name {DTYPE_NAMES}, got {dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype {dtype} is not a floating-point dtype: model weights need one of {DTYPE_NAMES}")
     return dtype
+
+
+def resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """A torch device from what ``torch.device`` takes (None is the CPU, an int a CUDA index, as in torch); a
+    CUDA device this machine does not have is a ValueError before anything loads."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device {device!r} is not a torch device ({err})") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch {torch.__version__}); use 'cpu'")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
+def checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """What ``dtype="auto"`` loads as: the dtype most of the checkpoint's floating tensors have on disk
+    (float32 for a GGUF file, which dequantizes to float32)."""
+    counts = collections.Counter(v.dtype for v in state.values() if v.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else torch.float32
 
 
 def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "auto", device="meta"):
@@ -75,7 +109,7 @@ def from_pretrained(
     name_or_path: str | Path,
     *,
     dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
+    device: torch.device | str | int | None = None,
     attn_impl: str = "auto",
     kernel_backend: str = "auto",
     gguf_file: str | None = None,
@@ -83,11 +117,12 @@ def from_pretrained(
 ):
     """Load a model from a hub repo id, a local HF folder, or a .gguf file, with HF's weights.
 
-    ``dtype`` defaults to float32 and ``device`` to the CPU. ``attn_impl`` picks the attention backend
+    ``dtype`` defaults to float32 ("auto": the checkpoint's own dtype) and ``device`` to the CPU. ``attn_impl`` picks the attention backend
     ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops ("reference", "triton", "auto").
     The model comes back in eval mode, as in transformers.
     """
-    dtype, device = resolve_dtype(dtype), torch.device(device or "cpu")
+    dtype = dtype if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
+    device = resolve_device(device)
     if is_gguf(name_or_path) or gguf_file is not None:
         config_dict, hf_state = load_gguf(resolve_gguf(name_or_path, gguf_file=gguf_file, revision=revision))
         model_type = config_dict.pop("model_type")
@@ -97,6 +132,8 @@ def from_pretrained(
         directory = resolve_model_dir(name_or_path, revision=revision)
         hf_config = _read_hf_config(directory)
         hf_state = load_state_dict(directory)
+    if dtype == "auto":
+        dtype = checkpoint_dtype(hf_state)
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)
     expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
@@ -147,5 +184,6 @@ def create_model(preset: str, *, dtype=None, device=None, attn_impl: str = "auto
     check_override_names(preset, overrides, prefix=f"create_model({preset!r}): ")
     hf_config = _hf_config(f"create_model({preset!r})", transformers.AutoConfig.for_model, spec.model_type,
                            **{**spec.hf_config, **overrides})
-    model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device or "cpu")
-    return model.to(dtype=resolve_dtype(dtype))
+    dtype, device = resolve_dtype(dtype), resolve_device(device)
+    model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device)
+    return model.to(dtype=dtype)

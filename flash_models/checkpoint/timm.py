@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..models.vit import ViTConfig, VisionTransformer, timm_vit_rules
-from .loader import resolve_dtype
+from .loader import resolve_device, resolve_dtype
 from .remap import hf_to_ours
 
 
@@ -63,4 +63,4 @@ def from_timm(name_or_model, *, pretrained: bool = False, dtype=None, device=Non
         model = VisionTransformer(config, attn_impl=attn_impl, kernel_backend=kernel_backend)
     state = hf_to_ours(source.state_dict(), timm_vit_rules(config))
     model.load_state_dict(state, strict=True, assign=True)
-    return model.to(device=torch.device(device or "cpu"), dtype=resolve_dtype(dtype)).eval()
+    return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()

@@ -133,3 +133,71 @@ def test_bad_generation_arguments():
         model.generate(ids, do_sample=True, temperature=0.0)
     with pytest.raises(ValueError, match="eos_token_id"):
         model.generate(ids, eos_token_id=1000)
+
+
+def write_tiny_llama_gguf(path, *, q_proj_type):
+    """A one-layer LLaMA GGUF with random weights, its q projection stored as ``q_proj_type`` (raw bytes)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1), writer.add_context_length(64), writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64), writer.add_head_count(4), writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5), writer.add_token_list([f"t{i}" for i in range(64)])
+    shapes = {"token_embd.weight": (64, 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
+              "blk.0.ffn_norm.weight": (32,), "blk.0.attn_k.weight": (16, 32), "blk.0.attn_v.weight": (16, 32),
+              "blk.0.attn_output.weight": (32, 32), "blk.0.ffn_gate.weight": (64, 32),
+              "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    block, type_size = gguf.GGML_QUANT_SIZES[q_proj_type]
+    raw = rng.integers(0, 256, (32, 32 // block * type_size), dtype=np.uint8)
+    writer.add_tensor("blk.0.attn_q.weight", raw, raw_dtype=q_proj_type)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_tensor_type_that_cannot_be_dequantized_is_named(tmp_path):
+    import gguf
+
+    readable = write_tiny_llama_gguf(tmp_path / "q8_0.gguf", q_proj_type=gguf.GGMLQuantizationType.Q8_0)
+    assert fm.from_pretrained(readable).config.num_hidden_layers == 1
+    unreadable = write_tiny_llama_gguf(tmp_path / "q8_1.gguf", q_proj_type=gguf.GGMLQuantizationType.Q8_1)
+    with pytest.raises(ValueError, match=r"q8_1\.gguf: tensor type\(s\) Q8_1 cannot be dequantized.*blk\.0\.attn_q\.weight"):
+        fm.from_pretrained(unreadable)
+
+
+@pytest.mark.parametrize("dtype, problem", [
+    (torch.int8, "not a floating-point dtype"), ("int64", "not a floating-point dtype"), ("bf16", "not a torch dtype"),
+    (3, "must be a torch.dtype or its name"), ("float64x", "not a torch dtype"),
+])
+def test_dtype_that_is_not_a_float_dtype_is_named(tmp_path, dtype, problem):
+    tiny_llama_dir(tmp_path)
+    with pytest.raises(ValueError, match=problem):
+        fm.from_pretrained(tmp_path, dtype=dtype)
+    with pytest.raises(ValueError, match=problem):
+        fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=67, dtype=dtype)
+
+
+def test_dtype_auto_is_the_checkpoints_own(tmp_path):
+    hf = tiny_llama_dir(tmp_path)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert fm.from_pretrained(tmp_path, dtype="auto").dtype == torch.bfloat16
+    assert fm.from_pretrained(tmp_path).dtype == torch.float32  # the default stays float32
+    assert fm.from_pretrained(tmp_path, dtype="torch.float16").dtype == torch.float16  # str(torch.float16)
+    with pytest.raises(ValueError, match="'auto'.*is for from_pretrained"):
+        fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=67, dtype="auto")
+
+
+def test_device_is_read_as_torch_reads_it(tmp_path):
+    tiny_llama_dir(tmp_path)
+    with pytest.raises(ValueError, match="device 'gpu' is not a torch device"):
+        fm.from_pretrained(tmp_path, device="gpu")
+    if torch.cuda.is_available():  # an int is a CUDA index, as torch.device(0) says
+        assert fm.from_pretrained(tmp_path, device=0).device == torch.device("cuda", 0)
+    else:
+        for device in (0, "cuda", "cuda:1"):
+            with pytest.raises(ValueError, match="no CUDA GPU is available here"):
+                fm.from_pretrained(tmp_path, device=device)
