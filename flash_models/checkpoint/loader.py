@@ -154,10 +154,15 @@ def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:
         raise ValueError("checkpoint tensor shapes do not fit the config:\n  " + "\n  ".join(wrong[:20]))
 
 
-def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB") -> None:
+def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB",
+                    safe_serialization: bool = True) -> None:
     """Write config.json and safetensors in HF's canonical layout (fused parameters split back), so that
     ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per folder: a
-    reader sees the old checkpoint or the new one, whole; the folder's other files (a tokenizer) are kept."""
+    reader sees the old checkpoint or the new one, whole; the folder's other files (a tokenizer) are kept.
+    ``max_shard_size`` and ``safe_serialization`` are HF's; only safetensors are written."""
+    if safe_serialization is not True:
+        raise ValueError(f"safe_serialization={safe_serialization!r}: flash-models writes safetensors only (a pickled "
+                         ".bin can run code when it is loaded, and transformers reads safetensors)")
     hf_config = model.config.to_hf()  # first: it raises for a model HF's layout cannot express
     hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class

@@ -1,4 +1,5 @@
-"""``max_shard_size`` as HF writes it: units, and a clear error (with nothing written) for a size that is not one."""
+"""save_pretrained's HF arguments: ``max_shard_size`` with HF's units (a size that is not one is named, and nothing is
+written), ``safe_serialization``."""
 
 import pytest
 
@@ -31,3 +32,12 @@ def test_save_with_a_bad_shard_size_writes_nothing(tmp_path):
         with pytest.raises(ValueError, match="max_shard_size"):
             model.save_pretrained(tmp_path / "out", max_shard_size=size)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_save_arguments(tmp_path):
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=67, n_positions=16)
+    model.save_pretrained(tmp_path / "safe", safe_serialization=True, max_shard_size="5GB")
+    assert sorted(p.name for p in (tmp_path / "safe").iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(ValueError, match="safe_serialization=False: flash-models writes safetensors only"):
+        model.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert not (tmp_path / "bin").exists()
