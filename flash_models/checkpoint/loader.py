@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import difflib
 import json
 import logging
@@ -13,6 +14,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..config import check_model_size, check_numbers
+from ..models.decoder import DecoderLM
 from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
@@ -134,6 +136,7 @@ def from_pretrained(
         hf_state = load_state_dict(directory)
     if dtype == "auto":
         dtype = checkpoint_dtype(hf_state)
+    _tie_as_transformers_does(hf_config, hf_state)
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)
     expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
@@ -145,6 +148,35 @@ def from_pretrained(
     model.name_or_path = str(name_or_path)
     model.config.name_or_path = str(name_or_path)  # HF's place for it (TRL names the model and finds its tokenizer by it)
     return model.eval()
+
+
+def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> None:
+    """transformers ties a decoder's LM head to its embeddings only when the checkpoint holds no head of its own,
+    or one equal to them; a checkpoint whose head differs loads untied there (with a warning). So it does here
+    (``hf_config`` is untied in place): the logits are the checkpoint's, as in transformers."""
+    family = get_family(hf_config.model_type)
+    if not hf_config.to_dict().get("tie_word_embeddings") or not issubclass(family.model_class, DecoderLM):
+        return
+    tied_rules = rules_for(family.config_class.from_hf(hf_config))
+    skipped = {k for k in hf_state if tied_rules.is_ignored(tied_rules.normalize_hf_key(k))}
+    if not skipped:
+        return
+    tied = build_model(hf_config)
+    untied_config = copy.deepcopy(hf_config)
+    untied_config.tie_word_embeddings = False
+    untied_rules = rules_for(family.config_class.from_hf(untied_config))
+    heads = [k for k in skipped if not untied_rules.is_ignored(untied_rules.normalize_hf_key(k))]
+    embedding = [name for name, p in tied.named_parameters() if p is tied.output_embeddings()]
+    embedding_key = next(iter(ours_to_hf({embedding[0]: tied.output_embeddings()}, tied_rules)))
+    tables = [v for k, v in hf_state.items() if tied_rules.normalize_hf_key(k) == embedding_key]
+    if len(heads) != 1 or len(tables) != 1:
+        return  # no head of its own (only buffers were skipped), or keys check_keys will name
+    head, table = hf_state[heads[0]], tables[0]
+    if head.shape == table.shape and torch.equal(head, table):
+        return
+    log.warning("the config ties the LM head to the embeddings, but the checkpoint holds a different %s: loading it "
+                "untied, as transformers does (set tie_word_embeddings=false in config.json to silence this)", heads[0])
+    hf_config.tie_word_embeddings = False
 
 
 def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:

@@ -118,3 +118,27 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
         model.save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-tied-bias"])
+@pytest.mark.parametrize("head", ["equal", "different"])
+def test_tied_config_with_a_head_of_its_own_loads_as_transformers_does(tmp_path, name, head):
+    """transformers ties the head only when the checkpoint's own head equals the embeddings; one that differs is
+    used untied (its warning says so): the logits must be the checkpoint's either way."""
+    from safetensors.torch import load_file, save_file
+
+    random_hf_model(TINY[name], seed=1).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    embedding = next(k for k in state if k.endswith(("wte.weight", "embed_tokens.weight")))
+    state["lm_head.weight"] = state[embedding].clone() if head == "equal" else torch.randn_like(state[embedding])
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ours = fm.from_pretrained(tmp_path)
+    assert ours.config.tie_word_embeddings == (head == "equal")
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        assert max_rel_err(ours(ids).logits, hf(ids).logits) < 1e-5
+    ours.save_pretrained(tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert max_rel_err(again(ids).logits, hf(ids).logits) < 1e-5
