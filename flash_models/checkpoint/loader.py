@@ -19,7 +19,7 @@ from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, resolve_gguf, resolve_model_dir
-from .remap import check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
+from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,14 @@ def from_pretrained(
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)
     expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
-    check_keys(set(hf_state), set(expected), ruleset)
+    try:
+        check_keys(set(hf_state), set(expected), ruleset)
+    except CheckpointKeyError as err:
+        named = hf_config.architectures or []
+        if named and type(model).__name__ not in named:
+            raise CheckpointKeyError(f"{err}\n  config.json names the class {named[0]}, which flash-models does not "
+                                     f"load: a {hf_config.model_type} checkpoint loads as {type(model).__name__}") from None
+        raise
     check_hf_shapes(hf_state, expected, ruleset)
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)

@@ -201,3 +201,14 @@ def test_device_is_read_as_torch_reads_it(tmp_path):
         for device in (0, "cuda", "cuda:1"):
             with pytest.raises(ValueError, match="no CUDA GPU is available here"):
                 fm.from_pretrained(tmp_path, device=device)
+
+
+@pytest.mark.parametrize("hf_class", [transformers.LlamaForSequenceClassification, transformers.LlamaModel])
+def test_a_decoder_class_we_do_not_load_is_named(tmp_path, hf_class):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    hf_class(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointKeyError, match=f"names the class {hf_class.__name__}, which flash-models does not "
+                                                 "load: a llama checkpoint loads as LlamaForCausalLM"):
+        fm.from_pretrained(tmp_path)
