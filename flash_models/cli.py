@@ -25,6 +25,7 @@ import sys
 
 # Nothing heavy at import time: help and argument errors must not wait for torch (seconds). The commands
 # import what they use.
+from . import __version__
 from .checkpoint.sizes import parse_size  # torch-free
 from .cli_source import ModelSource, check_device_name, locate_model  # torch-free
 
@@ -387,6 +388,7 @@ def _model_options(p: argparse.ArgumentParser, *, model_option: bool = True) -> 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="flash-models", description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO)")
+    parser.add_argument("--version", action="version", version=f"flash-models {__version__}")
     parser.add_argument("--debug", action="store_true", help=f"show tracebacks (also: {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -134,6 +134,13 @@ def test_help_works_and_shows_defaults(args):
         assert "cpu" in run.stdout and "attention" in run.stdout
 
 
+def test_version():
+    import flash_models
+
+    run = run_cli("--version")
+    assert run.returncode == 0 and run.stdout.strip() == f"flash-models {flash_models.__version__}", run
+
+
 def test_bench_area_help_reaches_the_area():
     run = run_cli("bench", "cpu", "--help")
     assert run.returncode == 0 and "--threads" in run.stdout and "(default: 2)" in run.stdout
