@@ -14,7 +14,6 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..config import check_model_size, check_numbers
-from ..models.decoder import DecoderLM
 from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
@@ -158,32 +157,33 @@ def from_pretrained(
 
 
 def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> None:
-    """transformers ties a decoder's LM head to its embeddings only when the checkpoint holds no head of its own,
-    or one equal to them; a checkpoint whose head differs loads untied there (with a warning). So it does here
-    (``hf_config`` is untied in place): the logits are the checkpoint's, as in transformers."""
-    family = get_family(hf_config.model_type)
-    if not hf_config.to_dict().get("tie_word_embeddings") or not issubclass(family.model_class, DecoderLM):
+    """transformers ties an output head to the input embeddings only when the checkpoint holds no head of its
+    own, or one equal to them; a checkpoint whose head differs loads untied there (with a warning). So it does
+    here (``hf_config`` is untied in place): the logits are the checkpoint's, as in transformers. Which head
+    ties to which table is transformers' own mapping (``_tied_weights_keys`` of the HF class)."""
+    if not hf_config.to_dict().get("tie_word_embeddings"):
         return
+    family = get_family(hf_config.model_type)
     tied_rules = rules_for(family.config_class.from_hf(hf_config))
-    skipped = {k for k in hf_state if tied_rules.is_ignored(tied_rules.normalize_hf_key(k))}
+    skipped = [k for k in hf_state if tied_rules.is_ignored(tied_rules.normalize_hf_key(k))]
     if not skipped:
         return
-    tied = build_model(hf_config)
     untied_config = copy.deepcopy(hf_config)
     untied_config.tie_word_embeddings = False
     untied_rules = rules_for(family.config_class.from_hf(untied_config))
     heads = [k for k in skipped if not untied_rules.is_ignored(untied_rules.normalize_hf_key(k))]
-    embedding = [name for name, p in tied.named_parameters() if p is tied.output_embeddings()]
-    embedding_key = next(iter(ours_to_hf({embedding[0]: tied.output_embeddings()}, tied_rules)))
-    tables = [v for k, v in hf_state.items() if tied_rules.normalize_hf_key(k) == embedding_key]
-    if len(heads) != 1 or len(tables) != 1:
-        return  # no head of its own (only buffers were skipped), or keys check_keys will name
-    head, table = hf_state[heads[0]], tables[0]
-    if head.shape == table.shape and torch.equal(head, table):
+    hf_class = getattr(transformers, type(build_model(hf_config)).__name__, None) if heads else None
+    ties = hf_class._tied_weights_keys if hf_class is not None else None
+    if not isinstance(ties, dict):
         return
-    log.warning("the config ties the LM head to the embeddings, but the checkpoint holds a different %s: loading it "
-                "untied, as transformers does (set tie_word_embeddings=false in config.json to silence this)", heads[0])
-    hf_config.tie_word_embeddings = False
+    tables = {tied_rules.normalize_hf_key(k): v for k, v in hf_state.items()}
+    for head in heads:
+        table = tables.get(ties.get(tied_rules.normalize_hf_key(head)))
+        if table is not None and not (table.shape == hf_state[head].shape and torch.equal(table, hf_state[head])):
+            log.warning("the config ties %s to the embeddings, but the checkpoint holds a different one: loading it "
+                        "untied, as transformers does (set tie_word_embeddings=false in config.json to silence this)", head)
+            hf_config.tie_word_embeddings = False
+            return
 
 
 def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:

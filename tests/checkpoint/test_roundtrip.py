@@ -120,25 +120,38 @@ def test_save_is_atomic_when_writing_fails(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-tied-bias"])
+TIED_HEADS = {  # a tied config, its HF class, and HF's (head, embeddings) keys
+    "gpt2": (TINY["gpt2"], transformers.GPT2LMHeadModel, "lm_head.weight", "transformer.wte.weight"),
+    "llama": (TINY["llama-tied-bias"], transformers.LlamaForCausalLM, "lm_head.weight", "model.embed_tokens.weight"),
+    "bert-mlm": (transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         intermediate_size=48, architectures=["BertForMaskedLM"]),
+                 transformers.BertForMaskedLM, "cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"),
+}
+
+
+@pytest.mark.parametrize("name", TIED_HEADS)
 @pytest.mark.parametrize("head", ["equal", "different"])
 def test_tied_config_with_a_head_of_its_own_loads_as_transformers_does(tmp_path, name, head):
     """transformers ties the head only when the checkpoint's own head equals the embeddings; one that differs is
-    used untied (its warning says so): the logits must be the checkpoint's either way."""
+    used untied (its warning says so): the logits must be the checkpoint's either way. Old buffers the rules
+    skip (BERT's position_ids) sit beside it."""
     from safetensors.torch import load_file, save_file
 
-    random_hf_model(TINY[name], seed=1).save_pretrained(tmp_path)
+    config, hf_class, head_key, embedding_key = TIED_HEADS[name]
+    torch.manual_seed(1)
+    hf_class(config).save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
-    embedding = next(k for k in state if k.endswith(("wte.weight", "embed_tokens.weight")))
-    state["lm_head.weight"] = state[embedding].clone() if head == "equal" else torch.randn_like(state[embedding])
+    state[head_key] = state[embedding_key].clone() if head == "equal" else torch.randn_like(state[embedding_key])
+    if name == "bert-mlm":
+        state["bert.embeddings.position_ids"] = torch.arange(config.max_position_embeddings)[None]
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    hf = hf_class.from_pretrained(tmp_path).eval()
     ours = fm.from_pretrained(tmp_path)
     assert ours.config.tie_word_embeddings == (head == "equal")
     ids = torch.randint(0, 97, (2, 7))
     with torch.no_grad():
         assert max_rel_err(ours(ids).logits, hf(ids).logits) < 1e-5
     ours.save_pretrained(tmp_path / "again")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    again = hf_class.from_pretrained(tmp_path / "again").eval()
     with torch.no_grad():
         assert max_rel_err(again(ids).logits, hf(ids).logits) < 1e-5
