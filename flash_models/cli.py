@@ -197,6 +197,20 @@ def _check_device(device: str | None) -> None:
         raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
+def _require_causal_lm(source: ModelSource, model_name: str) -> None:
+    """generate, chat and compare take a causal LM: an encoder (BERT) or a ViT folder is named from its config on
+    a weightless model, before its weights load."""
+    if source.is_gguf:  # the GGUF architectures we read are decoders
+        return
+    from .checkpoint.loader import build_model, read_hf_config
+    from .models.protocols import is_causal_decoder
+
+    model = build_model(read_hf_config(source.path))
+    if not is_causal_decoder(model):
+        raise ValueError(f"{model_name} is a {type(model).__name__} ({model.config.model_type}), not a causal LM: "
+                         "generate, chat and compare take a text-generating model (GPT-2, LLaMA, Qwen, ...)")
+
+
 def _load_tokenizer(source: ModelSource, status: _Status):
     from .checkpoint.tokenizer import gguf_tokenizer_is_cached, load_tokenizer
 
@@ -214,6 +228,7 @@ def _load(args, model_name: str):
 
     source = locate_model(model_name, need_tokenizer=True)
     _check_device(args.device)
+    _require_causal_lm(source, model_name)
     status = _Status()
     start = time.perf_counter()
     try:
@@ -330,6 +345,7 @@ def cmd_compare(args) -> None:
     if source.is_gguf:
         _require("accelerate", why="transformers' GGUF loader (the reference side of compare)")
     _check_device(args.device)
+    _require_causal_lm(source, name or _default_model())
     from .compare import compare
 
     compare(str(source.path), prompt=args.prompt, new_tokens=args.max_new_tokens, dtype=args.dtype, device=args.device)

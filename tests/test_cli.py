@@ -69,6 +69,20 @@ def test_bad_option_values_say_what_was_expected(args, message, capsys):
     assert exit_.value.code == 2 and message in err and "invalid" not in err, err
 
 
+@pytest.mark.parametrize("args", [["generate", "minilm", "Hello"], ["compare", "minilm"]])  # chat loads as generate does
+def test_a_model_that_does_not_generate_is_named_before_its_weights_load(args, tmp_path):
+    """MiniLM is a BERT encoder: the message says so, from its config (its weights file is never read)."""
+    import shutil
+
+    import flash_models as fm
+
+    folder = tmp_path / "minilm"
+    shutil.copytree(fm.minilm_dir(), folder)
+    (folder / "model.safetensors").write_bytes(b"not read")
+    args = [str(folder) if a == "minilm" else a for a in args]
+    assert_short_error(run_cli(*args), "is a BertModel (bert), not a causal LM")
+
+
 def test_folder_without_tokenizer(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     assert_short_error(run_cli("generate", str(tmp_path), "Hello"), "no tokenizer in")

@@ -78,7 +78,7 @@ def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "au
         return family.model_class(config, attn_impl=attn_impl, kernel_backend=kernel_backend)
 
 
-def _read_hf_config(directory: Path):
+def read_hf_config(directory: Path):
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json: not an HF model folder")
@@ -131,7 +131,7 @@ def from_pretrained(
         hf_config = _hf_config(str(name_or_path), transformers.AutoConfig.for_model, model_type, **config_dict)
     else:
         directory = resolve_model_dir(name_or_path, revision=revision)
-        hf_config = _read_hf_config(directory)
+        hf_config = read_hf_config(directory)
         hf_state = load_state_dict(directory)
     if dtype == "auto":
         dtype = checkpoint_dtype(hf_state)
@@ -202,6 +202,8 @@ def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | 
     if safe_serialization is not True:
         raise ValueError(f"safe_serialization={safe_serialization!r}: flash-models writes safetensors only (a pickled "
                          ".bin can run code when it is loaded, and transformers reads safetensors)")
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("the model is on the meta device: it has no weights to save (load it with device='cpu')")
     hf_config = model.config.to_hf()  # first: it raises for a model HF's layout cannot express
     hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class

@@ -41,3 +41,10 @@ def test_hf_save_arguments(tmp_path):
     with pytest.raises(ValueError, match="safe_serialization=False: flash-models writes safetensors only"):
         model.save_pretrained(tmp_path / "bin", safe_serialization=False)
     assert not (tmp_path / "bin").exists()
+
+
+def test_a_model_without_weights_is_not_saved(tmp_path):
+    model = fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=4, vocab_size=67, n_positions=16, device="meta")
+    with pytest.raises(ValueError, match="on the meta device: it has no weights to save"):
+        model.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
