@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint.hub import is_gguf, require_tokenizer, resolve_model_dir
+from .checkpoint.hub import is_gguf, no_config_error, require_tokenizer, resolve_model_dir
 _DEVICE = re.compile(r"(cpu|mps|cuda(:\d+)?)")
 
 
@@ -40,7 +40,7 @@ def locate_model(name: str, *, need_tokenizer: bool) -> ModelSource:
     if not path.is_dir():
         path = resolve_model_dir(name)  # a hub repo id; a path-like name that does not exist raises here
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not an HF model folder")
+        raise no_config_error(path)
     if need_tokenizer:
         require_tokenizer(path)
     return ModelSource(path, is_gguf=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 # What a model folder needs besides weights; tokenizer files come along so the CLI can use them offline.
@@ -18,6 +19,14 @@ def require_tokenizer(folder: Path) -> None:
         )
 
 
+def no_config_error(folder: Path) -> FileNotFoundError:
+    """A folder without config.json; when it holds .gguf files, the error names them (a GGUF file is loaded by
+    its own path)."""
+    ggufs = sorted(p.name for p in folder.glob("*.gguf")) if folder.is_dir() else []
+    hint = f"; it holds {', '.join(ggufs[:3])}: give the .gguf file's path instead" if ggufs else ""
+    return FileNotFoundError(f"{folder} has no config.json: not an HF model folder{hint}")
+
+
 def is_gguf(name_or_path: str | Path) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
 
@@ -31,21 +40,35 @@ def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None) 
     if path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") > 1:
         raise FileNotFoundError(f"{name_or_path}: no model folder there (expected a folder with config.json)")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     repo_id = str(name_or_path)
-    not_here = f"{repo_id!r} is not a local folder or .gguf file, and the HuggingFace Hub could not provide it"
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise FileNotFoundError(f"{not_here}: no such file or folder, and not a hub repo id (owner/name)") from None
+        raise FileNotFoundError(f"{_not_here(repo_id)}: no such file or folder, and not a hub repo id (owner/name)") from None
     # No network (or HF_HUB_OFFLINE=1) fails at once here, served from the local cache when the repo is in it:
     # the snapshot lookup makes one attempt, where transformers' own loaders retry for about a minute.
-    try:
+    with _hub_errors(repo_id):
         local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CONFIG_PATTERNS + ["*.safetensors"]))
         if not (local / "model.safetensors").exists() and not (local / "model.safetensors.index.json").exists():
             local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CONFIG_PATTERNS + ["pytorch_model*.bin"]))
+    return local
+
+
+def _not_here(repo_id: str) -> str:
+    return f"{repo_id!r} is not a local folder or .gguf file, and the HuggingFace Hub could not provide it"
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, what: str = ""):
+    """huggingface_hub's errors for a download, as one ValueError that says why and what to do."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    not_here = _not_here(repo_id) + what
+    try:
+        yield
     except LocalEntryNotFoundError as err:
         raise ValueError(f"{not_here} (not in the local HF cache, and the Hub is unreachable or HF_HUB_OFFLINE is set)") from err
     except RepositoryNotFoundError as err:
@@ -53,7 +76,6 @@ def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None) 
     except (HfHubHTTPError, OSError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(f"{not_here} ({type(err).__name__}: {reason})") from err
-    return local
 
 
 def resolve_gguf(name_or_path: str | Path, *, gguf_file: str | None = None, revision: str | None = None) -> Path:
@@ -65,4 +87,5 @@ def resolve_gguf(name_or_path: str | Path, *, gguf_file: str | None = None, revi
         return folder / gguf_file
     from huggingface_hub import hf_hub_download
 
-    return Path(hf_hub_download(str(name_or_path), gguf_file, revision=revision))
+    with _hub_errors(str(name_or_path), f" with the file {gguf_file!r}"):
+        return Path(hf_hub_download(str(name_or_path), gguf_file, revision=revision))

@@ -17,7 +17,7 @@ from ..config import check_model_size, check_numbers
 from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
-from .hub import is_gguf, resolve_gguf, resolve_model_dir
+from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,17 @@ def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "au
 def read_hf_config(directory: Path):
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{directory} has no config.json: not an HF model folder")
+        raise no_config_error(directory)
     try:
         fields = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{config_path} is not valid JSON ({err}); the file is damaged or not a config") from None
     if not isinstance(fields, dict):
         raise ValueError(f"{config_path} must hold a JSON object of config fields, got a {type(fields).__name__}")
-    get_family(fields.get("model_type"))  # our clear error for an unsupported type, before transformers' own
+    if "model_type" not in fields:
+        raise ValueError(f"{config_path} has no model_type: it does not say which architecture the weights are "
+                         "(transformers' save_pretrained writes it)")
+    get_family(fields["model_type"])  # our clear error for an unsupported type, before transformers' own
     try:
         check_numbers(fields)
         check_model_size(fields)

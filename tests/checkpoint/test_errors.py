@@ -212,3 +212,16 @@ def test_a_decoder_class_we_do_not_load_is_named(tmp_path, hf_class):
     with pytest.raises(CheckpointKeyError, match=f"names the class {hf_class.__name__}, which flash-models does not "
                                                  "load: a llama checkpoint loads as LlamaForCausalLM"):
         fm.from_pretrained(tmp_path)
+
+
+def test_folder_holding_only_a_gguf_file_points_at_it(tmp_path):
+    (tmp_path / "model.Q4_1.gguf").symlink_to(fm.smollm2_gguf())
+    with pytest.raises(FileNotFoundError, match=r"no config.json: not an HF model folder; it holds model\.Q4_1\.gguf: "
+                                                "give the .gguf file's path instead"):
+        fm.from_pretrained(tmp_path)
+
+
+def test_config_without_model_type_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 97, "hidden_size": 32}))
+    with pytest.raises(ValueError, match="config.json has no model_type"):
+        fm.from_pretrained(tmp_path)

@@ -41,3 +41,9 @@ def test_hub_id_resolves_through_the_cache(offline_cache, tmp_path):
 def test_unknown_hub_id_is_a_clear_error(offline_cache):
     with pytest.raises(ValueError, match="not a local folder or .gguf file, and the HuggingFace Hub could not provide it"):
         fm.from_pretrained("nobody/does-not-exist")
+
+
+def test_gguf_file_of_a_hub_repo_offline_is_a_clear_error(offline_cache):
+    with pytest.raises(ValueError, match=r"'nobody/some-gguf' .* could not provide it with the file 'model\.gguf' "
+                                         r"\(not in the local HF cache"):
+        fm.from_pretrained("nobody/some-gguf", gguf_file="model.gguf")
