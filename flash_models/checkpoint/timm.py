@@ -50,8 +50,14 @@ def from_timm(name_or_model, *, pretrained: bool = False, dtype=None, device=Non
     ``pretrained=True`` timm downloads the weights) or a timm VisionTransformer instance -> ours, in eval mode."""
     if isinstance(name_or_model, str):
         import timm
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-        source = timm.create_model(name_or_model, pretrained=pretrained, **timm_kwargs)
+        try:
+            source = timm.create_model(name_or_model, pretrained=pretrained, **timm_kwargs)
+        except (LocalEntryNotFoundError, HfHubHTTPError) as err:
+            raise ValueError(f"timm could not download the weights of {name_or_model!r} (not in the local HF cache, and "
+                             "the Hub is unreachable or HF_HUB_OFFLINE is set); pretrained=False builds it without "
+                             "them") from err
     else:
         if timm_kwargs:
             raise ValueError(f"timm keyword arguments {sorted(timm_kwargs)} apply only when a model name is given")

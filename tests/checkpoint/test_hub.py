@@ -47,3 +47,8 @@ def test_gguf_file_of_a_hub_repo_offline_is_a_clear_error(offline_cache):
     with pytest.raises(ValueError, match=r"'nobody/some-gguf' .* could not provide it with the file 'model\.gguf' "
                                          r"\(not in the local HF cache"):
         fm.from_pretrained("nobody/some-gguf", gguf_file="model.gguf")
+
+
+def test_timm_weights_offline_are_a_clear_error(offline_cache):
+    with pytest.raises(ValueError, match="timm could not download the weights of 'vit_tiny_patch16_224'"):
+        fm.from_timm("vit_tiny_patch16_224", pretrained=True)
