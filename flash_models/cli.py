@@ -264,11 +264,22 @@ def _stream(model, tokenizer, ids, args) -> str:
 
     from .generation import stream
 
+    # The KV cache is allocated for prompt + new tokens up front, so an ask past the model's context (where a
+    # rotary model's output degrades anyway) is cut to it rather than allocated.
+    context = model.config.max_position_embeddings
+    room = context - ids.shape[1]
+    if room < 1:
+        raise ValueError(f"the prompt ({ids.shape[1]} tokens) fills the model's context of {context} tokens"
+                         + ("; start a new chat" if args.command == "chat" else ""))
+    new_tokens = min(args.max_new_tokens, room)
+    if new_tokens < args.max_new_tokens:
+        print(f"[at most {new_tokens} new tokens: the prompt ({ids.shape[1]} tokens) and the model's context of "
+              f"{context} tokens leave no more room than that]", file=sys.stderr)
     times: list[float] = []
     pieces = []
     start = time.perf_counter()
     for piece in stream(
-        model, tokenizer, ids, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+        model, tokenizer, ids, max_new_tokens=new_tokens, do_sample=args.do_sample,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=tokenizer.eos_token_id,
         generator=torch.Generator(device=model.device).manual_seed(args.seed),
         on_token=lambda _: times.append(time.perf_counter()),

@@ -178,3 +178,12 @@ def test_convert_failing_midway_leaves_the_destination_as_it_was(tmp_path, tiny_
         convert_module.convert(tiny_folder, dst)
     assert _files(dst) == {"config.json"} and json.loads((dst / "config.json").read_text()) == {"old": True}
     assert _files(tmp_path) == {"out"}  # no temporary folder left beside it
+
+
+def test_new_tokens_past_the_context_are_cut_to_it(tiny_folder, smollm2_tokenizer):
+    """tiny_folder's context is 256 positions: a larger --max-new-tokens generates what fits, and says so."""
+    prompt_tokens = len(smollm2_tokenizer("Hello").input_ids)
+    run = run_cli("generate", str(tiny_folder), "Hello", "--max-new-tokens", "100000", "--stats")
+    assert run.returncode == 0, run.stderr
+    assert f"[at most {256 - prompt_tokens} new tokens" in run.stderr
+    assert int(run.stderr.split("tokens |")[0].rsplit("[", 1)[1]) <= 256 - prompt_tokens
