@@ -73,7 +73,12 @@ def atomic_folder(target: str | Path, *, owned: Owned = owns_everything) -> Iter
     tmp = temp_folder_beside(target)
     try:
         yield tmp
+        cwd = os.getcwd()
         swap_in(tmp, target, owned=owned)
+        if Path(cwd).is_relative_to(target):
+            # The process stood in the old folder (``save_pretrained(".")``), which is now deleted: stand at the
+            # same path again, in the new folder (foreign subfolders are carried over, so the path exists).
+            os.chdir(cwd)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a swap
 

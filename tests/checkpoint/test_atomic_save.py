@@ -134,6 +134,23 @@ def test_symlinked_target_keeps_its_link(tmp_path):
     assert same_weights(fm.from_pretrained(link), second)
 
 
+@pytest.mark.parametrize("where", [".", "sub"])
+def test_saving_into_the_working_folder_keeps_the_process_in_it(tmp_path, monkeypatch, where):
+    """``save_pretrained(".")`` (or into a parent of the working folder) swaps out the folder the process stands
+    in: afterwards it stands at the same path in the new folder, so relative paths and a second save work."""
+    out = tmp_path / "model"
+    (out / "sub").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    monkeypatch.chdir(out / where)
+    target = "." if where == "." else ".."
+    for seed in (0, 1):
+        model = tiny_gpt2(seed)
+        model.save_pretrained(target)
+        assert os.getcwd() == str(out / where)
+        assert {"config.json", "model.safetensors", "notes.txt", "sub"} <= set(os.listdir(target))
+    assert same_weights(fm.from_pretrained(target), model)
+
+
 def test_saved_folder_reads_in_transformers_after_resave(tmp_path):
     out = tmp_path / "model"
     tiny_gpt2(0).save_pretrained(out, max_shard_size=20_000)
