@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             raise
         print(f"flash-models {args.command}: error: {_one_line(err)}", file=sys.stderr)
-        if not isinstance(err, (ValueError, FileNotFoundError, ImportError)):
+        if not isinstance(err, (ValueError, OSError, ImportError)):  # OSError: a path, permission or full disk
             print(f"  (an unexpected error: rerun with --debug for the traceback, or set {DEBUG_ENV}=1)", file=sys.stderr)
         raise SystemExit(1) from None
 

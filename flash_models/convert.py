@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,14 @@ def check_destination(dst: str | Path, *, overwrite: bool) -> None:
         raise ValueError(f"{dst} is a file; give a folder to write the converted model into")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise ValueError(f"{dst} already holds files; pass --overwrite to replace them, or pick an empty folder")
+    # DST is written beside itself and swapped in (checkpoint.atomic): its nearest existing folder must take it.
+    parent = dst.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"cannot write {dst}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {dst}: no write permission in {parent}")
 
 
 def gguf_generation_config(path: Path) -> dict:

@@ -126,6 +126,11 @@ def test_missing_optional_dependency_names_the_pip_command(tmp_path):
     assert_short_error(run, "pip install accelerate")
 
 
+def test_destination_under_a_file_is_refused_before_loading(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    assert_short_error(run_cli("convert", "smollm2", str(tmp_path / "a-file" / "out")), "a-file is a file, not a folder")
+
+
 def test_existing_destination_is_not_overwritten_unasked(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     assert_short_error(run_cli("convert", "smollm2", str(tmp_path)), "--overwrite")
