@@ -131,6 +131,20 @@ def test_destination_under_a_file_is_refused_before_loading(tmp_path):
     assert_short_error(run_cli("convert", "smollm2", str(tmp_path / "a-file" / "out")), "a-file is a file, not a folder")
 
 
+def test_os_errors_are_one_line_without_the_unexpected_hint(monkeypatch, capsys):
+    import flash_models.cli as cli
+
+    def denied(args):
+        raise PermissionError(13, "Permission denied", "/models/out")
+
+    monkeypatch.setattr(cli, "cmd_convert", denied)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["convert", "a", "b"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1
+    assert err.strip() == "flash-models convert: error: PermissionError: [Errno 13] Permission denied: '/models/out'"
+
+
 def test_existing_destination_is_not_overwritten_unasked(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     assert_short_error(run_cli("convert", "smollm2", str(tmp_path)), "--overwrite")
