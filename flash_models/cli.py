@@ -185,16 +185,15 @@ class _Status:
 
 
 def _check_device(device: str | None) -> None:
-    """Before any load: a CUDA device on a machine without one is the user's mistake, said in one line."""
-    if device is None or not device.startswith("cuda"):
+    """Before any load: a device this machine does not have is the user's mistake, said in one line."""
+    if device is None or device == "cpu":
         return
-    import torch
+    from .checkpoint.loader import resolve_device
 
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA GPU is available here (torch {torch.__version__}); use --device cpu")
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    try:
+        resolve_device(device)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None  # "--device 'cuda': no CUDA GPU ..."
 
 
 def _require_causal_lm(source: ModelSource, model_name: str) -> None:

@@ -57,6 +57,8 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
             raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch {torch.__version__}); use 'cpu'")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: Apple's MPS is not available here; use 'cpu'")
     return resolved
 
 
@@ -92,6 +94,11 @@ def read_hf_config(directory: Path):
         raise ValueError(f"{config_path} has no model_type: it does not say which architecture the weights are "
                          "(transformers' save_pretrained writes it)")
     get_family(fields["model_type"])  # our clear error for an unsupported type, before transformers' own
+    quantization = fields.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise ValueError(f"{config_path} describes a quantized checkpoint (quantization_config, quant_method "
+                         f"{method!r}), which flash-models does not load: use the unquantized weights, or a GGUF file")
     try:
         check_numbers(fields)
         check_model_size(fields)

@@ -201,6 +201,9 @@ def test_device_is_read_as_torch_reads_it(tmp_path):
         for device in (0, "cuda", "cuda:1"):
             with pytest.raises(ValueError, match="no CUDA GPU is available here"):
                 fm.from_pretrained(tmp_path, device=device)
+    if not torch.backends.mps.is_available():
+        with pytest.raises(ValueError, match="MPS is not available here"):
+            fm.from_pretrained(tmp_path, device="mps")
 
 
 @pytest.mark.parametrize("hf_class", [transformers.LlamaForSequenceClassification, transformers.LlamaModel])
@@ -224,4 +227,14 @@ def test_folder_holding_only_a_gguf_file_points_at_it(tmp_path):
 def test_config_without_model_type_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 97, "hidden_size": 32}))
     with pytest.raises(ValueError, match="config.json has no model_type"):
+        fm.from_pretrained(tmp_path)
+
+
+def test_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
+    """Its weights (fp8 with scales, GPTQ/AWQ qweight...) would otherwise be a key listing, or cast without scales."""
+    tiny_llama_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="describes a quantized checkpoint .*quant_method 'fp8'"):
         fm.from_pretrained(tmp_path)
