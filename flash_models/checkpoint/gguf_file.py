@@ -45,43 +45,64 @@ def unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _field(reader: GGUFFile, key: str, default=None):
-    return reader.fields.get(key, default)
+_REQUIRED = object()
+
+
+def _field(reader: GGUFFile, key: str, kind: type = object, default=_REQUIRED):
+    """Metadata ``key`` checked to be a ``kind`` (int, float, str or list; bools are not numbers); a missing key
+    takes ``default``, and without one it is a ValueError naming the file and the key, as is a value of another
+    kind."""
+    value = reader.fields.get(key, default)
+    if value is _REQUIRED:
+        raise ValueError(f"{reader.path}: GGUF metadata {key} is missing; the file is incomplete or not a model")
+    if value is None or value is default or kind is object:
+        return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    fits = {int: number and isinstance(value, int), float: number, str: isinstance(value, str),
+            list: isinstance(value, list)}[kind]
+    if not fits:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise ValueError(f"{reader.path}: GGUF metadata {key} must be of type {kind.__name__}, got {shown}")
+    return kind(value)
 
 
 def hf_config_dict(reader) -> dict:
     """An HF config (as a dict for ``transformers.AutoConfig.for_model``) from GGUF metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = _field(reader, "general.architecture", default=None)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
-    a = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
-    heads = int(a("attention.head_count"))
-    hidden = int(a("embedding_length"))
-    vocab = a("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    rope = {"rope_type": "default", "rope_theta": float(a("rope.freq_base", 10000.0))}
-    scaling = a("rope.scaling.type")
+    a = lambda key, kind, default=_REQUIRED: _field(reader, f"{arch}.{key}", kind, default)  # noqa: E731
+    heads = a("attention.head_count", int)
+    hidden = a("embedding_length", int)
+    vocab = a("vocab_size", int, None)
+    if vocab is None:
+        tokens = _field(reader, "tokenizer.ggml.tokens", list)
+        vocab = len(tokens)
+    rope = {"rope_type": "default", "rope_theta": a("rope.freq_base", float, 10000.0)}
+    scaling = a("rope.scaling.type", str, None)
     if scaling not in (None, "none"):
         if scaling not in ("linear", "yarn"):
             raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
-        rope.update(rope_type=scaling, factor=float(a("rope.scaling.factor")))
-        if a("rope.scaling.original_context_length") is not None:
-            rope["original_max_position_embeddings"] = int(a("rope.scaling.original_context_length"))
+        rope.update(rope_type=scaling, factor=a("rope.scaling.factor", float))
+        original = a("rope.scaling.original_context_length", int, None)
+        if original is not None:
+            rope["original_max_position_embeddings"] = original
     tensor_names = {t.name for t in reader.tensors}
     return {
         "model_type": "llama",
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(a("feed_forward_length")),
-        "num_hidden_layers": int(a("block_count")),
+        "intermediate_size": a("feed_forward_length", int),
+        "num_hidden_layers": a("block_count", int),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
-        "head_dim": int(a("rope.dimension_count", hidden // heads)),
-        "max_position_embeddings": int(a("context_length", 2048)),
-        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "num_key_value_heads": a("attention.head_count_kv", int, heads),
+        "head_dim": a("rope.dimension_count", int, hidden // heads if heads else 0),
+        "max_position_embeddings": a("context_length", int, 2048),
+        "rms_norm_eps": a("attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", int, None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", int, None),
     }
 
 

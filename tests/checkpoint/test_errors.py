@@ -135,16 +135,22 @@ def test_bad_generation_arguments():
         model.generate(ids, eos_token_id=1000)
 
 
-def write_tiny_llama_gguf(path, *, q_proj_type):
-    """A one-layer LLaMA GGUF with random weights, its q projection stored as ``q_proj_type`` (raw bytes)."""
+def write_tiny_llama_gguf(path, *, q_proj_type, metadata=None):
+    """A one-layer LLaMA GGUF with random weights, its q projection stored as ``q_proj_type`` (raw bytes);
+    ``metadata`` replaces (a value) or drops (None) entries of the LLaMA metadata, by key without the "llama."."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1), writer.add_context_length(64), writer.add_embedding_length(32)
-    writer.add_feed_forward_length(64), writer.add_head_count(4), writer.add_head_count_kv(2)
-    writer.add_layer_norm_rms_eps(1e-5), writer.add_token_list([f"t{i}" for i in range(64)])
+    fields = {"block_count": 1, "context_length": 64, "embedding_length": 32, "feed_forward_length": 64,
+              "attention.head_count": 4, "attention.head_count_kv": 2, "attention.layer_norm_rms_epsilon": 1e-5,
+              **(metadata or {})}
+    for key, value in fields.items():
+        if value is not None:
+            (writer.add_float32 if isinstance(value, float) else writer.add_uint32 if isinstance(value, int)
+             else writer.add_string if isinstance(value, str) else writer.add_array)(f"llama.{key}", value)
+    writer.add_token_list([f"t{i}" for i in range(64)])
     shapes = {"token_embd.weight": (64, 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
               "blk.0.ffn_norm.weight": (32,), "blk.0.attn_k.weight": (16, 32), "blk.0.attn_v.weight": (16, 32),
               "blk.0.attn_output.weight": (32, 32), "blk.0.ffn_gate.weight": (64, 32),
@@ -157,6 +163,21 @@ def write_tiny_llama_gguf(path, *, q_proj_type):
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+@pytest.mark.parametrize("metadata, problem", [
+    ({"attention.head_count": None}, "GGUF metadata llama.attention.head_count is missing"),
+    ({"feed_forward_length": None}, "GGUF metadata llama.feed_forward_length is missing"),
+    ({"attention.head_count": "four"}, "llama.attention.head_count must be of type int, got 'four'"),
+    ({"attention.head_count": [4]}, r"llama.attention.head_count must be of type int, got \[4\]"),
+    ({"rope.scaling.type": "linear"}, "GGUF metadata llama.rope.scaling.factor is missing"),
+])
+def test_gguf_metadata_missing_or_of_the_wrong_type_is_named(tmp_path, metadata, problem):
+    import gguf
+
+    path = write_tiny_llama_gguf(tmp_path / "m.gguf", q_proj_type=gguf.GGMLQuantizationType.F32, metadata=metadata)
+    with pytest.raises(ValueError, match=problem):
+        fm.from_pretrained(path)
 
 
 def test_gguf_tensor_type_that_cannot_be_dequantized_is_named(tmp_path):
