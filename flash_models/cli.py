@@ -366,7 +366,7 @@ def cmd_convert(args) -> None:
     from .convert import check_destination, convert
 
     check_destination(args.dst, overwrite=args.overwrite)
-    summary = convert(source.path, args.dst, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    summary = convert(source.path, args.dst, dtype=args.dtype or "auto", max_shard_size=args.max_shard_size)
     print(summary)
 
 
@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="a local HF folder, a .gguf file, a hub repo id or an alias")
     p.add_argument("dst", help="the folder to write")
     p.add_argument("--max-shard-size", type=_shard_size, default="5GB", help="largest safetensors shard")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="dtype of the saved weights (default: float32)")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="dtype of the saved weights (default: the source's own; float32 for a GGUF file)")
     p.add_argument("--overwrite", action="store_true", help="replace DST when it already holds files")
     p.set_defaults(func=cmd_convert)
 

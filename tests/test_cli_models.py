@@ -187,3 +187,14 @@ def test_new_tokens_past_the_context_are_cut_to_it(tiny_folder, smollm2_tokenize
     assert run.returncode == 0, run.stderr
     assert f"[at most {256 - prompt_tokens} new tokens" in run.stderr
     assert int(run.stderr.split("tokens |")[0].rsplit("[", 1)[1]) <= 256 - prompt_tokens
+
+
+def test_convert_keeps_the_source_dtype_unless_asked(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    random_hf_model(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for args, dtype in [([], torch.bfloat16), (["--dtype", "float32"], torch.float32)]:
+        out = tmp_path / f"out-{dtype}"
+        run = run_cli("convert", str(tmp_path / "bf16"), str(out), *args)
+        assert run.returncode == 0, run.stderr
+        assert fm.from_pretrained(out, dtype="auto").dtype == dtype
