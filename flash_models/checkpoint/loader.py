@@ -128,8 +128,9 @@ def from_pretrained(
 ):
     """Load a model from a hub repo id, a local HF folder, or a .gguf file, with HF's weights.
 
-    ``dtype`` defaults to float32 ("auto": the checkpoint's own dtype) and ``device`` to the CPU. ``attn_impl`` picks the attention backend
-    ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops ("reference", "triton", "auto").
+    ``dtype`` defaults to float32 ("auto": the checkpoint's own dtype) and ``device`` to the CPU. ``attn_impl``
+    picks the attention backend ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops
+    ("reference", "triton", "auto").
     The model comes back in eval mode, as in transformers.
     """
     dtype = dtype if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
