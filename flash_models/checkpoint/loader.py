@@ -7,6 +7,7 @@ import copy
 import difflib
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -125,14 +126,20 @@ def from_pretrained(
     kernel_backend: str = "auto",
     gguf_file: str | None = None,
     revision: str | None = None,
+    torch_dtype: torch.dtype | str | None = None,
 ):
     """Load a model from a hub repo id, a local HF folder, or a .gguf file, with HF's weights.
 
     ``dtype`` defaults to float32 ("auto": the checkpoint's own dtype) and ``device`` to the CPU. ``attn_impl``
     picks the attention backend ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops
-    ("reference", "triton", "auto").
+    ("reference", "triton", "auto"). ``torch_dtype`` is transformers' older name for ``dtype`` (a warning says so).
     The model comes back in eval mode, as in transformers.
     """
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise ValueError("give dtype only: torch_dtype is its older name, and both were given")
+        warnings.warn("torch_dtype is transformers' older name for dtype: pass dtype=", FutureWarning, stacklevel=2)
+        dtype = torch_dtype
     dtype = dtype if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
     device = resolve_device(device)
     if is_gguf(name_or_path) or gguf_file is not None:

@@ -259,3 +259,11 @@ def test_quantized_hf_checkpoint_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="describes a quantized checkpoint .*quant_method 'fp8'"):
         fm.from_pretrained(tmp_path)
+
+
+def test_torch_dtype_is_the_older_name_of_dtype(tmp_path):
+    tiny_llama_dir(tmp_path)
+    with pytest.warns(FutureWarning, match="torch_dtype is transformers' older name for dtype"):
+        assert fm.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="give dtype only"):
+        fm.from_pretrained(tmp_path, dtype=torch.float16, torch_dtype=torch.bfloat16)
