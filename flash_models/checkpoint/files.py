@@ -69,7 +69,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             return {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(
-            f"cannot read {path}: the safetensors file is truncated or corrupt ({err}); download it again"
+            f"cannot read {path}: the safetensors file is truncated or corrupt ({err or type(err).__name__}); "
+            "download it again"
         ) from err
 
 
@@ -84,7 +85,7 @@ def safe_torch_load(path: Path, *, what: str = "PyTorch checkpoint"):
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" not in str(err):
-            raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err})") from None
+            raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err or type(err).__name__})") from None
         found = _UNSAFE_GLOBAL.search(str(err))
         culprit = f" (it calls {found.group(1)})" if found else ""
         # torch's own message suggests weights_only=False, i.e. running the file's code: not repeated here.
@@ -94,7 +95,7 @@ def safe_torch_load(path: Path, *, what: str = "PyTorch checkpoint"):
             "pickles; use a safetensors file"
         ) from None
     except Exception as err:  # torch raises several types for a damaged pickle/zip
-        raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err})") from err
+        raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err or type(err).__name__})") from err
 
 
 _UNSAFE_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")

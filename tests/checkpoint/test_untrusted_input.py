@@ -67,6 +67,18 @@ def test_plain_bin_still_loads(tmp_path):
         torch.testing.assert_close(fm.from_pretrained(tmp_path)(ids).logits, hf(ids).logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_truncated_bin_says_so_with_a_reason(tmp_path, zip_format):
+    hf = tiny_llama_dir(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(hf.state_dict(), path, _use_new_zipfile_serialization=zip_format)
+    assert fm.from_pretrained(tmp_path).config.num_hidden_layers == 1  # the legacy (non-zip) format loads too
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"pytorch_model.bin: the PyTorch checkpoint is truncated or corrupt \(\S"):
+        fm.from_pretrained(tmp_path)
+
+
 def test_mis_sized_q_proj_names_the_key_and_both_shapes(tmp_path):
     hf = tiny_llama_dir(tmp_path)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
