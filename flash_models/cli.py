@@ -57,7 +57,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     means "not given": such helps say what happens then themselves)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False):
+        if action.default is None or action.default is False:  # by identity: a default of 0 is shown
             return action.help or ""
         return super()._get_help_string(action)
 

@@ -163,6 +163,7 @@ def test_help_works_and_shows_defaults(args):
     assert run.returncode == 0 and run.stderr == "", run.stderr
     if args[0] in ("generate", "chat"):
         assert "(default: 128)" in run.stdout and "(default: 1.0)" in run.stdout
+        assert "all) (default: 0)" in run.stdout and "sampling (default: 0)" in run.stdout  # --top-k, --seed
     if args[0] == "bench":
         assert "cpu" in run.stdout and "attention" in run.stdout
 
