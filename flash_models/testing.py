@@ -61,11 +61,12 @@ def low_precision_bound_ok(ours_lp: torch.Tensor, hf_lp: torch.Tensor, hf_fp32: 
 
 def hf_tied_keys(hf_model) -> set[str]:
     """Keys HF ties to another parameter, which we store once: with tied embeddings the LM head and what the
-    class lists in ``_tied_weights_keys``; always a decoder bias tied to a head bias (BERT's MLM head)."""
+    class lists in ``_tied_weights_keys`` (BERT's MLM decoder weight and bias); untied, transformers unties them
+    all, and each is a parameter of its own."""
     listed = set(getattr(hf_model, "_tied_weights_keys", None) or {})
     if hf_model.config.to_dict().get("tie_word_embeddings", False):
         return listed | {"lm_head.weight"}
-    return {k for k in listed if k.endswith("decoder.bias")}
+    return set()
 
 
 def assert_round_trip_bit_identical(hf_model) -> None:

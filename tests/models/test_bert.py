@@ -132,8 +132,26 @@ def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(architecture):
     assert_meta_keys_match_hf(bert_config(architecture), auto_class=AUTO[architecture])
 
 
-def test_untied_mlm_decoder_round_trips():
-    assert_round_trip_bit_identical(hf_bert("BertForMaskedLM", seed=7, tie_word_embeddings=False))
+@pytest.mark.parametrize("architecture", ["BertForMaskedLM", "BertForPreTraining"])
+def test_untied_mlm_decoder_matches_hf_and_round_trips(architecture, tmp_path):
+    """Untied, transformers gives the decoder a bias of its own and leaves cls.predictions.bias unused: the
+    logits and loss follow the decoder's weight and bias (the two biases differ here), every key round-trips."""
+    hf = hf_bert(architecture, seed=7, tie_word_embeddings=False)
+    assert_round_trip_bit_identical(hf)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(7)
+    labels = torch.where(torch.rand(ids.shape) < 0.3, ids, -100)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        out = ours(ids, attention_mask=mask, token_type_ids=types)
+        ref_loss = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+        out_loss = ours(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+    real = mask.bool()
+    assert max_rel_err(main_output(out, architecture)[real], main_output(ref, architecture)[real]) < 1e-5
+    if architecture == "BertForMaskedLM":  # pretraining's loss needs next-sentence labels as well
+        assert torch.allclose(out_loss, ref_loss, rtol=1e-5)
+    output = "prediction_logits" if architecture == "BertForPreTraining" else "logits"
+    assert_saved_model_read_by_transformers(hf, tmp_path, padded_inputs(7), auto_class=AUTO[architecture], output=output)
 
 
 def test_old_checkpoint_names_and_pretraining_weights_load_as_masked_lm(tmp_path):

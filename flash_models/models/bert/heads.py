@@ -22,20 +22,26 @@ log = logging.getLogger(__name__)
 
 
 class MaskedLMHead(nn.Module):
-    """dense -> activation -> LayerNorm -> decoder (tied to the word embeddings unless untied) + bias."""
+    """dense -> activation -> LayerNorm -> decoder.
+
+    Tied (the usual case): the decoder is the word embeddings plus ``bias`` (HF's ``cls.predictions.bias``, which
+    HF ties to ``decoder.bias``). Untied, transformers unties every weight, the bias included: the decoder is a
+    Linear with its own weight and bias, and ``bias`` is a parameter HF keeps but never uses; it stays here so
+    both layouts load and save key for key."""
 
     def __init__(self, config: BertConfig, *, kernel_backend: str):
         super().__init__()
         self.activation, self.kernel_backend = config.hidden_act, kernel_backend
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.norm = Norm(config.hidden_size, kind="layer_norm", eps=config.layer_norm_eps, kernel_backend=kernel_backend)
-        self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(activation(self.dense(hidden), self.activation, backend=self.kernel_backend))
-        weight = word_embeddings if self.decoder is None else self.decoder.weight
-        return F.linear(hidden, weight, self.bias)
+        if self.decoder is None:
+            return F.linear(hidden, word_embeddings, self.bias)
+        return self.decoder(hidden)
 
 
 class _BertWithHead(BertPreTrainedModel):

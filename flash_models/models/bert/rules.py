@@ -36,11 +36,10 @@ def bert_rules(config: BertConfig) -> RuleSet:
         rules += [*pairs("mlm.dense", "cls.predictions.transform.dense"),
                   *pairs("mlm.norm", "cls.predictions.transform.LayerNorm"),
                   Rule("mlm.bias", "cls.predictions.bias")]
-        ignore.append(r"cls\.predictions\.decoder\.bias")  # tied to cls.predictions.bias
-        if config.tie_word_embeddings:
-            ignore.append(r"cls\.predictions\.decoder\.weight")
-        else:
-            rules.append(Rule("mlm.decoder.weight", "cls.predictions.decoder.weight"))
+        if config.tie_word_embeddings:  # the decoder is the word embeddings and cls.predictions.bias
+            ignore.append(r"cls\.predictions\.decoder\.(weight|bias)")
+        else:  # transformers unties the bias too (heads.MaskedLMHead)
+            rules += pairs("mlm.decoder", "cls.predictions.decoder")
     if config.architecture == "BertForPreTraining":
         rules += pairs("nsp", "cls.seq_relationship")
     elif config.architecture == "BertForMaskedLM":
