@@ -75,6 +75,7 @@ def test_fp32_outputs_match_hf_on_real_tokens(architecture, attn_impl):
     ("BertForTokenClassification", {}, lambda ids: torch.randint(0, 3, ids.shape)),
     ("BertForSequenceClassification", {}, lambda ids: torch.randint(0, 3, (ids.shape[0],))),
     ("BertForSequenceClassification", dict(num_labels=1), lambda ids: torch.randn(ids.shape[0])),
+    ("BertForSequenceClassification", dict(problem_type="regression"), lambda ids: torch.randn(ids.shape[0], 3)),
     ("BertForSequenceClassification", dict(problem_type="multi_label_classification"), lambda ids: (torch.rand(ids.shape[0], 3) < 0.5).float()),
 ])
 def test_losses_match_hf(architecture, overrides, make_labels):

@@ -119,6 +119,25 @@ def test_hf_vit_matches_fp32(architecture, attn_impl):
         assert max_rel_err(out.logits, ref.logits) < 1e-5
 
 
+@pytest.mark.parametrize("overrides, make_labels", [
+    (dict(), lambda batch: torch.randint(0, 5, (batch,))),
+    (dict(num_labels=1), lambda batch: torch.randn(batch)),
+    (dict(problem_type="regression"), lambda batch: torch.randn(batch, 5)),
+    (dict(), lambda batch: (torch.rand(batch, 5) < 0.5).float()),  # float labels: multi-label
+    (dict(problem_type="multi_label_classification"), lambda batch: (torch.rand(batch, 5) < 0.5).float()),
+], ids=["single_label", "regression", "regression_5_targets", "multi_label_inferred", "multi_label"])
+def test_hf_vit_loss_follows_problem_type_as_hf(overrides, make_labels, tmp_path):
+    """HF's image classifier picks its loss from problem_type (or the labels), as BERT's heads do; the config's
+    choice survives save_pretrained (HF's forward also writes the inferred one into its config: we don't)."""
+    hf = random_hf_model(vit_config(**overrides), seed=9, auto_class="AutoModelForImageClassification")
+    ours = ours_from_hf(hf)
+    x, labels = images(3, seed=9), make_labels(3)
+    with torch.no_grad():
+        assert torch.allclose(ours(x, labels=labels).loss, hf(pixel_values=x, labels=labels).loss, rtol=1e-5)
+    ours.save_pretrained(tmp_path)
+    assert fm.from_pretrained(tmp_path).config.problem_type == overrides.get("problem_type")
+
+
 @pytest.mark.parametrize("architecture", AUTO)
 def test_hf_round_trip_bit_identical_and_meta_keys_match(architecture):
     assert_round_trip_bit_identical(random_hf_model(vit_config(architecture), seed=5, auto_class=AUTO[architecture]))
