@@ -1,7 +1,8 @@
 """Qwen2 (HF ``model_type`` "qwen2"): LLaMA's block with a bias on the q/k/v projections (none on o_proj).
 
 Qwen2's optional sliding window applies only to layers from ``max_window_layers`` on; released checkpoints
-keep ``use_sliding_window=False``, and per-layer windows are not supported (loading one raises)."""
+keep ``use_sliding_window=False``. A window on every layer (``max_window_layers`` <= 0) is Mistral's and is
+supported; a window on some layers only is not (loading one raises)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,28 @@ class Qwen2Config(LlamaConfig):
 
     @classmethod
     def from_hf(cls, hf) -> Qwen2Config:
+        name = cls.__name__.removesuffix("Config")
+        layers = hf.num_hidden_layers
         windowed = [i for i, kind in enumerate(hf.layer_types) if kind != "full_attention"]
-        if windowed:
+        # HF's rule when layer_types is not given, which is what to_hf writes back.
+        implied = [i for i in range(layers) if hf.sliding_window is not None and i >= hf.max_window_layers]
+        if windowed != implied:
             raise ValueError(
-                f"{cls.__name__.removesuffix('Config')} with sliding-window layers {windowed} (use_sliding_window=True) "
-                "is not supported: flash-models applies one window to every layer"
+                f"{name} layer_types {hf.layer_types} differ from what use_sliding_window={hf.use_sliding_window}, "
+                f"sliding_window={hf.sliding_window} and max_window_layers={hf.max_window_layers} imply; "
+                "flash-models supports only the latter"
+            )
+        if windowed and len(windowed) != layers:
+            raise ValueError(
+                f"{name} with a sliding window on layers {windowed} only (max_window_layers={hf.max_window_layers} "
+                f"of {layers} layers) is not supported: flash-models applies one window to every layer or to none; "
+                "max_window_layers <= 0 windows every layer"
             )
         return super().from_hf(hf)
+
+    def sliding_window_size(self) -> int | None:
+        every_layer = self.use_sliding_window and self.sliding_window is not None and self.max_window_layers <= 0
+        return self.sliding_window if every_layer else None
 
     @classmethod
     def hf_head_dim(cls, hf) -> int:

@@ -4,7 +4,8 @@ import transformers
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_bf16_error_bounded, assert_fp32_parity, assert_meta_keys_match_hf, assert_padded_rows_equal_alone,
+    assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf, assert_meta_keys_match_hf,
+    assert_padded_rows_equal_alone,
     assert_round_trip_bit_identical, max_rel_err, ours_from_hf, random_hf_model, random_input_ids,
 )
 
@@ -50,8 +51,24 @@ def test_sliding_window_fields_without_use_sliding_window_load_as_full_attention
 
 
 def test_per_layer_sliding_window_is_refused():
-    with pytest.raises(ValueError, match="sliding-window layers"):
+    with pytest.raises(ValueError, match=r"sliding window on layers \[1, 2\] only \(max_window_layers=1"):
         fm.checkpoint.build_model(qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=1))
+    with pytest.raises(ValueError, match="layer_types"):  # explicit layer_types that the other fields contradict
+        fm.checkpoint.build_model(qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                                               layer_types=["full_attention", "sliding_attention", "full_attention"]))
+
+
+def test_sliding_window_on_every_layer_matches_hf(tmp_path):
+    """max_window_layers=0 windows every layer, as Mistral does: logits, loss and a left-padded greedy
+    generation as HF's, with the window (5) shorter than the sequences; the fields survive save_pretrained."""
+    hf = random_hf_model(qwen2_config(use_sliding_window=True, sliding_window=5, max_window_layers=0), seed=8)
+    ours = ours_from_hf(hf)
+    assert ours.decoder_config.attention.sliding_window == 5
+    ids = torch.randint(0, VOCAB, (2, 17))
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=VOCAB, shape=(2, 9), left_pad=(1, 3), max_new_tokens=10)
+    ours.save_pretrained(tmp_path)
+    assert fm.from_pretrained(tmp_path).config == ours.config
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
