@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 ATTN_IMPLS = ("eager", "sdpa", "flash", "auto")
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
+# Other names transformers gives the same functions (its ACT2FN): "swish" is SiLU, "gelu_python" the exact GELU
+# written out, "gelu_fast" the tanh approximation written out (equal to gelu_new within float rounding).
+ACTIVATION_ALIASES = {"swish": "silu", "gelu_python": "gelu", "gelu_fast": "gelu_new"}
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Block variants (modules/block.py): pre-norm (GPT-2, LLaMA), parallel attention + MLP with two norms (GPT-NeoX)
 # or one shared norm (GPT-J), and post-norm (BERT, OPT-350m).
@@ -21,6 +24,15 @@ BLOCK_KINDS = ("pre_norm", "parallel", "parallel_shared_norm", "post_norm")
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; use one of {choices}")
+
+
+def activation_name(name: str) -> str:
+    """Our name for a checkpoint's activation function (its ``hidden_act`` / ``activation_function``)."""
+    name = ACTIVATION_ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation function {name!r} (the config's hidden_act / activation_function) is not "
+                         f"supported; supported: {ACTIVATIONS + tuple(ACTIVATION_ALIASES)}")
+    return name
 
 
 # What a config may ask for. A config.json is untrusted input, and JSON integers have no size limit: these are
@@ -208,13 +220,13 @@ class AttentionConfig:
 class MLPConfig:
     hidden_size: int
     intermediate_size: int
-    activation: str
+    activation: str  # one of ACTIVATIONS; an alias (ACTIVATION_ALIASES) is replaced by the name it stands for
     gated: bool = False
     bias: bool = True
     dropout_p: float = 0.0
 
     def __post_init__(self):
-        check_choice("activation", self.activation, ACTIVATIONS)
+        object.__setattr__(self, "activation", activation_name(self.activation))
         check_positive(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size)
         check_probability(mlp_dropout=self.dropout_p)
 

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 import flash_models as fm
+from flash_models.checkpoint import build_model
 from flash_models.registry import get_family, get_preset
 from flash_models.testing import (
     assert_round_trip_bit_identical, assert_saved_model_read_by_transformers, max_rel_err, ours_from_hf,
@@ -15,9 +16,9 @@ from flash_models.testing import (
 )
 
 
-def tiny_hf_config(name):
+def tiny_hf_config(name, **overrides):
     preset = get_preset(name)
-    fields = {**preset.hf_config, **get_family(preset.model_type).tiny(preset.hf_config)}
+    fields = {**preset.hf_config, **get_family(preset.model_type).tiny(preset.hf_config), **overrides}
     return transformers.AutoConfig.for_model(preset.model_type, **fields)
 
 
@@ -43,10 +44,10 @@ def real_tokens(tensor, inputs):
     return tensor[mask.bool()] if mask is not None and tensor.dim() == 3 else tensor
 
 
-@pytest.mark.parametrize("name", fm.list_models())
-def test_fp32_outputs_match_hf(name):
+def assert_fp32_outputs_match_hf(name, **overrides):
+    """The preset ``name`` at its family's test size, with ``overrides`` of HF config fields."""
     auto_class = get_family(get_preset(name).model_type).hf_auto_class
-    hf_config = tiny_hf_config(name)
+    hf_config = tiny_hf_config(name, **overrides)
     hf = random_hf_model(hf_config, seed=1, auto_class=auto_class, attn_implementation="eager")
     ours = ours_from_hf(hf)
     inputs, outputs = inputs_for(auto_class, hf_config, seed=1)
@@ -59,6 +60,31 @@ def test_fp32_outputs_match_hf(name):
         ids = inputs["input_ids"]
         with torch.no_grad():
             assert torch.allclose(ours(ids, labels=ids).loss, hf(ids, labels=ids).loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", fm.list_models())
+def test_fp32_outputs_match_hf(name):
+    assert_fp32_outputs_match_hf(name)
+
+
+# Values real checkpoints carry that the presets don't: (preset, HF config fields).
+UNUSUAL_CONFIGS = {
+    "gpt2_swish": ("gpt2", dict(activation_function="swish")),  # transformers' other name for SiLU
+    "opt_gelu_python": ("opt-125m", dict(activation_function="gelu_python")),
+    "pythia_gelu_fast": ("pythia-160m", dict(hidden_act="gelu_fast")),
+    "llama_swish": ("llama-1b", dict(hidden_act="swish")),
+}
+
+
+@pytest.mark.parametrize("case", UNUSUAL_CONFIGS)
+def test_fp32_outputs_match_hf_for_unusual_configs(case):
+    name, overrides = UNUSUAL_CONFIGS[case]
+    assert_fp32_outputs_match_hf(name, **overrides)
+
+
+def test_unsupported_activation_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"'quick_gelu' \(the config's hidden_act / activation_function\)"):
+        build_model(tiny_hf_config("llama-1b", hidden_act="quick_gelu"))
 
 
 @pytest.mark.parametrize("name", fm.list_models())

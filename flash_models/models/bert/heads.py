@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...config import activation_name
 from ...modules import Norm
 from ...modules.mlp import activation
 from ..hf_protocol import accepts_hf_flags
@@ -31,7 +32,7 @@ class MaskedLMHead(nn.Module):
 
     def __init__(self, config: BertConfig, *, kernel_backend: str):
         super().__init__()
-        self.activation, self.kernel_backend = config.hidden_act, kernel_backend
+        self.activation, self.kernel_backend = activation_name(config.hidden_act), kernel_backend
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.norm = Norm(config.hidden_size, kind="layer_norm", eps=config.layer_norm_eps, kernel_backend=kernel_backend)
         self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size)
