@@ -258,6 +258,9 @@ class DecoderConfig:
     # How HF's forward numbers tokens without position_ids: from the attention mask (OPT), else 0..S-1.
     positions_from_mask: bool = False
     embed_dim: int | None = None  # token embedding width when it differs from hidden (OPT project_in/out)
+    # HF's nn.Embedding(padding_idx=pad_token_id) (LLaMA, Mistral, Qwen, OPT): the pad token's row gets no gradient
+    # (and is zero in a fresh model); negative counts from the end of the vocabulary, as in torch.
+    padding_idx: int | None = None
     final_norm: bool = True  # False for post-norm stacks, whose blocks end normalized
 
     def __post_init__(self):
@@ -273,3 +276,6 @@ class DecoderConfig:
             raise ValueError("post-norm blocks end normalized and take no final norm; every other block needs one")
         if not self.learned_positions and self.rope is None:
             raise ValueError("a decoder needs learned positions or a rotary config")
+        if self.padding_idx is not None and not -self.vocab_size <= self.padding_idx < self.vocab_size:
+            raise ValueError(f"pad_token_id {self.padding_idx} is outside the vocabulary of {self.vocab_size} tokens (the "
+                             "token embedding's padding row, as in HF); set it to a token id of the vocabulary or to null")

@@ -56,7 +56,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
         self.decoder_config = dc
         self.embed = Embeddings(
             dc.vocab_size, dc.hidden_size, max_positions=dc.max_position_embeddings if dc.learned_positions else None,
-            token_dim=dc.embed_dim, position_offset=dc.position_offset, vocab_multiple=vocab_multiple,
+            token_dim=dc.embed_dim, position_offset=dc.position_offset, padding_idx=dc.padding_idx,
+            vocab_multiple=vocab_multiple,
         )
         self.rotary = RotaryEmbedding(dc.rope) if dc.rope is not None else None
         self.blocks = nn.ModuleList(self._block(dc, i) for i in range(dc.num_layers))
@@ -118,6 +119,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
         for table in (self.embed.tokens, self.lm_head):
             if table is not None:
                 zero_vocab_padding(table, dc.vocab_size)
+        if self.embed.tokens.padding_idx is not None:
+            with torch.no_grad():
+                self.embed.tokens.weight[self.embed.tokens.padding_idx].zero_()
 
     @property
     def device(self) -> torch.device:

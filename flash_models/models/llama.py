@@ -108,6 +108,7 @@ class LlamaConfig:
             rope=self.rope_or_default(),
             tie_word_embeddings=self.tie_word_embeddings,
             initializer_range=self.initializer_range,
+            padding_idx=self.pad_token_id,
         )
 
 

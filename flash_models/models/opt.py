@@ -81,6 +81,7 @@ class OPTConfig:
             position_offset=POSITION_OFFSET,
             positions_from_mask=True,
             embed_dim=self.word_embed_proj_dim,
+            padding_idx=self.pad_token_id,
             tie_word_embeddings=self.tie_word_embeddings,
             residual_dropout_p=self.dropout,
             initializer_range=self.init_std,

@@ -35,6 +35,8 @@ class Embeddings(nn.Module):
         super().__init__()
         token_dim = token_dim or hidden_size
         self.vocab_size = vocab_size
+        if padding_idx is not None and padding_idx < 0:  # from the end of the real vocabulary, not of the padded table
+            padding_idx += vocab_size
         self.tokens = _table(padded_vocab_size(vocab_size, vocab_multiple), token_dim, padding_idx=padding_idx)
         if self.tokens.num_embeddings != vocab_size:
             zero_vocab_padding(self.tokens, vocab_size)

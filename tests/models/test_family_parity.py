@@ -9,7 +9,8 @@ import transformers
 
 import flash_models as fm
 from flash_models.checkpoint import build_model
-from flash_models.registry import get_family, get_preset
+from flash_models.checkpoint.remap import hf_to_ours
+from flash_models.registry import get_family, get_preset, rules_for
 from flash_models.testing import (
     assert_round_trip_bit_identical, assert_saved_model_read_by_transformers, max_rel_err, ours_from_hf,
     random_hf_model,
@@ -65,6 +66,41 @@ def assert_fp32_outputs_match_hf(name, **overrides):
 @pytest.mark.parametrize("name", fm.list_models())
 def test_fp32_outputs_match_hf(name):
     assert_fp32_outputs_match_hf(name)
+
+
+CAUSAL_LMS = [name for name in fm.list_models()
+              if get_family(get_preset(name).model_type).hf_auto_class == "AutoModelForCausalLM"]
+
+
+def hf_gradients_as_ours(hf, ours) -> dict:
+    """HF's parameter gradients under our names (the checkpoint rules applied to gradients as to weights: fused
+    q/k/v, transposed Conv1D ...); a tied parameter's gradient under each of its names."""
+    grads = {name: param.grad if param.grad is not None else torch.zeros_like(param)
+             for name, param in hf.named_parameters(remove_duplicate=False)}
+    return hf_to_ours(grads, rules_for(ours.config))
+
+
+@pytest.mark.parametrize("name", CAUSAL_LMS)
+def test_fp32_gradients_match_hf_with_pad_tokens_and_ignored_labels(name):
+    """Every parameter's gradient of the LM loss (labels with -100) equals HF's. The input holds the pad token:
+    LLaMA's, Mistral's, Qwen's and OPT's embeddings take HF's padding_idx (no gradient to the pad row), GPT-2's,
+    GPT-NeoX's and GPT-J's don't."""
+    auto_class = get_family(get_preset(name).model_type).hf_auto_class
+    hf_config = tiny_hf_config(name, pad_token_id=3)
+    hf = random_hf_model(hf_config, seed=4, auto_class=auto_class, attn_implementation="eager")
+    ours = ours_from_hf(hf)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, hf_config.vocab_size, (2, 13), generator=gen)
+    ids[:, ::4] = 3
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[1, -2:] = -100
+    hf(ids, labels=labels).loss.backward()
+    ours(ids, labels=labels).loss.backward()
+    expected = hf_gradients_as_ours(hf, ours)
+    for key, param in ours.named_parameters():
+        got = param.grad[tuple(slice(0, n) for n in expected[key].shape)]  # the real rows of a padded vocabulary
+        assert max_rel_err(got, expected[key]) < 1e-5, key
 
 
 # Values real checkpoints carry that the presets don't: (preset, HF config fields).

@@ -2,6 +2,7 @@ import pytest
 import torch
 import transformers
 
+from flash_models.checkpoint import build_model
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf,
     assert_kv_cache_decode_equals_full_forward, assert_left_padded_logits_match_hf, max_rel_err, ours_from_hf,
@@ -126,3 +127,19 @@ def test_packed_documents_equal_separate_sequences_and_never_mix(attn_impl):
     grad = captured["hidden"].grad[0].abs().sum(-1)  # (total,)
     assert (grad[:8] == 0).all() and (grad[11:] == 0).all()
     assert (grad[8:11] > 0).all()
+
+
+def test_negative_pad_token_id_counts_from_the_vocabulary_end_and_one_outside_is_refused():
+    """As torch's padding_idx, -1 is the last real token (HF builds nn.Embedding(257, ..., padding_idx=-1)), not
+    the last row of our padded table; an id outside the vocabulary fails in HF too, here with a ValueError."""
+    hf = random_hf_model(llama_config(pad_token_id=-1), seed=11)
+    ours = ours_from_hf(hf)
+    assert ours.embed.tokens.num_embeddings > 257 and ours.embed.tokens.padding_idx == 256
+    ids = torch.randint(0, 257, (2, 9))
+    ids[:, 2] = 256
+    hf(ids, labels=ids).loss.backward()
+    ours(ids, labels=ids).loss.backward()
+    assert (ours.embed.tokens.weight.grad[256] == 0).all()
+    assert max_rel_err(ours.embed.tokens.weight.grad[:257], hf.model.embed_tokens.weight.grad) < 1e-5
+    with pytest.raises(ValueError, match="pad_token_id 257 is outside the vocabulary of 257 tokens"):
+        build_model(llama_config(pad_token_id=257))
