@@ -198,3 +198,18 @@ def test_patch_embedding_gemm_equals_the_conv(patch_bias):
     expected = torch.autograd.grad(want, (x, conv.weight, *([conv.bias] if patch_bias else [])), g)
     for got_grad, exp in zip(got, expected, strict=True):
         torch.testing.assert_close(got_grad, exp, rtol=1e-5, atol=1e-4)
+
+
+def test_image_size_not_a_multiple_of_the_patch_size_leaves_out_the_remainder_as_hf(tmp_path):
+    """HF's (and timm's) strided patch convolution takes the whole 7-px patches of a 32-px image, a 4 x 4 grid,
+    and never reads the last 4 rows and columns: ours likewise, with HF's outputs, and it saves for HF."""
+    hf = random_hf_model(vit_config("ViTModel", patch_size=7), seed=10, auto_class="AutoModel")
+    ours = ours_from_hf(hf)
+    assert ours.config.num_patches == 16
+    x = images(seed=10)
+    with torch.no_grad():
+        ref, out = hf(pixel_values=x), ours(x)
+    assert max_rel_err(out.last_hidden_state, ref.last_hidden_state) < 1e-5
+    assert max_rel_err(out.pooler_output, ref.pooler_output) < 1e-5
+    assert_saved_model_read_by_transformers(hf, tmp_path, dict(pixel_values=x), auto_class="AutoModel",
+                                            output="last_hidden_state")

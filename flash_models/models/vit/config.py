@@ -54,8 +54,8 @@ class ViTConfig:
         check_choice("global_pool", self.global_pool, GLOBAL_POOLS)
         check_choice("architecture", self.architecture, ARCHITECTURES)
         check_choice("problem_type", self.problem_type, PROBLEM_TYPES)
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.patch_size > self.image_size:
+            raise ValueError(f"patch_size {self.patch_size} is larger than image_size {self.image_size}")
         if self.global_pool == "token" and not self.class_token:
             raise ValueError("global_pool='token' needs a class token")
 
@@ -69,6 +69,8 @@ class ViTConfig:
 
     @property
     def num_patches(self) -> int:
+        """Whole patches per image: as the strided convolution of HF and timm, the last image_size % patch_size
+        rows and columns are left out."""
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod

@@ -106,12 +106,14 @@ class VisionTransformer(PretrainedModel):
         """The patch embedding, ``patch_embed`` (a Conv2d whose kernel is its stride) as what it is: one GEMM of
         the flattened (channel, row, column) patches against the flattened kernel, (B, C, H, W) -> (B, N, D).
         Why not the Conv2d: cuDNN runs it as an implicit-GEMM convolution plus layout conversions of the input
-        and output, 1.06 ms of a ViT-B/16 batch of 128's 10.8 ms of kernels on an H200 (docs/benchmarks.md,
-        session 14); the patch copy and the GEMM take a fraction of that. Same sums in another order."""
+        and output, 1.06 ms of a ViT-B/16 batch of 128's 10.8 ms of kernels on an H200 (docs/benchmarks.md);
+        the patch copy and the GEMM take a fraction of that. Same sums in another order."""
         conv, p = self.patch_embed, self.config.patch_size
         B, C, H, W = pixel_values.shape
-        patches = (pixel_values.to(conv.weight.dtype).reshape(B, C, H // p, p, W // p, p)
-                   .permute(0, 2, 4, 1, 3, 5).reshape(B, (H // p) * (W // p), C * p * p))
+        rows, cols = H // p, W // p
+        pixels = pixel_values[:, :, : rows * p, : cols * p]  # what the convolution's stride reaches
+        patches = (pixels.to(conv.weight.dtype).reshape(B, C, rows, p, cols, p)
+                   .permute(0, 2, 4, 1, 3, 5).reshape(B, rows * cols, C * p * p))
         return F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
     def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
