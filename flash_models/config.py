@@ -15,7 +15,7 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 # Other names transformers gives the same functions (its ACT2FN): "swish" is SiLU, "gelu_python" the exact GELU
 # written out, "gelu_fast" the tanh approximation written out (equal to gelu_new within float rounding).
 ACTIVATION_ALIASES = {"swish": "silu", "gelu_python": "gelu", "gelu_fast": "gelu_new"}
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Block variants (modules/block.py): pre-norm (GPT-2, LLaMA), parallel attention + MLP with two norms (GPT-NeoX)
 # or one shared norm (GPT-J), and post-norm (BERT, OPT-350m).
 BLOCK_KINDS = ("pre_norm", "parallel", "parallel_shared_norm", "post_norm")
@@ -134,18 +134,40 @@ class RopeConfig:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn, longrope
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    # longrope: a divisor per frequency, the short ones for sequences up to original_max_position_embeddings
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self):
         check_choice("rope_type", self.rope_type, ROPE_TYPES)
-        check_numbers({k: v for k, v in vars(self).items() if isinstance(v, float)}, prefix="rope.")
+        check_numbers({k: v for k, v in vars(self).items() if isinstance(v, (float, tuple))}, prefix="rope.")
         check_positive(rope_theta=self.theta, rope_factor=self.factor,
                        max_position_embeddings=self.max_position_embeddings)
         if self.rotary_dim % 2 or self.rotary_dim < 0:
             raise ValueError(f"rotary_dim must be even and >= 0, got {self.rotary_dim}")
+        if self.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(self, name)
+                if factors is None or len(factors) != self.rotary_dim // 2:
+                    raise ValueError(f"longrope rope_parameters.{name} must hold rotary_dim / 2 = "
+                                     f"{self.rotary_dim // 2} numbers, got {factors}")
+
+    @property
+    def original_length(self) -> int:
+        """The length the frequencies were trained for, which the scaling rules extend."""
+        return self.original_max_position_embeddings or self.max_position_embeddings
+
+    def length_dependent(self, length: int) -> bool:
+        """Whether sequences of up to ``length`` positions rotate with frequencies that depend on the length:
+        dynamic NTK past ``max_position_embeddings``, LongRoPE's long factors past the original length. Such
+        tables are built per length, never once for a whole generation."""
+        if self.rope_type == "dynamic":
+            return length > self.max_position_embeddings
+        return self.rope_type == "longrope" and length > self.original_length
 
     @classmethod
     def from_hf_parameters(
@@ -158,14 +180,20 @@ class RopeConfig:
         known = {
             "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
-            "partial_rotary_factor",
+            "partial_rotary_factor", "short_factor", "long_factor",
         }
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
         unknown = set(params) - known
         if unknown:
             raise ValueError(f"rope_parameters has keys flash-models does not support: {sorted(unknown)}")
-        if rope_type not in ROPE_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
         kwargs = {k: params[k] for k in known - {"rope_theta", "partial_rotary_factor"} if params.get(k) is not None}
+        for name in ("short_factor", "long_factor"):
+            if name in kwargs:
+                kwargs[name] = tuple(float(f) for f in kwargs[name])
+        if rope_type == "longrope" and "factor" not in kwargs and "original_max_position_embeddings" in kwargs:
+            # HF's default: how far max_position_embeddings extends the original length (Phi-3's configs)
+            kwargs["factor"] = max_position_embeddings / kwargs["original_max_position_embeddings"]
         return cls(
             rotary_dim=rotary_dim, theta=float(params.get("rope_theta", default_theta)), interleaved=interleaved,
             rope_type=rope_type, max_position_embeddings=max_position_embeddings, **kwargs,
@@ -181,9 +209,13 @@ class RopeConfig:
             params.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
         if self.rope_type == "yarn":
             params.update(beta_fast=self.beta_fast, beta_slow=self.beta_slow, truncate=self.truncate)
-            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+            for key in ("mscale", "mscale_all_dim"):
                 if getattr(self, key) is not None:
                     params[key] = getattr(self, key)
+        if self.rope_type == "longrope":
+            params.update(short_factor=list(self.short_factor), long_factor=list(self.long_factor))
+        if self.rope_type in ("yarn", "longrope") and self.attention_factor is not None:
+            params["attention_factor"] = self.attention_factor
         if partial_rotary_factor is not None:
             params["partial_rotary_factor"] = partial_rotary_factor
         return params

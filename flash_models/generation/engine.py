@@ -52,10 +52,11 @@ class DecodeRunner:
         return programmatic_launch_context(self.programmatic_launch, early_trigger=self.cache.batch_size == 1)
 
     def _tables_fixed(self) -> bool:
-        """Dynamic-NTK rotary rebuilds its tables past the trained length, per length: such a model decodes
-        through the plain forward, step by step."""
+        """Dynamic-NTK rotary rebuilds its tables past the trained length, per length, and LongRoPE switches its
+        frequencies there: such a model, once the cache can pass that length, decodes through the plain
+        forward, step by step."""
         rope = self.model.decoder_config.rope
-        return rope is None or rope.rope_type != "dynamic" or self.cache.max_len <= rope.max_position_embeddings
+        return rope is None or not rope.length_dependent(self.cache.max_len)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B,) -> next-token logits (B, V); the cache advances by one token per row."""

@@ -1,4 +1,5 @@
-"""Rotary embedding tables (cos, sin) with HF's scaling rules: default, linear, dynamic NTK, Llama-3, YaRN.
+"""Rotary embedding tables (cos, sin) with HF's scaling rules: default, linear, dynamic NTK, Llama-3, YaRN,
+LongRoPE.
 
 The tables are computed here (module side) and applied by ``flash_kernels.apply_rotary``. They are plain
 cached tensors, not buffers: nothing to load or save, and a model built on the meta device needs no fix-up.
@@ -60,6 +61,19 @@ def _yarn_inv_freq(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(cfg: RopeConfig, seq_len: int) -> tuple[torch.Tensor, float]:
+    """One divisor per frequency, the long ones once the sequence passes the original length, and HF's cos/sin
+    scale sqrt(1 + ln(factor) / ln(original length)) unless the config gives it."""
+    original = cfg.original_length
+    factors = torch.tensor(cfg.long_factor if seq_len > original else cfg.short_factor, dtype=torch.float32)
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (factors * cfg.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.attention_factor is not None:
+        return inv_freq, cfg.attention_factor
+    scale = 1.0 if cfg.factor <= 1.0 else math.sqrt(1 + math.log(cfg.factor) / math.log(original))
+    return inv_freq, scale
+
+
 def rope_inv_freq(cfg: RopeConfig, seq_len: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (rotary_dim // 2,) and the cos/sin scale, for sequences up to ``seq_len``."""
     inv_freq = _base_inv_freq(cfg.rotary_dim, cfg.theta)
@@ -76,6 +90,8 @@ def rope_inv_freq(cfg: RopeConfig, seq_len: int) -> tuple[torch.Tensor, float]:
         return _llama3_inv_freq(cfg, inv_freq), 1.0
     if cfg.rope_type == "yarn":
         return _yarn_inv_freq(cfg)
+    if cfg.rope_type == "longrope":
+        return _longrope_inv_freq(cfg, seq_len)
     return inv_freq, 1.0
 
 
@@ -88,7 +104,8 @@ class RotaryEmbedding(nn.Module):
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables covering positions [0, seq_len). Dynamic NTK frequencies depend on ``seq_len`` itself."""
+        """Tables covering positions [0, seq_len). Dynamic NTK frequencies depend on ``seq_len`` itself, LongRoPE's
+        on whether it passes the original length."""
         cfg = self.cfg
         if cfg.rope_type == "dynamic" and seq_len > cfg.max_position_embeddings:
             key = (str(device), seq_len)
@@ -96,7 +113,7 @@ class RotaryEmbedding(nn.Module):
         else:
             # One table for every length up to the model's limit (grown in powers of two past it).
             length = max(cfg.max_position_embeddings, 1 << max(seq_len - 1, 0).bit_length())
-            key = (str(device), "static")
+            key = (str(device), "long" if cfg.length_dependent(seq_len) else "static")
             cached = self._cache.get(key)
             if cached is not None and cached[0].shape[0] >= seq_len:
                 return cached

@@ -5,8 +5,8 @@ import transformers
 from flash_models.checkpoint import build_model
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf,
-    assert_kv_cache_decode_equals_full_forward, assert_left_padded_logits_match_hf, max_rel_err, ours_from_hf,
-    random_hf_model, random_input_ids,
+    assert_kv_cache_decode_equals_full_forward, assert_left_padded_logits_match_hf, assert_saved_model_read_by_transformers,
+    max_rel_err, ours_from_hf, random_hf_model, random_input_ids,
 )
 
 
@@ -24,6 +24,11 @@ ROPE = {
     "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
     "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    # one divisor per frequency (head dim 16: 8 of them), the long ones past 16 positions; no factor given: HF's
+    # is max_position_embeddings / 16
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                 "long_factor": [5.0, 7.5, 12.0, 19.5, 30.5, 47.5, 70.0, 105.0]},
 }
 
 CONFIGS = {
@@ -38,6 +43,20 @@ def test_fp32_logits_match_hf_for_each_rope_scaling(rope):
     hf = random_hf_model(llama_config(rope_parameters=ROPE[rope]), seed=1)
     ours = ours_from_hf(hf)
     assert_fp32_parity(hf, ours, torch.randint(0, 257, (2, 40)), tol=1e-5)
+
+
+@pytest.mark.parametrize("rope", ["longrope", "dynamic"])
+def test_rope_whose_frequencies_change_past_a_length_matches_hf_in_forward_and_generation(rope, tmp_path):
+    """LongRoPE switches to its long factors, dynamic NTK rescales its base, once a sequence passes a length
+    (16 here): a short forward keeps the short frequencies, and a greedy generation that crosses the length
+    (prompts of 10, 12 new tokens) gives HF's tokens, keys cached before the switch keeping their rotation.
+    transformers reads the rope parameters save_pretrained writes."""
+    hf = random_hf_model(llama_config(rope_parameters=ROPE[rope], max_position_embeddings=16 if rope == "dynamic" else 64),
+                         seed=12)
+    ours = ours_from_hf(hf)
+    assert_fp32_parity(hf, ours, torch.randint(0, 257, (2, 11)), tol=1e-5)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=257, shape=(2, 10), left_pad=(1, 3), max_new_tokens=12)
+    assert_saved_model_read_by_transformers(hf, tmp_path, random_input_ids(257, (2, 30)))
 
 
 def test_dynamic_rope_past_the_position_limit_matches_hf():
