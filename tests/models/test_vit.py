@@ -213,3 +213,12 @@ def test_image_size_not_a_multiple_of_the_patch_size_leaves_out_the_remainder_as
     assert max_rel_err(out.pooler_output, ref.pooler_output) < 1e-5
     assert_saved_model_read_by_transformers(hf, tmp_path, dict(pixel_values=x), auto_class="AutoModel",
                                             output="last_hidden_state")
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(pooler_act="relu"), "pooler_act='relu'"),
+    (dict(pooler_output_size=32), "pooler_output_size=32"),
+])
+def test_unsupported_hf_pooler_is_refused_naming_the_field(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        fm.checkpoint.build_model(vit_config("ViTModel", **overrides))

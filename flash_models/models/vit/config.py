@@ -79,7 +79,8 @@ class ViTConfig:
         if architecture not in ARCHITECTURES:
             raise ValueError(f"ViT architecture {architecture!r} is not supported; supported: {ARCHITECTURES[1:]}")
         if hf.pooler_act != "tanh" or hf.pooler_output_size != hf.hidden_size:
-            raise ValueError("ViT pooler other than tanh over hidden_size outputs is not supported")
+            raise ValueError(f"ViT pooler_act={hf.pooler_act!r} with pooler_output_size={hf.pooler_output_size} is not "
+                             f"supported: only HF's default, 'tanh' over hidden_size ({hf.hidden_size}) outputs")
         for name in ("image_size", "patch_size"):
             if not isinstance(getattr(hf, name), int):
                 raise ValueError(f"ViT with a non-square {name} {getattr(hf, name)} is not supported")
