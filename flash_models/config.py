@@ -113,6 +113,14 @@ def check_positive(**sizes: int | float | None) -> None:
             raise ValueError(f"{name} must be > 0, got {value}")
 
 
+def check_pad_token_id(pad_token_id: int | None, vocab_size: int) -> None:
+    """A pad id that is the token embedding's padding row (HF's nn.Embedding padding_idx) must be a token:
+    in [-vocab_size, vocab_size), negative counting from the end (None: no padding row)."""
+    if pad_token_id is not None and not -vocab_size <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary of {vocab_size} tokens (the token "
+                         "embedding's padding row, as in HF); set it to a token id of the vocabulary or to null")
+
+
 def check_probability(**values: float) -> None:
     for name, value in values.items():
         if not 0.0 <= value <= 1.0:
@@ -308,6 +316,4 @@ class DecoderConfig:
             raise ValueError("post-norm blocks end normalized and take no final norm; every other block needs one")
         if not self.learned_positions and self.rope is None:
             raise ValueError("a decoder needs learned positions or a rotary config")
-        if self.padding_idx is not None and not -self.vocab_size <= self.padding_idx < self.vocab_size:
-            raise ValueError(f"pad_token_id {self.padding_idx} is outside the vocabulary of {self.vocab_size} tokens (the "
-                             "token embedding's padding row, as in HF); set it to a token id of the vocabulary or to null")
+        check_pad_token_id(self.padding_idx, self.vocab_size)

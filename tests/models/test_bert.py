@@ -252,3 +252,9 @@ def test_minilm_sentence_embeddings_match_hf(minilm):
     assert cosine.min() >= 0.99999, cosine
     # and the embeddings mean something: a sentence is closer to itself than to the others
     assert torch.equal((ours_emb @ ref_emb.T).argmax(-1), torch.arange(len(SENTENCES)))
+
+
+def test_pad_token_id_outside_the_vocabulary_is_refused_naming_it():
+    """HF builds word_embeddings with padding_idx=pad_token_id, which torch refuses with a bare assertion."""
+    with pytest.raises(ValueError, match=f"pad_token_id {VOCAB} is outside the vocabulary of {VOCAB} tokens"):
+        fm.checkpoint.build_model(bert_config(pad_token_id=VOCAB))

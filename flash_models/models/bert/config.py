@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...config import AttentionConfig, check_choice
+from ...config import AttentionConfig, check_choice, check_pad_token_id
 from ..family import hf_class
 from ..losses import PROBLEM_TYPES
 
@@ -49,6 +49,7 @@ class BertConfig:
     def __post_init__(self):
         check_choice("architecture", self.architecture, ARCHITECTURES)
         check_choice("problem_type", self.problem_type, PROBLEM_TYPES)
+        check_pad_token_id(self.pad_token_id, self.vocab_size)
 
     @classmethod
     def from_hf(cls, hf: transformers.BertConfig) -> BertConfig:
