@@ -15,6 +15,8 @@ ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
 # Other names transformers gives the same functions (its ACT2FN): "swish" is SiLU, "gelu_python" the exact GELU
 # written out, "gelu_fast" the tanh approximation written out (equal to gelu_new within float rounding).
 ACTIVATION_ALIASES = {"swish": "silu", "gelu_python": "gelu", "gelu_fast": "gelu_new"}
+# Where a checkpoint's config sets how many channels of a head rotate.
+ROTARY_DIM_FIELDS = "the config's rotary_dim, or head_dim x partial_rotary_factor (rotary_pct)"
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Block variants (modules/block.py): pre-norm (GPT-2, LLaMA), parallel attention + MLP with two norms (GPT-NeoX)
 # or one shared norm (GPT-J), and post-norm (BERT, OPT-350m).
@@ -156,7 +158,8 @@ class RopeConfig:
         check_positive(rope_theta=self.theta, rope_factor=self.factor,
                        max_position_embeddings=self.max_position_embeddings)
         if self.rotary_dim % 2 or self.rotary_dim < 0:
-            raise ValueError(f"rotary_dim must be even and >= 0, got {self.rotary_dim}")
+            raise ValueError(f"rotary_dim (the rotated channels of a head: {ROTARY_DIM_FIELDS}) must be even and "
+                             f">= 0, got {self.rotary_dim}")
         if self.rope_type == "longrope":
             for name in ("short_factor", "long_factor"):
                 factors = getattr(self, name)
@@ -316,4 +319,7 @@ class DecoderConfig:
             raise ValueError("post-norm blocks end normalized and take no final norm; every other block needs one")
         if not self.learned_positions and self.rope is None:
             raise ValueError("a decoder needs learned positions or a rotary config")
+        if self.rope is not None and self.rope.rotary_dim > self.attention.head_dim:
+            raise ValueError(f"rotary_dim {self.rope.rotary_dim} exceeds the head dim {self.attention.head_dim} "
+                             f"({ROTARY_DIM_FIELDS})")
         check_pad_token_id(self.padding_idx, self.vocab_size)

@@ -53,6 +53,13 @@ def test_tied_gptj_is_refused():
         fm.checkpoint.build_model(gptj_config(tie_word_embeddings=True))
 
 
+@pytest.mark.parametrize("rotary_dim, match", [(32, "rotary_dim 32 exceeds the head dim 16"), (5, "must be even")])
+def test_rotary_dim_transformers_cannot_run_is_refused_at_load(rotary_dim, match):
+    """HF's GPT-J fails on these in its first forward with a shape mismatch; we refuse them when building."""
+    with pytest.raises(ValueError, match=match):
+        fm.checkpoint.build_model(gptj_config(rotary_dim=rotary_dim))
+
+
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_each_sequence_alone(side):
     ours = ours_from_hf(hf_gptj(gptj_config(), seed=5))
