@@ -103,6 +103,30 @@ def test_fp32_gradients_match_hf_with_pad_tokens_and_ignored_labels(name):
         assert max_rel_err(got, expected[key]) < 1e-5, key
 
 
+@pytest.mark.parametrize("name", [name for name in fm.list_models() if name not in CAUSAL_LMS])
+def test_fp32_gradients_match_hf_for_encoders(name):
+    """Every parameter's gradient equals HF's, for the gradient of a fixed random projection of each output
+    (on the real tokens of a padded batch whose ids include BERT's pad token)."""
+    auto_class = get_family(get_preset(name).model_type).hf_auto_class
+    hf_config = tiny_hf_config(name)
+    hf = random_hf_model(hf_config, seed=5, auto_class=auto_class, attn_implementation="eager")
+    ours = ours_from_hf(hf)
+    inputs, outputs = inputs_for(auto_class, hf_config, seed=5)
+    if "input_ids" in inputs:
+        inputs["input_ids"][:, ::5] = hf_config.pad_token_id
+    gen = torch.Generator().manual_seed(5)
+    for model in (hf, ours):
+        results = model(**inputs)
+        objective = 0
+        for field in outputs:
+            value = real_tokens(getattr(results, field), inputs)
+            objective = objective + (value * torch.randn(value.shape, generator=gen.manual_seed(6))).sum()
+        objective.backward()
+    expected = hf_gradients_as_ours(hf, ours)
+    for key, param in ours.named_parameters():
+        assert max_rel_err(param.grad, expected[key]) < 1e-5, key
+
+
 # Values real checkpoints carry that the presets don't: (preset, HF config fields).
 UNUSUAL_CONFIGS = {
     "gpt2_swish": ("gpt2", dict(activation_function="swish")),  # transformers' other name for SiLU
