@@ -22,7 +22,7 @@ class Qwen2Config(LlamaConfig):
 
     model_type = "qwen2"
     hf_config_class = "Qwen2Config"
-    _PLAIN = tuple(n for n in LlamaConfig._PLAIN if n not in ("attention_bias", "mlp_bias", "head_dim")) + (
+    _PLAIN = tuple(n for n in LlamaConfig._PLAIN if n not in ("attention_bias", "mlp_bias")) + (
         "use_sliding_window", "sliding_window", "max_window_layers",
     )
 
@@ -53,7 +53,9 @@ class Qwen2Config(LlamaConfig):
 
     @classmethod
     def hf_head_dim(cls, hf) -> int:
-        return hf.hidden_size // hf.num_attention_heads
+        # Not a field of HF's Qwen2Config, but its attention takes one that a config.json carries (and to_hf
+        # writes it so: transformers reads it back).
+        return hf.to_dict().get("head_dim") or hf.hidden_size // hf.num_attention_heads
 
     def attention_biases(self) -> tuple[bool, bool]:
         return True, False

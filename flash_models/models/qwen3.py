@@ -18,7 +18,7 @@ __all__ = ["Qwen3Config", "Qwen3ForCausalLM"]
 class Qwen3Config(Qwen2Config):
     model_type = "qwen3"
     hf_config_class = "Qwen3Config"
-    _PLAIN = Qwen2Config._PLAIN + ("head_dim", "attention_bias")
+    _PLAIN = Qwen2Config._PLAIN + ("attention_bias",)
 
     @classmethod
     def hf_head_dim(cls, hf) -> int:

@@ -5,7 +5,7 @@ import transformers
 import flash_models as fm
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf, assert_meta_keys_match_hf,
-    assert_padded_rows_equal_alone,
+    assert_padded_rows_equal_alone, assert_saved_model_read_by_transformers,
     assert_round_trip_bit_identical, max_rel_err, ours_from_hf, random_hf_model, random_input_ids,
 )
 
@@ -74,3 +74,14 @@ def test_sliding_window_on_every_layer_matches_hf(tmp_path):
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_padded_batch_equals_each_sequence_alone(side):
     assert_padded_rows_equal_alone(ours_from_hf(random_hf_model(qwen2_config(), seed=6)), VOCAB, side=side)
+
+
+def test_head_dim_in_config_json_is_honoured_as_by_transformers(tmp_path):
+    """HF's Qwen2Config has no head_dim field, but its attention takes the one a config.json carries (24 here,
+    not 64 / 4): so do we, and save_pretrained writes it for transformers to read back."""
+    hf = random_hf_model(qwen2_config(head_dim=24), seed=9)
+    ours = ours_from_hf(hf)
+    assert ours.decoder_config.attention.head_dim == 24
+    ids = torch.randint(0, VOCAB, (2, 15))
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
+    assert_saved_model_read_by_transformers(hf, tmp_path, {"input_ids": ids})
