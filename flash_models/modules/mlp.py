@@ -124,7 +124,8 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: MLPConfig, *, kernel_backend: str = "auto"):
         super().__init__()
         if cfg.activation == "relu":
-            raise ValueError("a gated MLP supports silu (SwiGLU) and gelu variants (GeGLU), not relu")
+            raise ValueError("activation function 'relu' (the config's hidden_act) in a gated MLP (ReGLU) is not "
+                             "supported; a gated MLP takes silu (SwiGLU) or a gelu variant (GeGLU)")
         self.cfg, self.kernel_backend = cfg, kernel_backend
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)

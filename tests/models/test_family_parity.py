@@ -142,9 +142,14 @@ def test_fp32_outputs_match_hf_for_unusual_configs(case):
     assert_fp32_outputs_match_hf(name, **overrides)
 
 
-def test_unsupported_activation_is_refused_naming_the_field():
-    with pytest.raises(ValueError, match=r"'quick_gelu' \(the config's hidden_act / activation_function\)"):
-        build_model(tiny_hf_config("llama-1b", hidden_act="quick_gelu"))
+@pytest.mark.parametrize("name, overrides, match", [
+    ("llama-1b", dict(hidden_act="quick_gelu"), r"'quick_gelu' \(the config's hidden_act / activation_function\)"),
+    ("gpt2", dict(activation_function="tanh"), r"'tanh' \(the config's hidden_act / activation_function\)"),
+    ("llama-1b", dict(hidden_act="relu"), r"'relu' \(the config's hidden_act\) in a gated MLP"),
+])
+def test_unsupported_activation_is_refused_naming_the_field(name, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(tiny_hf_config(name, **overrides))
 
 
 @pytest.mark.parametrize("name", fm.list_models())
