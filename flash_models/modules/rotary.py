@@ -114,11 +114,9 @@ class RotaryEmbedding(nn.Module):
             # One table for every length up to the model's limit (grown in powers of two past it).
             length = max(cfg.max_position_embeddings, 1 << max(seq_len - 1, 0).bit_length())
             key = (str(device), "long" if cfg.length_dependent(seq_len) else "static")
-            cached = self._cache.get(key)
-            if cached is not None and cached[0].shape[0] >= seq_len:
-                return cached
-        if key in self._cache:
-            return self._cache[key]
+        cached = self._cache.get(key)
+        if cached is not None and cached[0].shape[0] >= seq_len:
+            return cached  # else a shorter table made for an earlier, shorter call: replaced by a longer one
         inv_freq, scale = rope_inv_freq(cfg, max(seq_len, 1))
         positions = torch.arange(length, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # (length, rotary_dim // 2)

@@ -59,6 +59,16 @@ def test_rope_whose_frequencies_change_past_a_length_matches_hf_in_forward_and_g
     assert_saved_model_read_by_transformers(hf, tmp_path, random_input_ids(257, (2, 30)))
 
 
+def test_generation_past_the_position_limit_after_a_shorter_forward_matches_hf():
+    """Rotary tables grow past max_position_embeddings (16) as positions need them, also once a shorter forward
+    has made a table of 16: prompts of 7 tokens, 14 new ones, positions up to 19, as HF's."""
+    hf = random_hf_model(llama_config(max_position_embeddings=16, rope_parameters=ROPE["linear"]), seed=13)
+    ours = ours_from_hf(hf)
+    with torch.no_grad():
+        ours(torch.randint(0, 257, (1, 7)))
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=257, shape=(2, 7), max_new_tokens=14)
+
+
 def test_dynamic_rope_past_the_position_limit_matches_hf():
     hf = random_hf_model(llama_config(rope_parameters=ROPE["dynamic"], max_position_embeddings=16), seed=7)
     ours = ours_from_hf(hf)
