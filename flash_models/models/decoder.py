@@ -430,8 +430,10 @@ class DecoderLM(HFModelProtocol, nn.Module):
             raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
         if new == old:
             return self.get_input_embeddings()
-        self.config.replace_typed(dataclasses.replace(self.config.typed, vocab_size=new))
-        self.decoder_config = self.config.typed.decoder()
+        typed = dataclasses.replace(self.config.typed, vocab_size=new)
+        decoder_config = typed.decoder()  # checked before anything changes (a pad_token_id the new size leaves out)
+        self.config.replace_typed(typed)
+        self.decoder_config = decoder_config
         self.embed.tokens = self._resized_table(self.embed.tokens, old, new, mean_resizing)
         self.embed.vocab_size = new
         if self.lm_head is not None:
@@ -442,8 +444,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
         """A copy of ``table`` (the token nn.Embedding or the LM head's nn.Linear, padded to ``vocab_multiple``)
         with ``new`` real rows: the first min(old, new) copied, the others initialized, the padding zero."""
         rows, weight = padded_vocab_size(new, self.vocab_multiple), table.weight
-        if isinstance(table, nn.Embedding):
-            resized = nn.Embedding(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
+        if isinstance(table, nn.Embedding):  # the pad row keeps getting no gradient, as HF's resized table
+            resized = nn.Embedding(rows, weight.shape[1], padding_idx=table.padding_idx, device=weight.device,
+                                   dtype=weight.dtype)
         else:
             resized = nn.Linear(weight.shape[1], rows, bias=table.bias is not None, device=weight.device, dtype=weight.dtype)
         kept = min(old, new)

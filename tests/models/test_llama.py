@@ -172,3 +172,18 @@ def test_negative_pad_token_id_counts_from_the_vocabulary_end_and_one_outside_is
     assert max_rel_err(ours.embed.tokens.weight.grad[:257], hf.model.embed_tokens.weight.grad) < 1e-5
     with pytest.raises(ValueError, match="pad_token_id 257 is outside the vocabulary of 257 tokens"):
         build_model(llama_config(pad_token_id=257))
+
+
+def test_resized_token_table_keeps_the_pad_row_without_gradient():
+    """HF's resize_token_embeddings keeps the embedding's padding_idx; so do we, and the grown table's pad row
+    still gets no gradient. A size that would leave the pad token out is refused before anything changes."""
+    ours = ours_from_hf(random_hf_model(llama_config(pad_token_id=5), seed=14))
+    ours.resize_token_embeddings(300)
+    assert ours.embed.tokens.padding_idx == 5
+    ids = torch.randint(0, 300, (2, 9))
+    ids[:, 3], ids[:, 4] = 5, 299  # the pad token and a new one
+    ours(ids, labels=ids).loss.backward()
+    assert (ours.embed.tokens.weight.grad[5] == 0).all() and ours.embed.tokens.weight.grad[299].abs().sum() > 0
+    with pytest.raises(ValueError, match="pad_token_id 5 is outside the vocabulary of 4 tokens"):
+        ours.resize_token_embeddings(4)
+    assert ours.config.vocab_size == 300 and ours.decoder_config.vocab_size == 300
