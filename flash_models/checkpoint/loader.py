@@ -201,6 +201,10 @@ def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> N
             log.warning("the config ties %s to the embeddings, but the checkpoint holds a different one: loading it "
                         "untied, as transformers does (set tie_word_embeddings=false in config.json to silence this)", head)
             hf_config.tie_word_embeddings = False
+            # What the checkpoint does not hold stays tied there (BERT's decoder bias to cls.predictions.bias).
+            for key, target in ties.items():
+                if key not in tables and target in tables:
+                    hf_state[key] = tables[target].clone()
             return
 
 
