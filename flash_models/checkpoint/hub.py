@@ -20,10 +20,16 @@ def require_tokenizer(folder: Path) -> None:
 
 
 def no_config_error(folder: Path) -> FileNotFoundError:
-    """A folder without config.json; when it holds .gguf files, the error names them (a GGUF file is loaded by
-    its own path)."""
+    """A folder without config.json; the error says what the folder is instead where it can tell: one holding
+    .gguf files (a GGUF file is loaded by its own path), or a transformers.Trainer checkpoint of our model saved
+    without ``SavePretrainedCallback`` (its weights are the model's bare state dict)."""
     ggufs = sorted(p.name for p in folder.glob("*.gguf")) if folder.is_dir() else []
     hint = f"; it holds {', '.join(ggufs[:3])}: give the .gguf file's path instead" if ggufs else ""
+    if not ggufs and (folder / "trainer_state.json").is_file():
+        hint = ("; it is a transformers.Trainer checkpoint saved without flash_models.hf.SavePretrainedCallback, "
+                "which holds the model's bare state dict: build the same model and call model.load_state_dict("
+                "safetensors.torch.load_file(folder / 'model.safetensors')), or train with "
+                "callbacks=[SavePretrainedCallback()] so that every checkpoint loads with from_pretrained")
     return FileNotFoundError(f"{folder} has no config.json: not an HF model folder{hint}")
 
 

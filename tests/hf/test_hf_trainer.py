@@ -130,3 +130,20 @@ def test_evaluation_gathers_logits_only(tmp_path):
     out = trainer.predict(data)
     assert out.predictions.shape == (4, SEQ, VOCAB)  # the hidden states are not predictions
     assert out.metrics["test_loss"] > 0
+
+
+def test_a_checkpoint_saved_without_the_callback_says_how_to_load_it(tmp_path):
+    """The Trainer's own save of our model is its bare state dict: from_pretrained says so, and the way it names
+    (the same model, load_state_dict) gives the trained weights back."""
+    from safetensors.torch import load_file
+
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=12))
+    trainer = Trainer(model=ours, args=args(tmp_path, max_steps=2, save_steps=2), train_dataset=lm_dataset(8, seed=13))
+    trainer.train()
+    checkpoint = tmp_path / "checkpoint-2"
+    with pytest.raises(FileNotFoundError, match=r"Trainer checkpoint saved without .*SavePretrainedCallback.*load_state_dict"):
+        fm.from_pretrained(checkpoint)
+    again = ours_from_hf(random_hf_model(tiny_llama_config(), seed=14))
+    again.load_state_dict(load_file(checkpoint / "model.safetensors"))
+    for (name, trained), (_, loaded) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(trained, loaded), name
