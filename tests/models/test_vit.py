@@ -222,3 +222,23 @@ def test_image_size_not_a_multiple_of_the_patch_size_leaves_out_the_remainder_as
 def test_unsupported_hf_pooler_is_refused_naming_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         fm.checkpoint.build_model(vit_config("ViTModel", **overrides))
+
+
+@pytest.mark.parametrize("size", [(48, 40), (24, 24), (16, 56), (33, 33)], ids=str)
+def test_other_image_sizes_with_interpolated_positions_match_hf(size):
+    """HF's interpolate_pos_encoding=True: the position table resized to the image's grid of whole patches
+    (non-square too); an image with the config's grid (33 px: 4 x 4 patches of 8) keeps the table as is."""
+    hf = random_hf_model(vit_config("ViTForImageClassification"), seed=11, auto_class=AUTO["ViTForImageClassification"])
+    ours = ours_from_hf(hf)
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ref, out = hf(pixel_values=x, interpolate_pos_encoding=True), ours(x, interpolate_pos_encoding=True)
+    assert max_rel_err(out.logits, ref.logits) < 1e-5
+
+
+def test_another_image_size_without_interpolation_is_refused_naming_the_argument():
+    ours = ours_from_hf(random_hf_model(vit_config("ViTModel"), seed=12, auto_class="AutoModel"))
+    with pytest.raises(ValueError, match=r"got \(1, 3, 48, 48\).*interpolate_pos_encoding=True"):
+        ours(torch.randn(1, 3, 48, 48))
+    with pytest.raises(ValueError, match=r"at least one 8-pixel patch"):
+        ours(torch.randn(1, 3, 4, 32), interpolate_pos_encoding=True)

@@ -71,15 +71,26 @@ class VisionTransformer(PretrainedModel):
             if param is not None:
                 nn.init.trunc_normal_(param, std=std)
 
-    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> VisionOutput:
-        """pixel_values (B, C, H, W) at the config's image size; labels for ``loss``."""
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, *,
+                interpolate_pos_encoding: bool = False) -> VisionOutput:
+        """pixel_values (B, C, H, W) at the config's image size; labels for ``loss``.
+
+        ``interpolate_pos_encoding=True`` (HF's argument) takes other sizes, square or not, of at least one patch:
+        the learned position table is resized to the image's grid of whole patches, bicubic as HF's ViT does
+        (an image with the config's grid keeps the table as is)."""
         c = self.config
-        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, c.image_size, c.image_size):
-            raise ValueError(f"pixel_values must be (B, {c.num_channels}, {c.image_size}, {c.image_size}), "
-                             f"got {tuple(pixel_values.shape)}")
+        size = tuple(pixel_values.shape[2:]) if interpolate_pos_encoding and pixel_values.dim() == 4 else (c.image_size,) * 2
+        if (pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, *size)
+                or min(size) < c.patch_size):
+            raise ValueError(f"pixel_values must be (B, {c.num_channels}, {c.image_size}, {c.image_size}), got "
+                             f"{tuple(pixel_values.shape)}; another size of at least one {c.patch_size}-pixel patch "
+                             "needs interpolate_pos_encoding=True")
         if labels is not None and self.head is None:
             raise ValueError("labels given, but this ViT has no classification head (num_classes=0)")
-        if replays_graph(self, self.graphed, pixel_values):
+        grid = (size[0] // c.patch_size, size[1] // c.patch_size)
+        if grid != (c.image_size // c.patch_size,) * 2:
+            logits, hidden, pooled = self._encode(pixel_values, self._position_table(grid))
+        elif replays_graph(self, self.graphed, pixel_values):
             logits, hidden, pooled = self.graphed(pixel_values)
         else:
             logits, hidden, pooled = self._encode(pixel_values)
@@ -116,16 +127,30 @@ class VisionTransformer(PretrainedModel):
                    .permute(0, 2, 4, 1, 3, 5).reshape(B, rows * cols, C * p * p))
         return F.linear(patches, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
-    def _encode(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """(logits or None, last hidden state after the final norm, pooled features) of checked pixel values."""
+    def _position_table(self, grid: tuple[int, int]) -> torch.Tensor:
+        """The position table for a (rows, columns) patch grid other than the config's: the patches' part resized
+        bicubic in float32, as HF's ``interpolate_pos_encoding``; the prefix tokens' positions (if embedded) kept."""
+        side = self.config.image_size // self.config.patch_size
+        prefix = self.pos_embed.shape[1] - side * side
+        tokens, patches = self.pos_embed[:, :prefix], self.pos_embed[:, prefix:]
+        d = patches.shape[-1]
+        square = patches.reshape(1, side, side, d).permute(0, 3, 1, 2).float()
+        resized = F.interpolate(square, size=grid, mode="bicubic", align_corners=False).to(patches.dtype)
+        return torch.cat([tokens, resized.permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], d)], dim=1)
+
+    def _encode(self, pixel_values: torch.Tensor, pos_embed: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(logits or None, last hidden state after the final norm, pooled features) of checked pixel values;
+        ``pos_embed`` is the position table for an image of another grid than the config's."""
         c = self.config
+        pos_embed = self.pos_embed if pos_embed is None else pos_embed
         x = self._patchify(pixel_values)  # (B, N, D)
         B = x.shape[0]
         prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if c.no_embed_class:
-            x = torch.cat([*prefix, x + self.pos_embed], dim=1)
+            x = torch.cat([*prefix, x + pos_embed], dim=1)
         else:
-            x = torch.cat([*prefix, x], dim=1) + self.pos_embed  # (B, prefix + N, D)
+            x = torch.cat([*prefix, x], dim=1) + pos_embed  # (B, prefix + N, D)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         mask = build_attention_mask(None, q_len=x.shape[1], past_len=0, causal=False, sliding_window=None)
