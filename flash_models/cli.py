@@ -115,20 +115,20 @@ def _probability(text: str) -> float:
     return value
 
 
-def _device(text: str) -> str:
-    try:
-        check_device_name(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
+def _checked_by(check):
+    """An argparse type that keeps the text and reports ``check``'s ValueError as the option's error."""
+    def kind(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    return kind
 
 
-def _shard_size(text: str) -> str:
-    try:
-        parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
+_device = _checked_by(check_device_name)
+_shard_size = _checked_by(parse_size)
 
 
 DTYPES = ("float32", "bfloat16", "float16")
