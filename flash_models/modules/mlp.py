@@ -24,6 +24,8 @@ from .recompute import activation_then_linear
 _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 # HF activation name -> flash_kernels.linear_act's activation (fc1 and its activation in one kernel).
 _LINEAR_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# HF activation name -> flash_kernels.activation_backward's activation, for the gated MLPs' recomputing backward.
+_GATED_GRAD = {"silu": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # The activations whose MLP trains on fused_dense's cuBLASLt epilogues: cuBLASLt's GELU is the tanh form, so
 # GPT-2 and GPT-J, not the exact GELU of BERT, ViT and Pythia. OPT's ReLU has epilogues too (RELU_AUX_BIAS,
 # DRELU), but its MLP measured slower on them than unfused (H100).
@@ -134,12 +136,18 @@ class GatedMLP(nn.Module):
         gate_up = linear(x, self.gate_up, backend=self.kernel_backend,
                          recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
         return activation_then_linear(gate_up, self.act, self.down, backend=self.kernel_backend,
-                                      recompute=self.recompute_activation, recompute_weight_cast=self.recompute_weight_casts)
+                                      recompute=self.recompute_activation, recompute_weight_cast=self.recompute_weight_casts,
+                                      act_grad=self.act_grad)
 
     def act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.cfg.activation == "silu":
             return flash_kernels.swiglu(gate_up, backend=self.kernel_backend)
         return flash_kernels.geglu(gate_up, approximate=_GELU_APPROX[self.cfg.activation], backend=self.kernel_backend)
+
+    def act_grad(self, gate_up: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d gate_up, act(gate_up)) for the output gradient ``dout``, in one pass (the recomputing backward's)."""
+        return flash_kernels.activation_backward(gate_up, dout, activation=_GATED_GRAD[self.cfg.activation], gated=True,
+                                                 backend=self.kernel_backend)
 
 
 def build_mlp(cfg: MLPConfig, *, kernel_backend: str = "auto") -> nn.Module:

@@ -25,37 +25,57 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import linear, linear_grads, plain_linear
+from .linear import bias_grad, linear, linear_grads, mm_as, plain_linear
 
 
 class _ActivationThenLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, pre, weight, bias, act):
+    def forward(ctx, pre, weight, bias, act, act_grad):
         with torch.no_grad():
             h = act(pre)
         ctx.save_for_backward(pre, weight, bias)
-        ctx.act = act
+        ctx.act, ctx.act_grad = act, act_grad
         return F.linear(h, weight.to(h.dtype), bias.to(h.dtype) if bias is not None else None)
 
     @staticmethod
     def backward(ctx, dy):
         pre, weight, bias = ctx.saved_tensors
-        with torch.enable_grad():
-            pre_ = pre.detach().requires_grad_()
-            h = ctx.act(pre_)
-        dh, dweight, dbias = linear_grads(ctx, dy, h.detach(), weight, bias)
-        dpre = torch.autograd.grad(h, pre_, dh)[0] if dh is not None else None
-        return dpre, dweight, dbias, None
+        if ctx.act_grad is None:  # act differentiated by autograd: its output recomputed first
+            with torch.enable_grad():
+                pre_ = pre.detach().requires_grad_()
+                h = ctx.act(pre_)
+            dh, dweight, dbias = linear_grads(ctx, dy, h.detach(), weight, bias)
+            dpre = torch.autograd.grad(h, pre_, dh)[0] if dh is not None else None
+            return dpre, dweight, dbias, None, None
+        # The output's gradient needs only the weight, so it comes first; then one pass recomputes the
+        # activation and takes its gradient, and the weight gradient reads the recomputed output.
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dpre = h = None
+        if ctx.needs_input_grad[0]:
+            dh = torch.mm(dy2, weight.to(pre.dtype)).view(*dy.shape[:-1], weight.shape[1])
+            dpre, h = ctx.act_grad(pre, dh)
+        dweight = dbias = None
+        if ctx.needs_input_grad[1]:
+            if h is None:
+                with torch.no_grad():
+                    h = ctx.act(pre)
+            dweight = mm_as(dy2.t(), h.reshape(-1, h.shape[-1]), weight.dtype)
+        if bias is not None and ctx.needs_input_grad[2]:
+            dbias = bias_grad(dy2, bias.dtype)
+        return dpre, dweight, dbias, None, None
 
 
 def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], layer: nn.Module, *,
-                           backend: str, recompute: bool = True, recompute_weight_cast: bool = False) -> torch.Tensor:
+                           backend: str, recompute: bool = True, recompute_weight_cast: bool = False,
+                           act_grad: Callable | None = None) -> torch.Tensor:
     """``linear(act(pre))``, recomputing ``act`` in the backward when autograd records and ``recompute`` is
     set (the weight is then always cast again in the backward; without recompute, ``recompute_weight_cast``
-    says, see modules/linear.py). Under torch.compile the plain form is traced: the compiler makes its own
-    recompute choices. ``backend`` is the model's kernel backend, for ``linear``."""
+    says, see modules/linear.py). ``act_grad(pre, dh)`` gives ``(dpre, act(pre))`` from one pass (the backward
+    recomputes and differentiates the activation at once); without it autograd differentiates ``act``. Under
+    torch.compile the plain form is traced: the compiler makes its own recompute choices. ``backend`` is the
+    model's kernel backend, for ``linear``."""
     if recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(layer):
-        return _ActivationThenLinear.apply(pre, layer.weight, layer.bias, act)
+        return _ActivationThenLinear.apply(pre, layer.weight, layer.bias, act, act_grad)
     return linear(act(pre), layer, backend=backend, recompute_weight_cast=recompute_weight_cast)
 
 

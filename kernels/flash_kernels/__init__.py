@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 # public name -> the op module that defines it
 _LAZY = {
     "BACKENDS": "._backend",
+    "activation_backward": ".activations",
     "apply_rotary": ".rotary",
     "cross_entropy": ".cross_entropy",
     "embedding_layer_norm": ".embedding_norm",
@@ -75,7 +76,7 @@ sys.modules[__name__].__class__ = _Package
 if TYPE_CHECKING:
     from ._backend import BACKENDS
     from ._pdl import programmatic_launch
-    from .activations import gelu, geglu, swiglu
+    from .activations import activation_backward, gelu, geglu, swiglu
     from .attention import flash_attn_func, flash_attn_varlen_func
     from .attention_decode import flash_attn_with_kvcache
     from .attention_packed import flash_attn_qkvpacked_func, flash_attn_varlen_qkvpacked_func

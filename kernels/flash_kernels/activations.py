@@ -159,9 +159,10 @@ def _act_fwd_kernel(X, OUT, stride_x, stride_o, F_OUT, KIND: tl.constexpr, GATED
 @lean_launch
 @triton.jit
 def _act_bwd_kernel(
-    X, DY, DX, stride_x, stride_dy, stride_dx, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
-    PTX: tl.constexpr,
+    X, DY, DX, OUT, stride_x, stride_dy, stride_dx, stride_o, F_OUT, KIND: tl.constexpr, GATED: tl.constexpr,
+    STORE_OUT: tl.constexpr, BLOCK: tl.constexpr, PTX: tl.constexpr,
 ):
+    """dx for dy; with STORE_OUT also the forward's output, recomputed from the values loaded anyway."""
     row, cols, mask = _blocks(F_OUT, BLOCK, True)
     g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -170,8 +171,12 @@ def _act_bwd_kernel(
         up = tl.load(X + row * stride_x + F_OUT + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * stride_dx + cols, (dy * up * da).to(DX.dtype.element_ty), mask=mask)
         tl.store(DX + row * stride_dx + F_OUT + cols, (dy * a).to(DX.dtype.element_ty), mask=mask)
+        if STORE_OUT:
+            tl.store(OUT + row * stride_o + cols, (a * up).to(OUT.dtype.element_ty), mask=mask)
     else:
         tl.store(DX + row * stride_dx + cols, (dy * da).to(DX.dtype.element_ty), mask=mask)
+        if STORE_OUT:
+            tl.store(OUT + row * stride_o + cols, a.to(OUT.dtype.element_ty), mask=mask)
 
 
 def _launch_grid(rows: int, f_out: int, direction: str) -> tuple[tuple[int], int, int]:
@@ -214,13 +219,20 @@ def _act_fwd(x: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
 
 
 def _act_bwd(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool) -> torch.Tensor:
+    return _act_bwd_launch(x, dy, kind, gated, store_out=False)[0]
+
+
+def _act_bwd_launch(x: torch.Tensor, dy: torch.Tensor, kind: str, gated: bool, *, store_out: bool):
+    """(dx, the forward's output or None): one pass over x and dy."""
     x2, dy2 = _as_launch_rows(gated, x, dy)
     rows, width = x2.shape
     dx = torch.empty((rows, width), device=x.device, dtype=x.dtype)
+    out = torch.empty_like(dy2) if store_out else None
     grid, block, warps = _launch_grid(rows, dy2.shape[1], "bwd")
-    _act_bwd_kernel[grid](x2, dy2, dx, x2.stride(0), dy2.stride(0), dx.stride(0), dy2.shape[1], KIND=_KINDS[kind],
-                          GATED=gated, BLOCK=block, PTX=_ptx_math.ENABLED, num_warps=warps)
-    return dx.view(x.shape)
+    _act_bwd_kernel[grid](x2, dy2, dx, dx if out is None else out, x2.stride(0), dy2.stride(0), dx.stride(0),
+                          0 if out is None else out.stride(0), dy2.shape[1], KIND=_KINDS[kind], GATED=gated,
+                          STORE_OUT=store_out, BLOCK=block, PTX=_ptx_math.ENABLED, num_warps=warps)
+    return dx.view(x.shape), None if out is None else out.view(dy.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -307,3 +319,40 @@ def gelu(x: torch.Tensor, *, approximate: str = "none", backend: str | None = No
     if not use_triton(backend, x, op="gelu", unsupported=_unsupported(x)):
         return gelu_ref(x, approximate=approximate)
     return pick(_act_fwd_op, _act_eager)(x, "gelu_tanh" if approximate == "tanh" else "gelu", False)
+
+
+_GRAD_KINDS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+
+
+def activation_backward_ref(x: torch.Tensor, dout: torch.Tensor, *, activation: str, gated: bool):
+    """Reference of ``activation_backward``: autograd through the float32 reference forward."""
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    with torch.enable_grad():
+        x32 = x.detach().float().requires_grad_()
+        if gated:
+            gate, up = _split_gate_up(x32, "activation_backward")
+            out = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)) * up
+        else:
+            out = F.silu(x32) if activation == "silu" else F.gelu(x32, approximate=approximate)
+        (dx,) = torch.autograd.grad(out, x32, dout.float())
+    return dx.to(x.dtype), out.detach().to(x.dtype)
+
+
+def activation_backward(x: torch.Tensor, dout: torch.Tensor, *, activation: str, gated: bool,
+                        backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of ``swiglu``/``geglu`` (``gated``: x is the packed [gate; up]) or of a plain SiLU/GELU
+    (``activation``: "silu", "gelu" or "gelu_tanh") for the output gradient ``dout``, and the forward's output
+    recomputed in the same pass: ``(dx, act(x))``. For a backward that recomputes the activation instead of
+    keeping it (the layer after it needs the output for its weight gradient): one kernel where a forward and a
+    backward kernel would read x twice."""
+    if activation not in _GRAD_KINDS:
+        raise ValueError(f"activation_backward: activation={activation!r}; use one of {tuple(_GRAD_KINDS)}")
+    if gated:
+        _split_gate_up(x, "activation_backward")
+    expected = (*x.shape[:-1], x.shape[-1] // 2 if gated else x.shape[-1])
+    if tuple(dout.shape) != expected:
+        raise ValueError(f"activation_backward: dout has shape {tuple(dout.shape)}, expected {expected} for x of "
+                         f"shape {tuple(x.shape)} (gated={gated})")
+    if not use_triton(backend, x, op="activation_backward", unsupported=_unsupported(x)):
+        return activation_backward_ref(x, dout, activation=activation, gated=gated)
+    return _act_bwd_launch(x, dout.to(x.dtype), _GRAD_KINDS[activation], gated, store_out=True)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from flash_kernels import activation_backward as fk_activation_backward
 from flash_kernels import geglu, gelu, swiglu
 from flash_kernels import linear_act as fk_linear_act
 from flash_kernels._testing import assert_close
@@ -171,3 +172,41 @@ def test_gpu_auto_plain_gelu_is_ours(approximate):
     y = F.linear(w, w)
     assert torch.equal(fk_linear_act(w, w, activation="gelu" if approximate == "none" else "gelu_tanh"),
                        gelu(y, approximate=approximate, backend="triton"))
+
+
+GRAD_CASES = {  # name -> (activation_backward's arguments, the forward op whose gradient it is)
+    "swiglu": (dict(activation="silu", gated=True), act.swiglu_ref),
+    "geglu_tanh": (dict(activation="gelu_tanh", gated=True), lambda x: act.geglu_ref(x, approximate="tanh")),
+    "geglu_erf": (dict(activation="gelu", gated=True), lambda x: act.geglu_ref(x, approximate="none")),
+    "silu": (dict(activation="silu", gated=False), lambda x: F.silu(x.float()).to(x.dtype)),
+    "gelu_erf": (dict(activation="gelu", gated=False), act.gelu_ref),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_activation_backward_gives_the_gradient_and_the_output(name, backend, dtype):
+    """One pass gives what a forward and autograd's backward give: the output and the input's gradient, on an
+    odd width (no block divides 2 x 77) and a strided output gradient."""
+    kwargs, forward = GRAD_CASES[name]
+    width = 154 if kwargs["gated"] else 77
+    x = (3 * torch.randn(3, 11, width, device=DEVICE, dtype=dtype)).requires_grad_()
+    want_out = forward(x)
+    dout = torch.randn(3, 11, 2 * want_out.shape[-1], device=DEVICE, dtype=dtype)[..., ::2]
+    (want_dx,) = torch.autograd.grad(want_out, x, dout)
+    dx, out = fk_activation_backward(x.detach(), dout, backend=backend, **kwargs)
+    assert dx.shape == x.shape and out.shape == want_out.shape and dx.dtype == out.dtype == dtype
+    assert_close(out, want_out, dtype, name="out")
+    assert_close(dx, want_dx, dtype, name="dx")
+
+
+def test_activation_backward_refuses_what_it_cannot_take():
+    x = torch.randn(4, 10, device=DEVICE)
+    with pytest.raises(ValueError, match="activation='relu'"):
+        fk_activation_backward(x, torch.randn(4, 5, device=DEVICE), activation="relu", gated=True)
+    with pytest.raises(ValueError, match=r"dout has shape \(4, 10\), expected \(4, 5\)"):
+        fk_activation_backward(x, torch.randn(4, 10, device=DEVICE), activation="silu", gated=True)
+    with pytest.raises(ValueError, match="must be even"):
+        fk_activation_backward(torch.randn(4, 9, device=DEVICE), torch.randn(4, 4, device=DEVICE), activation="silu",
+                               gated=True)

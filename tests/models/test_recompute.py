@@ -44,6 +44,17 @@ def test_same_gradients_as_keeping_the_activation(name, bias):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gated_backward_on_the_kernels_matches_keeping_the_activation(name):
+    """The Triton path (the interpreter here): the activation's output and gradient come from one kernel."""
+    cls, act = CASES[name]
+    torch.manual_seed(0)
+    mlp = cls(MLPConfig(hidden_size=HIDDEN, intermediate_size=INTER, activation=act, bias=True), kernel_backend="triton")
+    x = torch.randn(3, N, HIDDEN, requires_grad=True)
+    for got, want in zip(grads(mlp, x, plain=False), grads(mlp, x, plain=True), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["gelu_new", "swiglu"])
 def test_same_gradients_under_bf16_autocast(name):
     mlp, x = make(name)
