@@ -124,11 +124,13 @@ def rotate_pairs(x_rows, c, sn, first, second, mask):
 @lean_launch
 @triton.jit
 def _rotary_kernel(
-    X, OUT, COS, SIN, POS, OFFSETS, offset, S, H, HALF, max_pos,
+    X, OUT, COS, SIN, POS, OFFSETS, offset, S, H, ROTATED_H, HALF, max_pos,
     stride_xb, stride_xs, stride_xh, stride_ob, stride_os, stride_oh, stride_cos, stride_sin,
-    POS_MODE: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr,
+    POS_MODE: tl.constexpr, INTERLEAVED: tl.constexpr, CONJ: tl.constexpr, PASS_THROUGH: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    """The rotary channels of heads [0, ROTATED_H) rotated into OUT; with PASS_THROUGH, those of heads
+    [ROTATED_H, H) copied as they are (a packed qkv's v heads: no copy launch of their own)."""
     wait_for_predecessor(PDL)
     # POS_MODE 0: position = s + offset; 1: s + OFFSETS[b]; 2: POS[token] (position_ids or varlen positions).
     token = tl.program_id(0).to(tl.int64)
@@ -146,25 +148,32 @@ def _rotary_kernel(
     mask = (heads[:, None] < H) & (k[None, :] < HALF)
     x_row = X + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh
     o_row = OUT + b * stride_ob + s * stride_os + heads[:, None] * stride_oh
-    o1, o2 = rotate_pairs(x_row, c, sn, first, second, mask)
+    rotated = heads[:, None] < ROTATED_H
+    o1, o2 = rotate_pairs(x_row, c, sn, first, second, mask & rotated)
+    if PASS_THROUGH:  # the other heads' values as loaded (exact, whatever they hold: no rotation by angle 0)
+        copied = mask & (heads[:, None] >= ROTATED_H)
+        o1 = tl.where(rotated, o1, tl.load(x_row + first[None, :], mask=copied, other=0.0).to(tl.float32))
+        o2 = tl.where(rotated, o2, tl.load(x_row + second[None, :], mask=copied, other=0.0).to(tl.float32))
     tl.store(o_row + first[None, :], o1.to(OUT.dtype.element_ty), mask=mask)
     tl.store(o_row + second[None, :], o2.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj):
-    """Rotate x (B, S, H, D) into out (same shape; may be x). Only the rotary channels are written."""
+def _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj, rotated_heads=None):
+    """Rotate x (B, S, H, D) into out (same shape; may be x). Only the rotary channels are written: those of
+    the first ``rotated_heads`` heads (default all) rotated, those of the others copied."""
     B, S, H, _ = x.shape
-    if H == 0:  # num_rotated_heads=0: nothing rotates
+    if H == 0:
         return
+    rotated_heads = H if rotated_heads is None else rotated_heads
     half = cos.shape[-1]
     block_h, block_k, warps = _tile(H, half)
     mode = 2 if positions is not None else (1 if offsets is not None else 0)
     pdl = programmatic_launch_enabled(x.device)
     _rotary_kernel[(B * S, cdiv(H, block_h))](
-        x, out, cos, sin, positions, offsets, offset, S, H, half, cos.shape[0],
+        x, out, cos, sin, positions, offsets, offset, S, H, rotated_heads, half, cos.shape[0],
         *x.stride()[:3], *out.stride()[:3], cos.stride(0), sin.stride(0),
-        POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, BLOCK_H=block_h, BLOCK_K=block_k, PDL=pdl,
-        num_warps=warps, **ROTATION_COMPILE_OPTIONS, **launch_options(pdl),
+        POS_MODE=mode, INTERLEAVED=interleaved, CONJ=conj, PASS_THROUGH=rotated_heads < H, BLOCK_H=block_h,
+        BLOCK_K=block_k, PDL=pdl, num_warps=warps, **ROTATION_COMPILE_OPTIONS, **launch_options(pdl),
     )
 
 
@@ -190,13 +199,9 @@ def _rotary(
     rotate in their first rotary_dim channels; every other element is copied through."""
     out = torch.empty_like(x)
     rotary_dim = 2 * cos.shape[-1]
-    x_rot, out_rot = x, out
-    if rotated_heads < x.shape[2]:
-        out[:, :, rotated_heads:].copy_(x[:, :, rotated_heads:])
-        x_rot, out_rot = x[:, :, :rotated_heads], out[:, :, :rotated_heads]
-    if rotary_dim < x.shape[-1]:
-        out_rot[..., rotary_dim:].copy_(x_rot[..., rotary_dim:])
-    _rotary_launch(x_rot, out_rot, cos, sin, positions, offsets, offset, interleaved, conj)
+    if rotary_dim < x.shape[-1]:  # channels the kernel does not touch, of every head
+        out[..., rotary_dim:].copy_(x[..., rotary_dim:])
+    _rotary_launch(x, out, cos, sin, positions, offsets, offset, interleaved, conj, rotated_heads)
     return out
 
 

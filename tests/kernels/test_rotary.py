@@ -100,6 +100,18 @@ def test_num_rotated_heads_rotates_q_and_k_of_a_packed_qkv(backend, rotary_dim):
         apply_rotary(qkv, cos, sin, num_rotated_heads=6, backend=backend)
 
 
+@pytest.mark.parametrize("rotated", [0, 3])
+def test_heads_passed_through_are_copied_bit_for_bit(rotated):
+    """The heads past num_rotated_heads come out exactly as they went in, non-finite values and bf16 included
+    (the kernel copies them; it does not rotate them by a zero angle)."""
+    qkv = torch.randn(2, 7, 5, 16, device=DEVICE, dtype=torch.bfloat16)
+    qkv[0, 1, 4, 3], qkv[1, 2, 3, 0], qkv[1, 5, 4, 9] = float("inf"), float("nan"), -float("inf")
+    cos, sin = _tables(16)
+    out = apply_rotary(qkv, cos, sin, num_rotated_heads=rotated, backend="triton")
+    assert torch.equal(out[:, :, rotated:].view(torch.int16), qkv[:, :, rotated:].view(torch.int16))
+    assert_close(out[:, :, :rotated], rot.apply_rotary_ref(qkv[:, :, :rotated], cos, sin), torch.bfloat16)
+
+
 def test_backward_is_inverse_rotation():
     """With no cos/sin gradients, the backward is the rotation by -sin: it undoes the forward."""
     x = torch.randn(2, 7, 2, 16, device=DEVICE, requires_grad=True)
