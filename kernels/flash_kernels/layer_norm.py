@@ -27,7 +27,7 @@ from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options
 from ._triton_utils import (
     as_rows, cdiv, dropout_seed, eager_function, next_power_of_2, num_programs, or_dummy,
-    or_placeholder, pick, placeholder, warps_for_block,
+    or_placeholder, placeholder, warps_for_block,
 )
 from .layer_norm_kernels import _norm_bwd_kernel, _norm_fwd_kernel
 from .layer_norm_ref import layer_norm_dual_ref, layer_norm_ref
@@ -194,6 +194,17 @@ def _norm_fwd(
     return y, y1, res_out, mean, rstd, seed, None if mask is None else mask.view(torch.bool)
 
 
+def _norm_fwd_shaped(x, weight, bias, weight1, bias1, residual, *args):
+    """``_norm_fwd`` on x and residual of any rank (..., N), its outputs in x's shape. Eager calls take this form:
+    the views to rows and back happen inside the autograd.Function, where autograd records none of them (made
+    around it, each would be a backward node of its own: four per call of a norm with a residual)."""
+    shape = x.shape
+    y, y1, res_out, mean, rstd, seed, mask = _norm_fwd(
+        as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual), *args)
+    return (y.view(shape), None if y1 is None else y1.view(shape), None if res_out is None else res_out.view(shape),
+            mean, rstd, seed, None if mask is None else mask.view(shape))
+
+
 # The tensors a backward plan takes, where present: H, W, W1, DY, DY1, DRES_OUT, MEAN, RSTD, DX, DRES, DW, DB, DW1,
 # DB1 (the last four: this call's partial-sum buffers).
 _BWD_PLANS = LaunchPlans()
@@ -339,6 +350,7 @@ def _norm_setup_context(ctx, inputs, output):
     # that exists is stored whenever autograd records this call, see _norm.)
     h = res_out if store_residual else x
     ctx.save_for_backward(h, weight, weight1, rowscale, mean, rstd, seed)
+    ctx.shape = x.shape  # (M, N) for the custom op; x's own for the eager Function (_norm_fwd_shaped)
     ctx.args = dict(dropout_p=dropout_p, is_rms_norm=is_rms_norm, zero_centered_weight=zero_centered_weight,
                     has_bias=bias is not None, has_bias1=bias1 is not None, has_residual=residual is not None,
                     x_dtype=x.dtype, residual_dtype=residual.dtype if residual is not None else x.dtype)
@@ -363,12 +375,13 @@ def _norm_backward_with(bwd, *, sums_in_param_dtypes: bool):
         if not ctx.store_residual or (dres_out is not None and dres_out.numel() == 0):
             dres_out = None
         extra = {"param_dtypes": ctx.param_dtypes} if sums_in_param_dtypes else {}
-        dx, dres, dw, db, dw1, db1 = bwd(h, as_rows(dy), None if dy1 is None else as_rows(dy1),
+        dx, dres, dw, db, dw1, db1 = bwd(as_rows(h), as_rows(dy), None if dy1 is None else as_rows(dy1),
                                          None if dres_out is None else as_rows(dres_out), weight, weight1,
                                          mean, rstd, rowscale, seed, **ctx.args, **extra)
         w_dt, b_dt, w1_dt, b1_dt = ctx.param_dtypes
         cast = lambda g, dt: None if dt is None else g if g.dtype == dt else g.to(dt)  # noqa: E731
-        dres = dres if ctx.args["has_residual"] else None
+        dx = dx.view(ctx.shape)
+        dres = dres.view(ctx.shape) if ctx.args["has_residual"] else None
         return (dx, cast(dw, w_dt), cast(db, b_dt), cast(dw1, w1_dt), cast(db1, b1_dt), dres,
                 None, None, None, None, None, None, None, None, None)
 
@@ -377,7 +390,7 @@ def _norm_backward_with(bwd, *, sums_in_param_dtypes: bool):
 
 _norm_fwd_op.register_autograd(_norm_backward_with(_norm_bwd_op, sums_in_param_dtypes=False),
                                setup_context=_norm_setup_context)
-_norm_eager = eager_function("FusedNorm", _norm_fwd, _norm_setup_context,
+_norm_eager = eager_function("FusedNorm", _norm_fwd_shaped, _norm_setup_context,
                              _norm_backward_with(_norm_bwd, sums_in_param_dtypes=True))
 
 
@@ -431,19 +444,21 @@ def _norm(
     # block's norm in inference (BERT) thus writes one tensor instead of two.
     grad = records_grad(x, weight, bias, weight1, bias1, residual)
     store_residual = _stream_exists(residual, rowscale, dropout_p) and (prenorm or grad)
-    y, y1, res_out, _, _, _, mask = pick(_norm_fwd_op, _norm_eager)(
-        as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual),
-        None if rowscale is None else rowscale.reshape(-1), float(eps), float(dropout_p), is_rms_norm,
-        zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
-        return_dropout_mask and dropout_p > 0.0,
-    )
-    # A view, even to the same shape, is one more autograd node (a backward step): none for rows passed as rows.
-    as_input = (lambda t: t) if len(shape) == 2 else (lambda t: t.view(shape))  # noqa: E731
-    out = [as_input(y)] + ([as_input(y1)] if dual else [])
+    args = (None if rowscale is None else rowscale.reshape(-1), float(eps), float(dropout_p), is_rms_norm,
+            zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
+            return_dropout_mask and dropout_p > 0.0)
+    if torch.compiler.is_compiling():  # the custom op takes rows
+        y, y1, res_out, _, _, _, mask = _norm_fwd_op(
+            as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual), *args)
+        # (an absent output is an empty placeholder: x is never empty here, see _unsupported)
+        y, y1, res_out, mask = (t.view(shape) if t.numel() else t for t in (y, y1, res_out, mask))
+    else:  # shaped in and out: no view for autograd to record (_norm_fwd_shaped)
+        y, y1, res_out, _, _, _, mask = _norm_eager(x, weight, bias, weight1, bias1, residual, *args)
+    out = [y] + ([y1] if dual else [])
     if prenorm:
-        out.append(as_input(res_out) if store_residual else x.to(residual_dtype))
+        out.append(res_out if store_residual else x.to(residual_dtype))
     if return_dropout_mask:
-        out.append(as_input(mask) if dropout_p > 0.0 else None)
+        out.append(mask if dropout_p > 0.0 else None)
     return tuple(out) if len(out) > 1 else out[0]
 
 

@@ -203,3 +203,16 @@ def test_rows_in_rows_out_add_no_view_to_the_autograd_graph():
     y3 = rms_norm(x.view(2, 2, 96), w, backend="triton")  # other shapes still come back in their own
     assert y3.shape == (2, 2, 96)
     assert_close(y3.view(4, 96), y, torch.float32, name="3-D vs 2-D")
+
+
+def test_an_eager_call_records_one_backward_node():
+    """Batched (3-D) inputs and outputs go to rows and back inside the autograd.Function: the call is one node
+    whose inputs are the leaves themselves (a view around it would be one more node, host time per step)."""
+    x = torch.randn(3, 5, 64, device=DEVICE, requires_grad=True)
+    r = torch.randn(3, 5, 64, device=DEVICE, requires_grad=True)
+    w = torch.randn(64, device=DEVICE, requires_grad=True)
+    y, h = rms_norm(x, w, residual=r, prenorm=True, backend="triton")
+    assert y.shape == h.shape == x.shape
+    assert y.grad_fn is h.grad_fn and type(y.grad_fn).__name__ == "FusedNormBackward"
+    leaves = {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None}
+    assert leaves == {"AccumulateGrad"}
