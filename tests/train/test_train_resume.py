@@ -70,3 +70,19 @@ def test_pure_bf16_with_master_weights_and_activation_checkpointing(tiny_config)
     assert all(m.dtype == torch.float32 for m in trainer.master.masters())
     assert trainer.history[-1]["loss"] < trainer.history[0]["loss"]
     assert "CheckpointWrapper" in type(trainer.model.blocks[0]).__name__
+
+
+def test_resumed_image_finetune_draws_the_same_augmentations(tiny_vit_config, tmp_path):
+    """Random crops, flips and mixup/cutmix draw from the generators a checkpoint records, while the next step's
+    batches load ahead: the resumed run continues with the uninterrupted run's losses exactly."""
+    overrides = ("train.max_steps=4", "train.micro_batch_size=4", "train.ema_decay=null", "train.export=false")
+    full = Trainer(tiny_vit_config(*overrides, f"train.output_dir={tmp_path / 'full'}"))
+    full.fit()
+    first = Trainer(tiny_vit_config(*overrides, f"train.output_dir={tmp_path / 'cut'}"))
+    for _ in range(2):
+        first.train_step()
+    first.save()
+    del first
+    resumed = Trainer(tiny_vit_config(*overrides, f"train.output_dir={tmp_path / 'cut'}", "train.resume=auto"))
+    resumed.fit()
+    assert losses(resumed) == losses(full)[2:]
