@@ -157,9 +157,73 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_state: DistState, ema=None, master=None) -> tuple[int, dict]:
-    """Restore everything ``save_checkpoint`` wrote; returns the step to continue after and the ``extra`` dict."""
+# Settings a resumed run may change freely: how it runs, evaluates, logs and saves, not what it computes.
+_FREE_TO_CHANGE = {
+    "model.attn_impl", "model.kernel_backend", "model.pretrained", "data.eval", "data.cache_dir",
+    "train.max_steps", "train.micro_batch_size", "train.compile", "train.compile_backend", "train.cuda_graphs",
+    "train.fused_loss", "train.device", "train.activation_checkpointing", "train.eval_every", "train.eval_batches",
+    "train.log_every", "train.save_every", "train.keep_checkpoints", "train.output_dir", "train.resume", "train.export",
+    "train.profile_steps", "train.tensorboard", "train.progress", "train.peak_tflops", "train.deterministic",
+    "train.stop_on_nonfinite", "distributed.ddp_bf16_compress", "distributed.fsdp_reshard_after_forward",
+}
+# Settings that decide what the saved tensors are: a checkpoint is resumed with the values it was written with.
+_FIXED = ("model.name", "model.task", "model.num_labels")
+
+
+def _flatten(config: dict) -> dict:
+    """Dotted keys; ``model.overrides`` (HF config fields) one key each."""
+    flat = {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
+    flat.update({f"model.overrides.{key}": value for key, value in flat.pop("model.overrides", {}).items()})
+    return flat
+
+
+def check_resumed_config(saved: dict | None, current: dict, *, saved_world: int | None, world: int, path: Path) -> None:
+    """Compare the config a checkpoint was written with (``extra["config"]``) to the resuming run's.
+
+    A different model, or a change that gives the saved tensors another meaning (pure bf16's fp32 master copies,
+    tensor parallelism's permuted rows), raises naming the keys. Other changes (the optimizer's settings, the data,
+    the seed, the global batch) are taken, with a warning naming them: the run then differs from an uninterrupted one."""
+    if saved is None:
+        return
+    old, new = _flatten(saved), _flatten(current)
+    changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k) and k not in _FREE_TO_CHANGE)
+
+    def values(keys):
+        return ", ".join(f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in keys)
+
+    fixed = [k for k in changed if k in _FIXED or k.startswith("model.overrides.")]
+    if fixed:
+        raise ValueError(f"{path} holds a model built with {values(fixed)}; resume it with the settings it was "
+                         "written with, or start a new run in another train.output_dir")
+    if "train.precision" in changed and "bf16" in (old["train.precision"], new["train.precision"]):
+        raise ValueError(f"{path} was written with {values(['train.precision'])}: pure bf16 keeps fp32 master weights "
+                         "the other precisions lack; resume with the precision it was written with")
+    tp = "tp" in (old.get("distributed.strategy"), new.get("distributed.strategy"))
+    if tp and ("distributed.strategy" in changed or saved_world != world):
+        raise ValueError(f"{path} was written by {saved_world} tensor-parallel ranks with "
+                         f"{values(['distributed.strategy'])}, this run has {world} ranks: a tensor-parallel "
+                         "checkpoint holds its fused projections in per-rank row order, so it is resumed by the same "
+                         "strategy and number of ranks")
+    changed = [k for k in changed if k != "distributed.strategy"]  # any other strategy saves full tensors
+    if changed:
+        log.warning("resuming %s with settings other than those it was written with: %s; the run continues with "
+                    "the new values (the optimizer's too), so it is not the run that wrote the checkpoint continued",
+                    path, values(changed))
+
+
+def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_state: DistState, ema=None, master=None,
+                    config: dict | None = None) -> tuple[int, dict]:
+    """Restore everything ``save_checkpoint`` wrote; returns the step to continue after and the ``extra`` dict.
+
+    ``config`` (the resuming run's, as a dict) is checked against the checkpoint's (``check_resumed_config``). The
+    optimizer's settings (learning rate, weight decay, betas, eps) stay those the optimizer and scheduler were
+    built with: loading their states would otherwise bring back the saved run's values silently."""
     state = safe_torch_load(path / STATE_FILE, what="training state")
+    extra = state["extra"]
+    if config is not None:
+        check_resumed_config(extra.get("config"), config, saved_world=extra.get("world"), world=dist_state.world,
+                             path=path)
+    configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
     if dist_state.strategy == "none":
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -173,6 +237,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_st
         else:
             set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     scheduler.load_state_dict(state["scheduler"])
+    _keep_configured_hyperparameters(optimizer, scheduler, configured)
     sampler.load_state_dict(state["sampler"])
     if ema is not None:
         if state["ema"] is None:
@@ -185,4 +250,15 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_st
         set_rng_state(safe_torch_load(rng_file, what="RNG state"))
     else:
         log.warning("%s has no RNG state for rank %d (different world size?): continuing with fresh generators", path, dist_state.rank)
-    return int(state["step"]), state["extra"]
+    return int(state["step"]), extra
+
+
+def _keep_configured_hyperparameters(optimizer, scheduler, configured: list[dict]) -> None:
+    """Put back the groups' settings from before the load, and the learning rate the (LambdaLR) schedule gives
+    this step from the configured peak: unchanged settings give back exactly the loaded values."""
+    for group, settings in zip(optimizer.param_groups, configured, strict=True):
+        group.update(settings)
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -139,7 +139,8 @@ class Trainer:
             path = find_checkpoint(t.resume, self.output_dir)
             if path is not None:
                 self.step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                            sampler=self.sampler, dist_state=self.dist, ema=self.ema, master=self.master)
+                                                   sampler=self.sampler, dist_state=self.dist, ema=self.ema,
+                                                   master=self.master, config=cfg.to_dict())
                 self.tokens_seen = int(extra.get("tokens_seen", 0))
                 log.info("resumed from %s at step %d", path, self.step)
         self.metrics = MetricsLog(self.output_dir, enabled=self.dist.is_main, tensorboard=t.tensorboard)
@@ -438,8 +439,8 @@ class Trainer:
             return None
         return save_checkpoint(self.output_dir / "checkpoints", step=self.step, model=self.model, optimizer=self.optimizer,
                                scheduler=self.scheduler, sampler=self.sampler, dist_state=self.dist, ema=self.ema,
-                               master=self.master, extra={"config": self.cfg.to_dict(), "tokens_seen": self.tokens_seen},
-                               keep=self.cfg.train.keep_checkpoints or None)
+                               master=self.master, keep=self.cfg.train.keep_checkpoints or None,
+                               extra={"config": self.cfg.to_dict(), "tokens_seen": self.tokens_seen, "world": self.dist.world})
 
     def export(self, directory: Path | None = None) -> Path | None:
         """save_pretrained the trained model (and the EMA weights into ``final_ema``) in HF layout, with the

@@ -1,9 +1,13 @@
 import json
+import re
+from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
 from flash_models.train import Trainer
+from flash_models.train.checkpoint import check_resumed_config
 
 
 def losses(trainer):
@@ -86,3 +90,45 @@ def test_resumed_image_finetune_draws_the_same_augmentations(tiny_vit_config, tm
     resumed = Trainer(tiny_vit_config(*overrides, f"train.output_dir={tmp_path / 'cut'}", "train.resume=auto"))
     resumed.fit()
     assert losses(resumed) == losses(full)[2:]
+
+
+def test_resume_takes_the_configured_optimizer_settings_and_names_what_changed(tiny_config, tmp_path, caplog):
+    """Loading the optimizer's and scheduler's states brought back the saved lr and weight decay, whatever the
+    resuming config said."""
+    Trainer(tiny_config(train={"save_every": 2})).fit()
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    same = Trainer(tiny_config(train={"resume": checkpoint}))
+    with caplog.at_level("WARNING", logger="flash_models.train.checkpoint"):
+        changed = Trainer(tiny_config(train={"resume": checkpoint}, optim={"lr": 1e-5, "weight_decay": 0.03}))
+    factor = same.optimizer.param_groups[0]["lr"] / 3e-3  # the schedule's factor at step 2 (lr 3e-3 saved)
+    assert 0 < factor < 1
+    for group in changed.optimizer.param_groups:
+        assert group["lr"] == 1e-5 * factor and group["initial_lr"] == 1e-5
+    assert sorted(g["weight_decay"] for g in changed.optimizer.param_groups) == [0.0, 0.03]
+    assert changed.scheduler.get_last_lr() == [1e-5 * factor] * 2
+    assert "optim.lr=0.003 (now 1e-05)" in caplog.text and "optim.weight_decay=0.1 (now 0.03)" in caplog.text
+    changed.fit()
+    assert [h["lr"] for h in changed.history] == [1e-5 * changed.scheduler.lr_lambdas[0](s) for s in (2, 3)]
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model": {"overrides": {"n_layer": 3}}}, "model.overrides.n_layer=2 (now 3)"),
+    ({"train": {"precision": "bf16"}}, "train.precision='fp32' (now 'bf16')"),
+])
+def test_resume_with_another_model_or_weight_precision_is_refused_naming_the_key(tiny_config, tmp_path, change, named):
+    Trainer(tiny_config(train={"save_every": 2})).fit()
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    change = {**change, "train": {**change.get("train", {}), "resume": checkpoint}}
+    if "model" in change:  # one field of the tiny model changed
+        change["model"] = {"overrides": {**tiny_config().model.overrides, **change["model"]["overrides"]}}
+    with pytest.raises(ValueError, match=re.escape(named)):
+        Trainer(tiny_config(**change))
+
+
+def test_tensor_parallel_checkpoints_resume_only_with_the_same_ranks():
+    saved = {"model": {"overrides": {}}, "distributed": {"strategy": "tp"}}
+    check_resumed_config(saved, saved, saved_world=2, world=2, path=Path("ckpt"))
+    with pytest.raises(ValueError, match="per-rank row order"):
+        check_resumed_config(saved, saved, saved_world=2, world=4, path=Path("ckpt"))
+    with pytest.raises(ValueError, match="distributed.strategy='tp' \\(now 'ddp'\\)"):
+        check_resumed_config(saved, {**saved, "distributed": {"strategy": "ddp"}}, saved_world=2, world=2, path=Path("ckpt"))
