@@ -22,6 +22,7 @@ class DataBundle:
     eval: object | None
     collate: Callable
     tokenizer: object | None = None
+    label_names: list[str] | None = None  # classification: class i's name (the exported config's id2label)
 
 
 def build_model(cfg: ExperimentConfig) -> nn.Module:
@@ -92,6 +93,18 @@ def tokenizer_name(cfg: ExperimentConfig) -> str:
     raise ValueError("data.tokenizer is required for a random-init model (an HF folder, a .gguf file, an alias, or 'bytes')")
 
 
+def check_labels(labels, num_labels: int, spec: str, *, names: list[str] | None) -> None:
+    """Every class id in [0, num_labels): cross-entropy would otherwise fail on the device mid-step, or (a class
+    count above the head's) never see a class named."""
+    if names is not None and len(names) > num_labels:
+        raise ValueError(f"{spec} has {len(names)} classes {list(names)}, more than model.num_labels={num_labels}; "
+                         f"set model.num_labels={len(names)}")
+    outside = sorted({label for label in labels if not 0 <= label < num_labels})
+    if outside:
+        raise ValueError(f"{spec} has labels {outside[:5]} outside 0..{num_labels - 1} (model.num_labels={num_labels}); "
+                         "class ids count from 0: set model.num_labels above the largest, or give the labels as names")
+
+
 def build_data(cfg: ExperimentConfig, *, vocab_size: int | None = None) -> DataBundle:
     d = cfg.data
     if d.format == "synthetic":
@@ -102,7 +115,8 @@ def build_data(cfg: ExperimentConfig, *, vocab_size: int | None = None) -> DataB
     if d.format == "image_folder":
         train = ImageFolderData(d.train, image_size=d.image_size, train=True)
         evaluation = ImageFolderData(d.eval, image_size=d.image_size, train=False, class_to_idx=train.class_to_idx) if d.eval else None
-        return DataBundle(train, evaluation, collate_images)
+        check_labels(range(len(train.classes)), cfg.model.num_labels, d.train, names=train.classes)
+        return DataBundle(train, evaluation, collate_images, label_names=train.classes)
     tokenizer = load_tokenizer(tokenizer_name(cfg))
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab_size}; "
@@ -110,10 +124,13 @@ def build_data(cfg: ExperimentConfig, *, vocab_size: int | None = None) -> DataB
     if d.format == "classification":
         train = TextClassification(d.train, tokenizer, d)
         evaluation = TextClassification(d.eval, tokenizer, d, label_names=train.label_names) if d.eval else None
+        for spec, ds in ((d.train, train), (d.eval, evaluation)):
+            if ds is not None:
+                check_labels(ds.labels, cfg.model.num_labels, spec, names=train.label_names)
         # Graph replays need fixed shapes and no host reads: rows are packed into buckets on the host.
         collate = (functools.partial(collate_packed_classification, seq_len=d.seq_len) if cfg.train.cuda_graphs
                    else collate_classification)
-        return DataBundle(train, evaluation, collate, tokenizer)
+        return DataBundle(train, evaluation, collate, tokenizer, label_names=train.label_names)
     sft = d.format == "sft"
 
     def dataset(spec):

@@ -44,7 +44,11 @@ class ModelSection:
     kernel_backend: str = "auto"
 
     def validate(self, prefix: str) -> None:
+        _non_empty(prefix + "name", self.name)
         _choice(prefix + "task", self.task, TASKS)
+        if self.task != "causal_lm" and self.num_labels < 2:
+            raise ConfigError(f"{prefix}num_labels must be >= 2 for model.task={self.task!r} (the Trainer trains "
+                              f"single-label classification with cross-entropy), got {self.num_labels}")
         _choice(prefix + "attn_impl", self.attn_impl, ("eager", "sdpa", "flash", "auto"))
         _choice(prefix + "kernel_backend", self.kernel_backend, ("reference", "triton", "auto"))
 
@@ -74,6 +78,9 @@ class DataSection:
 
     def validate(self, prefix: str) -> None:
         _choice(prefix + "format", self.format, DATA_FORMATS)
+        for name in ("train", "eval", "tokenizer", "cache_dir"):
+            if getattr(self, name) is not None:
+                _non_empty(prefix + name, getattr(self, name))
         _choice(prefix + "packing", self.packing, PACKING)
         _positive(prefix + "seq_len", self.seq_len)
         _positive(prefix + "image_size", self.image_size)
@@ -144,6 +151,12 @@ class TrainSection:
 
     def validate(self, prefix: str) -> None:
         _choice(prefix + "precision", self.precision, PRECISIONS)
+        _non_empty(prefix + "output_dir", self.output_dir)
+        _non_empty(prefix + "device", self.device)
+        if self.resume is not None:
+            _non_empty(prefix + "resume", self.resume, fix="; use 'auto', a checkpoint folder, or null")
+        if not 0 <= self.seed < 2**32:  # numpy's generators take seeds in [0, 2**32)
+            raise ConfigError(f"{prefix}seed must lie in [0, 2**32), got {self.seed}")
         _positive(prefix + "max_steps", self.max_steps)
         _positive(prefix + "micro_batch_size", self.micro_batch_size)
         _positive(prefix + "global_batch_size", self.global_batch_size)
@@ -180,6 +193,8 @@ class ExperimentConfig:
             raise ConfigError(f"data.format={self.data.format!r} needs a classification task, not model.task='causal_lm'")
         if self.model.task != "causal_lm" and self.data.format not in ("classification", "image_folder", "synthetic"):
             raise ConfigError(f"model.task={self.model.task!r} needs data.format 'classification' or 'image_folder'")
+        if self.model.task == "causal_lm" and self.data.seq_len < 2:  # a window of one token has nothing to predict
+            raise ConfigError(f"data.seq_len must be >= 2 for model.task='causal_lm', got {self.data.seq_len}")
 
         if (self.data.mixup_alpha or self.data.cutmix_alpha) and self.train.micro_batch_size % 2:
             raise ConfigError("data.mixup_alpha / data.cutmix_alpha need an even train.micro_batch_size "
@@ -193,6 +208,11 @@ class ExperimentConfig:
 def _choice(key: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of {choices}")
+
+
+def _non_empty(key: str, value: str, fix: str = "") -> None:
+    if not value.strip():  # an empty path reads as the current folder
+        raise ConfigError(f"{key} is empty{fix}")
 
 
 def _positive(key: str, value, fix: str = "") -> None:

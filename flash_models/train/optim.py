@@ -13,15 +13,22 @@ from .config import OptimSection
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices only (2-D and up); biases, norm weights and embedding tables get none.
 
-    Decided by shape and by the owning module being an ``nn.Embedding``, so it holds for our models and HF's
-    alike (HF GPT-2's Conv1D matrices decay too; a tied LM head is the embedding table, seen once)."""
+    Decided by shape, by the owning module being an ``nn.Embedding``, and by the names a model lists in
+    ``no_weight_decay()`` (timm's convention: a ViT's class token and position table), so it holds for our
+    models, HF's and timm's alike (HF GPT-2's Conv1D matrices decay too; a tied LM head is the embedding table,
+    seen once)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # its names start with "module."
+        model = model.module
+    exempt = set(model.no_weight_decay()) if callable(getattr(model, "no_weight_decay", None)) else set()
     decay, no_decay, seen = [], [], set()
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            (decay if param.dim() >= 2 and not isinstance(module, nn.Embedding) else no_decay).append(param)
+            full_name = f"{module_name}.{name}" if module_name else name
+            matrix = param.dim() >= 2 and not isinstance(module, nn.Embedding) and full_name not in exempt
+            (decay if matrix else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

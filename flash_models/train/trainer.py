@@ -463,7 +463,7 @@ class Trainer:
 
     def _export_folder(self, state: dict, directory: Path) -> None:
         with atomic_folder(directory, owned=owned_by_model_save) as tmp:
-            _save_pretrained(self.raw_model, state, tmp)
+            _save_pretrained(self.raw_model, state, tmp, label_names=self.data.label_names)
             if self.data.tokenizer is not None and hasattr(self.data.tokenizer, "save_pretrained"):
                 self.data.tokenizer.save_pretrained(tmp)
 
@@ -575,13 +575,17 @@ def _vocab_size(model: nn.Module) -> int | None:
     return None
 
 
-def _save_pretrained(model: nn.Module, state: dict, directory: Path) -> None:
+def _save_pretrained(model: nn.Module, state: dict, directory: Path, *, label_names: list[str] | None = None) -> None:
     """Write ``state`` (full, canonical rows) in HF layout: for our models through a fresh, unwrapped copy of
-    the family's class (no DDP/FSDP/TP/compile/checkpoint wrappers); an HF model saves it directly."""
+    the family's class (no DDP/FSDP/TP/compile/checkpoint wrappers); an HF model saves it directly. A classifier's
+    config names its classes (``id2label``) after the data's labels, where the data named them."""
     if hasattr(model.config, "to_hf"):
         from ..checkpoint.loader import build_model as build_from_hf
 
-        clean = build_from_hf(model.config.to_hf(), attn_impl=model.attn_impl, kernel_backend=model.kernel_backend, device="meta")
+        hf = model.config.to_hf()
+        if label_names:
+            hf.id2label = {i: label_names[i] if i < len(label_names) else name for i, name in hf.id2label.items()}
+        clean = build_from_hf(hf, attn_impl=model.attn_impl, kernel_backend=model.kernel_backend, device="meta")
         clean.load_state_dict(state, strict=True, assign=True)
         clean.save_pretrained(directory)
     else:

@@ -240,3 +240,39 @@ def test_packed_classification_buckets():
     assert len({n for _, n in shapes}) == 1 and len(shapes) <= 4
     with pytest.raises(ValueError, match="longer than seq_len=16"):
         collate_packed_classification([{"input_ids": [1] * 17, "labels": 0, "pad_id": 0}], seq_len=16)
+
+
+def test_param_groups_do_not_decay_a_vits_tokens_and_position_table():
+    """timm's recipes (and configs/vit-finetune.yaml's weight decay) exempt them; they were decayed as matrices."""
+    from flash_models import from_timm
+
+    model = from_timm("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=1, num_classes=3)
+    decay, no_decay = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {"cls_token", "pos_embed"} <= {names[id(p)] for p in no_decay["params"]}
+    assert {names[id(p)] for p in decay["params"]} == {"patch_embed.weight", "head.weight"} | {
+        f"blocks.0.{n}.weight" for n in ("attn.qkv", "attn.out_proj", "mlp.fc1", "mlp.fc2")}
+
+
+def test_classes_beyond_num_labels_are_refused_and_the_export_names_the_classes(tmp_path, bert_example, tiny_bert_overrides):
+    """Labels outside the head failed mid-step in cross-entropy, without naming model.num_labels; string labels were
+    exported as LABEL_0.. instead of their names."""
+    import transformers
+
+    from flash_models.train import load_config
+
+    config, _ = bert_example
+    names = ["pos", "neg", "neutral"]
+    rows = [{"text": f"row {i} " * (i % 5 + 1), "label": names[i % 3]} for i in range(16)]
+    (tmp_path / "three.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    overrides = tiny_bert_overrides(tmp_path / "run", tmp_path / "three.jsonl", tokenizer="bytes") + [
+        "train.max_steps=1", "train.precision=fp32", "train.device=cpu", "train.progress=false"]
+    with pytest.raises(ValueError, match=r"3 classes \['neg', 'neutral', 'pos'\].*set model\.num_labels=3"):
+        Trainer(load_config(config, overrides))
+    (tmp_path / "ids.jsonl").write_text("\n".join(json.dumps({"text": r["text"], "label": i % 3}) for i, r in enumerate(rows)))
+    with pytest.raises(ValueError, match=r"labels \[2\] outside 0\.\.1 \(model\.num_labels=2\)"):
+        Trainer(load_config(config, [*overrides, f"data.train={tmp_path / 'ids.jsonl'}"]))
+    Trainer(load_config(config, [*overrides, "model.num_labels=4", "train.export=true"])).fit()
+    hf = transformers.AutoConfig.from_pretrained(tmp_path / "run" / "final")
+    assert hf.id2label == {0: "neg", 1: "neutral", 2: "pos", 3: "LABEL_3"}
+    assert hf.label2id == {"neg": 0, "neutral": 1, "pos": 2, "LABEL_3": 3}

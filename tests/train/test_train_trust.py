@@ -94,6 +94,14 @@ def test_crash_while_resaving_a_checkpoint_keeps_the_old_one(tiny_config, tmp_pa
     ({"optim": {"min_lr_ratio": 2.0}}, r"optim\.min_lr_ratio must lie in \[0, 1\]"),
     ({"train": {"save_every": -1}}, r"train\.save_every must be >= 0"),
     ({"data": {"label_smoothing": float("nan")}}, r"data\.label_smoothing=nan is not a finite number"),
+    ({"train": {"seed": -1}}, r"train\.seed must lie in \[0, 2\*\*32\)"),  # numpy refused it mid-build
+    ({"train": {"seed": 2**32}}, r"train\.seed must lie in \[0, 2\*\*32\)"),
+    ({"data": {"format": "synthetic", "seq_len": 1}}, r"data\.seq_len must be >= 2 for model\.task='causal_lm'"),  # trained on nothing
+    ({"model": {"task": "sequence_classification", "num_labels": 1}, "data": {"format": "classification", "train": "t"}},
+     r"model\.num_labels must be >= 2"),
+    ({"data": {"format": "text", "train": ""}}, r"data\.train is empty"),  # read the current folder as the corpus
+    ({"train": {"output_dir": " "}}, r"train\.output_dir is empty"),
+    ({"train": {"resume": ""}}, r"train\.resume is empty; use 'auto'"),
 ])
 def test_numeric_config_values_are_checked(override, problem):
     with pytest.raises(ConfigError, match=problem):
@@ -145,3 +153,11 @@ def test_export_replaces_the_previous_export_whole(tiny_config, tmp_path):
     trainer.export()
     assert sorted(p.name for p in final.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+@pytest.mark.parametrize("device, problem", [("gpu", "not a device torch knows"), ("cuda", "CUDA is not available")])
+def test_a_device_that_cannot_run_is_named(tiny_config, device, problem):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match=f"train.device='{device}'.*{problem}"):
+        Trainer(tiny_config(train={"device": device}))

@@ -66,7 +66,8 @@ class BertConfig:
 
     def to_hf(self) -> transformers.BertConfig:
         hf = hf_class(self.hf_config_class)(**{name: getattr(self, name) for name in self._PLAIN},
-                                     id2label=dict(enumerate(self.labels)))
+                                     id2label=dict(enumerate(self.labels)),
+                                     label2id={name: i for i, name in enumerate(self.labels)})
         hf.architectures = [self.architecture]
         return hf
 

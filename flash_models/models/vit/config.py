@@ -109,7 +109,7 @@ class ViTConfig:
             hidden_act=self.hidden_act, layer_norm_eps=self.layer_norm_eps, qkv_bias=self.qkv_bias,
             hidden_dropout_prob=self.hidden_dropout_prob, attention_probs_dropout_prob=self.attention_probs_dropout_prob,
             initializer_range=self.initializer_range, encoder_stride=self.encoder_stride, id2label=dict(enumerate(labels)),
-            problem_type=self.problem_type,
+            label2id={name: i for i, name in enumerate(labels)}, problem_type=self.problem_type,
         )
         hf.architectures = ["ViTForImageClassification" if self.num_classes else "ViTModel"]
         return hf

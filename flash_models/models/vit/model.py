@@ -56,6 +56,10 @@ class VisionTransformer(PretrainedModel):
         self.graphed: GraphedInference | None = None  # set by use_cuda_graphs()
         self.init_weights()
 
+    def no_weight_decay(self) -> set[str]:
+        """timm's convention: the learned tokens and position table are not decayed (an embedding, not a weight)."""
+        return {"cls_token", "reg_token", "pos_embed"}
+
     def init_weights(self) -> None:
         """timm/HF practice: truncated normal (std initializer_range) for linears, the patch conv, the tokens and
         position table; zero biases; unit norms."""
