@@ -51,9 +51,10 @@ def seed_everything(seed: int) -> None:
 
 
 def block_list(model: nn.Module) -> nn.ModuleList | None:
-    """The model's transformer blocks: ours keep them in ``.blocks``; HF decoders in ``.model.layers`` or
-    ``.transformer.h``."""
-    for path in ("blocks", "model.layers", "transformer.h", "encoder.layers", "bert.encoder.layer", "vit.encoder.layer"):
+    """The model's transformer blocks: ours keep them in ``.blocks`` (BERT's task heads in ``.bert.blocks``); HF
+    decoders in ``.model.layers`` or ``.transformer.h``."""
+    for path in ("blocks", "bert.blocks", "model.layers", "transformer.h", "encoder.layers", "bert.encoder.layer",
+                 "vit.encoder.layer"):
         try:
             found = model.get_submodule(path)
         except AttributeError:
@@ -63,12 +64,17 @@ def block_list(model: nn.Module) -> nn.ModuleList | None:
     return None
 
 
-def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
-    """Recompute every ``every``-th block's activations in backward (modules.recompute.checkpoint_blocks)."""
+def blocks_for(model: nn.Module, setting: str) -> nn.ModuleList:
+    """``block_list``, or an error naming the setting that needs the blocks."""
     blocks = block_list(model)
     if blocks is None:
-        raise ValueError(f"train.activation_checkpointing: cannot find the transformer blocks of {type(model).__name__}")
-    checkpoint_blocks(blocks, every=every)
+        raise ValueError(f"{setting}: cannot find the transformer blocks of {type(model).__name__}")
+    return blocks
+
+
+def apply_activation_checkpointing(model: nn.Module, every: int) -> None:
+    """Recompute every ``every``-th block's activations in backward (modules.recompute.checkpoint_blocks)."""
+    checkpoint_blocks(blocks_for(model, "train.activation_checkpointing"), every=every)
 
 
 @dataclass
@@ -160,7 +166,7 @@ class Trainer:
         if cfg.train.compile:
             backend = cfg.train.compile_backend
             if dist_state.strategy in ("fsdp", "tp"):
-                for block in block_list(model):
+                for block in blocks_for(model, "train.compile"):
                     block.compile(backend=backend)
             else:
                 model.compile(backend=backend)
@@ -168,7 +174,7 @@ class Trainer:
         if dist_state.strategy == "ddp":
             model = D.apply_ddp(model, dist_state, bf16_compress=cfg.distributed.ddp_bf16_compress)
         elif dist_state.strategy == "fsdp":
-            model = D.apply_fsdp(model, list(block_list(model)), dist_state, bf16=pure_bf16,
+            model = D.apply_fsdp(model, list(blocks_for(model, "distributed.strategy='fsdp'")), dist_state, bf16=pure_bf16,
                                  reshard_after_forward=cfg.distributed.fsdp_reshard_after_forward)
         if pure_bf16 and dist_state.strategy != "fsdp":  # FSDP's sharded fp32 parameters are the masters
             master = MasterWeights(model, param_groups(model, cfg.optim.weight_decay))

@@ -21,6 +21,20 @@ LLAMA = {"vocab_size": 257, "hidden_size": 32, "intermediate_size": 48, "num_hid
          "num_key_value_heads": 2, "max_position_embeddings": 64, "bos_token_id": 256, "eos_token_id": 256}
 
 
+def run_workers(runs: dict, tmp_path: Path) -> dict:
+    """dist_worker.py under torchrun on 2 gloo ranks: each run's results, by name."""
+    config_file, out_file = tmp_path / "runs.json", tmp_path / "out.json"
+    config_file.write_text(json.dumps(runs))
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "kernels")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+         str(config_file), str(out_file)], env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out_file.read_text())
+
+
 def test_fused_row_order_gives_each_rank_its_own_heads():
     order = fused_row_order([4, 2, 2], 2)  # q 4 rows, k 2, v 2 -> rank 0: q0 q1 k0 v0 | rank 1: q2 q3 k1 v1
     assert order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
@@ -83,15 +97,7 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
             run["train"]["output_dir"] = str(tmp_path / f"{key}-{family}")
             run["train"]["export"] = key == "tp"
             runs[f"{key}-{family}"] = run
-    config_file, out_file = tmp_path / "runs.json", tmp_path / "out.json"
-    config_file.write_text(json.dumps(runs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-         str(config_file), str(out_file)], env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(out_file.read_text())
+    results = run_workers(runs, tmp_path)
     assert sorted(results) == sorted(runs)
     assert all("resumed_losses" in results[k] for k in runs if runs[k].get("check_resume"))
 
@@ -122,3 +128,24 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
         ids = torch.randint(0, 257, (1, 16))
         with torch.no_grad():
             assert torch.allclose(hf(ids).logits, single.model(ids).logits, atol=1e-4)
+
+
+def test_bert_classifier_ddp_and_fsdp_match_single_process(tmp_path, bert_example, tiny_bert_overrides):
+    """Sequence classification on 2 gloo ranks: FSDP found no blocks in a BERT task head (a TypeError)."""
+    config, tiny_sentiment = bert_example
+    train, _ = tiny_sentiment(tmp_path)
+    base = load_config(config, [*tiny_bert_overrides(tmp_path / "single", train, tokenizer="bytes"), "train.max_steps=3",
+                                "train.micro_batch_size=2", "train.precision=fp32", "train.device=cpu",
+                                "train.progress=false", "train.export=false"]).to_dict()
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        run = json.loads(json.dumps(base))
+        run["distributed"]["strategy"] = strategy
+        run["train"]["output_dir"] = str(tmp_path / strategy)
+        runs[f"{strategy}-bert"] = run
+    results = run_workers(runs, tmp_path)
+    single = Trainer(load_config(base))
+    single.fit()
+    reference = [h["loss"] for h in single.history]
+    for key, result in results.items():
+        assert result["losses"] == pytest.approx(reference, rel=1e-5), key

@@ -27,6 +27,25 @@ def test_activation_checkpointing_gives_the_same_losses(tiny_config, tmp_path):
     assert runs[1] == pytest.approx(runs[0], rel=1e-6) and runs[2] == pytest.approx(runs[0], rel=1e-6)
 
 
+def test_activation_checkpointing_of_a_bert_classifier(tmp_path, bert_example, tiny_bert_overrides):
+    """A BERT task head keeps its blocks in .bert.blocks: they were not found ("cannot find the transformer
+    blocks"), and FSDP failed on them with a TypeError."""
+    from flash_models.train import load_config
+
+    config, tiny_sentiment = bert_example
+    train, _ = tiny_sentiment(tmp_path)
+    runs = {}
+    for every in (0, 1):
+        overrides = tiny_bert_overrides(tmp_path / str(every), train, tokenizer="bytes")
+        trainer = Trainer(load_config(config, [*overrides, "train.max_steps=2", "train.precision=fp32", "train.device=cpu",
+                                               "train.progress=false", "train.export=false",
+                                               f"train.activation_checkpointing={every}"]))
+        trainer.fit()
+        runs[every] = [h["loss"] for h in trainer.history]
+        assert all(("CheckpointWrapper" in type(b).__name__) == bool(every) for b in trainer.model.bert.blocks)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-6)
+
+
 def test_ema_tracks_weights(tiny_config):
     trainer = Trainer(tiny_config(train={"max_steps": 3, "ema_decay": 0.5}))
     before = [s.clone() for s in trainer.ema.shadow]
