@@ -20,17 +20,22 @@ def _data_exists(fmt: str, spec: str) -> bool:
 def check_experiment(config: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """The config, loaded and validated; FileNotFoundError names the first data or tokenizer path that does not
     exist (and the override that fixes it)."""
+    cfg = load_config(config, overrides)
+    check_paths(cfg, origin=f" (from {config})")
+    return cfg
+
+
+def check_paths(cfg: ExperimentConfig, *, origin: str = "") -> None:
+    """FileNotFoundError naming the first data or tokenizer path of ``cfg`` that does not exist, and the key."""
     from ..embedded import ALIASES
 
-    cfg = load_config(config, overrides)
     data = cfg.data
     if data.format != "synthetic":
-        for key, spec in (("train", data.train), ("eval", data.eval)):
+        for key, spec, other in (("train", data.train, "data.format=synthetic"), ("eval", data.eval, "data.eval=null")):
             if spec is not None and not _data_exists(data.format, spec):
-                raise FileNotFoundError(f"data.{key}: no data at {spec!r} (from {config}); point it at your data "
-                                        f"with data.{key}=PATH (or try data.format=synthetic)")
+                raise FileNotFoundError(f"data.{key}: no data at {spec!r}{origin}; point it at your data "
+                                        f"with data.{key}=PATH (or try {other})")
     tokenizer = data.tokenizer
     if tokenizer is not None and tokenizer != "bytes" and tokenizer not in ALIASES and not Path(tokenizer).exists():
-        raise FileNotFoundError(f"data.tokenizer: no tokenizer at {tokenizer!r} (from {config}); give a tokenizer "
+        raise FileNotFoundError(f"data.tokenizer: no tokenizer at {tokenizer!r}{origin}; give a tokenizer "
                                 f"folder, a .gguf file, an alias ({', '.join(ALIASES)}) or 'bytes' with data.tokenizer=...")
-    return cfg

@@ -35,6 +35,7 @@ from .data import IGNORE, StepSampler
 from ..runtime.train_graphs import GraphedLoss, check_graphable
 from .metrics import EMA, MetricsLog, clip_coefficient, clip_grad_norm, flops_per_token, grad_norm, measure_matmul_peak
 from .optim import MasterWeights, build_optimizer, build_scheduler, param_groups
+from .preflight import check_paths
 from .prefetch import StepPrefetcher
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class Trainer:
     def __init__(self, config: ExperimentConfig, *, model: nn.Module | None = None, data: DataBundle | None = None):
         self.cfg = cfg = config
         t = cfg.train
+        if data is None:
+            check_paths(cfg)  # before anything loads: the key whose data or tokenizer path is missing
         self.dist = D.setup(cfg.distributed.strategy, t.device)
         self.device = self.dist.device
         if t.cuda_graphs:  # refused before any data or model is built

@@ -161,3 +161,9 @@ def test_a_device_that_cannot_run_is_named(tiny_config, device, problem):
         pytest.skip("CUDA is available here")
     with pytest.raises(ValueError, match=f"train.device='{device}'.*{problem}"):
         Trainer(tiny_config(train={"device": device}))
+
+
+def test_a_missing_data_path_is_named_by_its_key_from_python(tiny_config, tmp_path):
+    """The CLI's preflight named it; Trainer(config) failed deep in the loader with the bare path."""
+    with pytest.raises(FileNotFoundError, match=r"data\.eval: no data at .*nope\.jsonl.*data\.eval=null"):
+        Trainer(tiny_config(data={"eval": str(tmp_path / "nope.jsonl")}))
