@@ -104,8 +104,7 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
                 swap_in(tmp, final, owned=owns_everything)
                 _write_text_atomic(directory / "latest", final.name)
                 if keep:
-                    for old in sorted(directory.glob("step_*"))[:-keep]:
-                        shutil.rmtree(old, ignore_errors=True)
+                    _remove_older(directory, final, keep)
         except Exception as err:  # noqa: BLE001
             failure = err
         _raise_unless_every_rank_succeeded(dist_state, failure, f"swapping in checkpoint {final}")
@@ -114,6 +113,25 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after the swap
     log.info("saved checkpoint %s", final)
     return final
+
+
+def _remove_older(directory: Path, final: Path, keep: int) -> None:
+    """Keep the ``keep`` newest checkpoints up to ``final``, the one just written. Later ones, left by a run that
+    went further before this one resumed from an earlier checkpoint, are replaced as this run reaches them."""
+    done = sorted(p for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.name <= final.name)
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_no_checkpoints(output_dir: Path) -> None:
+    """A run that resumes nothing must not write into a folder of another run's checkpoints: ``latest`` and the
+    keep-N cleanup would mix the two runs' steps."""
+    folder = output_dir / "checkpoints"
+    found = sorted(p.name for p in folder.iterdir() if _STEP_NAME.fullmatch(p.name)) if folder.is_dir() else []
+    if found:
+        raise ValueError(f"train.output_dir={str(output_dir)!r} holds checkpoints of an earlier run (newest: {found[-1]}); "
+                         "continue it with train.resume=auto, or start over in another train.output_dir (or delete "
+                         f"{folder})")
 
 
 def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception | None, what: str) -> None:

@@ -151,16 +151,17 @@ class EMA:
 
 # ------------------------------------------------------------------------------------------------------------
 class MetricsLog:
-    """One JSON object per line in ``metrics.jsonl``, mirrored to TensorBoard when asked."""
+    """One JSON object per line in ``metrics.jsonl``, mirrored to TensorBoard when asked. ``fresh``: a run from
+    step 0, whose log replaces an earlier run's."""
 
-    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool):
+    def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool, fresh: bool = False):
         self.enabled = enabled
         self.file = None
         self.writer = None
         if not enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        self.file = (output_dir / "metrics.jsonl").open("a")
+        self.file = (output_dir / "metrics.jsonl").open("w" if fresh else "a")  # a resumed run continues its log
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -29,7 +29,7 @@ from ..checkpoint.files import owned_by_model_save
 from ..modules.recompute import checkpoint_blocks
 from . import distributed as D
 from .build import DataBundle, build_data, build_model
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import check_no_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
 from .config import ExperimentConfig, load_config
 from .data import IGNORE, StepSampler
 from ..runtime.train_graphs import GraphedLoss, check_graphable
@@ -94,6 +94,9 @@ class Trainer:
         t = cfg.train
         if data is None:
             check_paths(cfg)  # before anything loads: the key whose data or tokenizer path is missing
+        resume_from = find_checkpoint(t.resume, Path(t.output_dir)) if t.resume is not None else None
+        if resume_from is None:
+            check_no_checkpoints(Path(t.output_dir))  # a new run would interleave its checkpoints with them
         self.dist = D.setup(cfg.distributed.strategy, t.device)
         self.device = self.dist.device
         if t.cuda_graphs:  # refused before any data or model is built
@@ -144,15 +147,14 @@ class Trainer:
         self.first_nonfinite_step: int | None = None  # from then on the weights are not trusted: never saved
         self.tokens_seen = 0  # over all ranks, since the start of the run (kept across resumes)
         self.history: list[dict] = []
-        if t.resume is not None:
-            path = find_checkpoint(t.resume, self.output_dir)
-            if path is not None:
-                self.step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                                   sampler=self.sampler, dist_state=self.dist, ema=self.ema,
-                                                   master=self.master, config=cfg.to_dict())
-                self.tokens_seen = int(extra.get("tokens_seen", 0))
-                log.info("resumed from %s at step %d", path, self.step)
-        self.metrics = MetricsLog(self.output_dir, enabled=self.dist.is_main, tensorboard=t.tensorboard)
+        if resume_from is not None:
+            self.step, extra = load_checkpoint(resume_from, model=self.model, optimizer=self.optimizer,
+                                               scheduler=self.scheduler, sampler=self.sampler, dist_state=self.dist,
+                                               ema=self.ema, master=self.master, config=cfg.to_dict())
+            self.tokens_seen = int(extra.get("tokens_seen", 0))
+            log.info("resumed from %s at step %d", resume_from, self.step)
+        self.metrics = MetricsLog(self.output_dir, enabled=self.dist.is_main, tensorboard=t.tensorboard,
+                                  fresh=self.step == 0)
         self.model.train()
 
     # --------------------------------------------------------------------------------------------------------

@@ -132,3 +132,30 @@ def test_tensor_parallel_checkpoints_resume_only_with_the_same_ranks():
         check_resumed_config(saved, saved, saved_world=2, world=4, path=Path("ckpt"))
     with pytest.raises(ValueError, match="distributed.strategy='tp' \\(now 'ddp'\\)"):
         check_resumed_config(saved, {**saved, "distributed": {"strategy": "ddp"}}, saved_world=2, world=2, path=Path("ckpt"))
+
+
+def test_a_new_run_refuses_a_folder_of_checkpoints_and_starts_a_fresh_log(tiny_config, tmp_path):
+    """Started without resume over another run's checkpoints, its step_00000002 sorted before their step_00000004:
+    keep_checkpoints deleted the checkpoint just written and left ``latest`` naming it."""
+    Trainer(tiny_config(train={"save_every": 2, "log_every": 1})).fit()
+    with pytest.raises(ValueError, match="holds checkpoints of an earlier run \\(newest: step_00000004\\); continue it "
+                                         "with train.resume=auto"):
+        Trainer(tiny_config(train={"save_every": 2, "keep_checkpoints": 1}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')  # an earlier run that saved no checkpoint
+    Trainer(tiny_config(train={"max_steps": 2, "log_every": 1, "output_dir": str(other)})).fit()
+    steps = [json.loads(line).get("step") for line in (other / "metrics.jsonl").read_text().splitlines()]
+    assert steps[:2] == [1, 2]
+
+
+def test_keeping_one_checkpoint_after_resuming_an_earlier_one_keeps_the_new_one(tiny_config, tmp_path):
+    Trainer(tiny_config(train={"max_steps": 6, "save_every": 2})).fit()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    resumed = Trainer(tiny_config(train={"max_steps": 6, "save_every": 3, "keep_checkpoints": 1,
+                                         "resume": str(checkpoints / "step_00000002")}))
+    resumed.train_step()
+    resumed.save()  # step 3: step 4 and 6 of the first run sort after it
+    assert (checkpoints / "latest").read_text() == "step_00000003"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_00000003", "step_00000004", "step_00000006"]
+    assert Trainer(tiny_config(train={"max_steps": 6, "resume": "auto"})).step == 3
