@@ -153,6 +153,8 @@ def _is_saved_dataset(spec: str) -> bool:
 def _field(record: dict, name: str, where: str):
     if name not in record:
         raise ValueError(f"{where}: record has no field {name!r} (fields: {sorted(record)}); set the data.*_field key")
+    if record[name] is None:  # str(None) would train on the text "None"
+        raise ValueError(f"{where}: a record's field {name!r} is null ({repr(record)[:200]}); fill it in or drop the record")
     return record[name]
 
 
@@ -324,6 +326,15 @@ class PackedExamples:
         lengths = np.minimum(np.diff(store.doc_offsets), seq_len)
         if (np.diff(store.doc_offsets) > seq_len).any():
             log.warning("%d examples are longer than seq_len=%d and are truncated", int((np.diff(store.doc_offsets) > seq_len).sum()), seq_len)
+        # An example's first token predicts nothing (its label is ignored), so it trains on the answer tokens
+        # after it that fit in the window: none, when a long prompt fills the window.
+        untrained = sum(not store.loss_mask[start + 1:start + n].any() for start, n in zip(store.doc_offsets[:-1], lengths))
+        if untrained == len(lengths):
+            raise ValueError(f"no example has an answer token within data.seq_len={seq_len} (each one's prompt fills "
+                             "the window): nothing would be trained; raise data.seq_len")
+        if untrained:
+            log.warning("%d of %d examples have no answer token within data.seq_len=%d and train nothing",
+                        untrained, len(lengths), seq_len)
         self.windows: list[tuple[int, int]] = []  # (first doc, end doc)
         first, used = 0, 0
         for d, n in enumerate(lengths):

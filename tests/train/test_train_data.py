@@ -101,6 +101,30 @@ def test_sft_byte_tokenizer_masks_prompt(tmp_path):
     assert item["seqlens"][:2] == [len("user: 2+2?\nassistant: ") + 2, len("user: hi\nassistant: ") + 6]
 
 
+def test_sft_examples_whose_prompt_fills_the_window_are_named(tmp_path, caplog):
+    """Truncated to their prompts, they trained on nothing: every step's loss read 0.0."""
+    rows = [{"prompt": "a long question " * 4, "response": "yes"}, {"prompt": "hi", "response": "hello"}]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = DataSection(format="sft", train=str(path), cache_dir=str(tmp_path / "cache"), seq_len=24)
+    store = build_token_store(str(path), ByteTokenizer(), cfg, sft=True)
+    with caplog.at_level("WARNING", logger="flash_models.train.data"):
+        assert len(PackedExamples(store, 24, pad_id=256)) == 2
+    assert "1 of 2 examples have no answer token within data.seq_len=24" in caplog.text
+    path.write_text(json.dumps(rows[0]))
+    store = build_token_store(str(path), ByteTokenizer(), cfg, sft=True)
+    with pytest.raises(ValueError, match="no example has an answer token within data.seq_len=24.*raise data.seq_len"):
+        PackedExamples(store, 24, pad_id=256)
+
+
+def test_a_null_text_is_refused_not_trained_as_none(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a document"}\n{"text": null}\n')
+    cfg = DataSection(format="jsonl", train=str(path), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="field 'text' is null"):
+        build_token_store(str(path), ByteTokenizer(), cfg)
+
+
 @pytest.mark.slow
 def test_sft_chat_template_masks_everything_but_assistant_turns(tmp_path):
     """The real SmolLM2 chat template: multi-turn, loss only on the assistant turns' tokens."""
