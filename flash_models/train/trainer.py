@@ -111,6 +111,12 @@ class Trainer:
         # Our decoder LMs can skip the logits (fused LM head + loss); HF models and classifiers cannot.
         self.ours_lm = self.task == "causal_lm" and hasattr(raw, "fused_loss")
         self.fused_loss = t.fused_loss and self.ours_lm
+        if self.task == "causal_lm" and not self.ours_lm and (cfg.data.packing == "documents" or cfg.data.format == "sft"):
+            # An HF model takes the packed row's cu_seqlens as an unused keyword: its documents would attend
+            # to each other, with positions running on across them.
+            raise ValueError(f"{type(raw).__name__} takes no document boundaries (cu_seqlens), which "
+                             f"data.packing='documents' and data.format='sft' pack rows with; use data.packing=stream "
+                             "(format text/jsonl/hf_disk), or one of our models (flash_models.from_pretrained)")
         # What the throughput and MFU count as tokens: text tokens, or a ViT's patches and prefix tokens per image.
         self.tokens_per_image = _tokens_per_image(raw) if self.task == "image_classification" else None
         vocab = _vocab_size(raw)

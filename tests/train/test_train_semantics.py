@@ -58,3 +58,16 @@ def test_a_micro_batch_without_labels_is_left_out_of_the_loss_average(tiny_confi
         assert torch.isfinite(p).all()
         changed |= not torch.equal(p, q)
     assert changed
+
+
+def test_an_hf_model_is_refused_packed_documents_and_trains_plain_windows(tiny_config):
+    """transformers' GPT-2 took the packed row's cu_seqlens as an unused keyword and trained across documents."""
+    import transformers
+
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=257,
+                                                              n_positions=64))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel takes no document boundaries.*data.packing=stream"):
+        Trainer(tiny_config(data={"packing": "documents"}), model=hf)
+    trainer = Trainer(tiny_config(data={"packing": "stream"}, train={"max_steps": 1}), model=hf)
+    trainer.fit()
+    assert trainer.history[0]["loss"] > 0
