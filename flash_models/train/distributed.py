@@ -227,13 +227,16 @@ def apply_tp(model: nn.Module, state: DistState) -> nn.Module:
 
 # ------------------------------------------------------------------------------------------------------------
 def export_state_dict(model: nn.Module, state: DistState) -> dict[str, torch.Tensor]:
-    """The full, unsharded state dict on the CPU in the canonical row layout (collective: every rank calls)."""
+    """The full, unsharded state dict on the CPU in the canonical row layout (collective: every rank calls), a copy:
+    the weights changing afterwards (the EMA's swapped in) leave it as it was."""
     if state.strategy == "none":
-        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        sd = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if state.device.type == "cpu":  # offloading a CPU tensor keeps it: DDP's would be the live weights
+            sd = {k: v.clone() for k, v in sd.items()}
     for prefix, order in getattr(unwrap(model), "tp_row_orders", {}).items():
         inverse = torch.argsort(order)
         for suffix in (".weight", ".bias"):

@@ -136,7 +136,7 @@ def test_bert_classifier_ddp_and_fsdp_match_single_process(tmp_path, bert_exampl
     train, _ = tiny_sentiment(tmp_path)
     base = load_config(config, [*tiny_bert_overrides(tmp_path / "single", train, tokenizer="bytes"), "train.max_steps=3",
                                 "train.micro_batch_size=2", "train.precision=fp32", "train.device=cpu",
-                                "train.progress=false", "train.export=false"]).to_dict()
+                                "train.progress=false", "train.export=true", "train.ema_decay=0.5"]).to_dict()
     runs = {}
     for strategy in ("ddp", "fsdp"):
         run = json.loads(json.dumps(base))
@@ -149,3 +149,13 @@ def test_bert_classifier_ddp_and_fsdp_match_single_process(tmp_path, bert_exampl
     reference = [h["loss"] for h in single.history]
     for key, result in results.items():
         assert result["losses"] == pytest.approx(reference, rel=1e-5), key
+    # DDP's CPU state dict was the live weights: final_ema came out a copy of final
+    from safetensors.torch import load_file
+
+    weights = {run: {name: load_file(tmp_path / run / name / "model.safetensors") for name in ("final", "final_ema")}
+               for run in ("single", "ddp", "fsdp")}
+    for run in ("ddp", "fsdp"):
+        for name in ("final", "final_ema"):
+            for key, value in weights["single"][name].items():
+                assert torch.allclose(weights[run][name][key], value, atol=1e-6), (run, name, key)
+    assert not torch.equal(weights["ddp"]["final"]["classifier.weight"], weights["ddp"]["final_ema"]["classifier.weight"])

@@ -55,6 +55,21 @@ def test_ema_tracks_weights(tiny_config):
         assert torch.allclose(new, 0.5 * old + 0.5 * params[name].detach()), name
 
 
+def test_ema_export_holds_the_averaged_weights(tiny_config, tmp_path):
+    """On the CPU the exported state dict was the live weights: swapping the EMA in and out left final_ema a copy
+    of final."""
+    from safetensors.torch import load_file
+
+    trainer = Trainer(tiny_config(train={"max_steps": 2, "ema_decay": 0.5, "export": True}))
+    trainer.fit()
+    final, ema = (load_file(tmp_path / "run" / name / "model.safetensors") for name in ("final", "final_ema"))
+    params = dict(trainer.model.named_parameters())
+    shadow = dict(zip(trainer.ema.names, trainer.ema.shadow))
+    assert torch.equal(final["transformer.h.0.attn.c_attn.bias"], params["blocks.0.attn.qkv.bias"].detach())
+    assert torch.equal(ema["transformer.h.0.attn.c_attn.bias"], shadow["blocks.0.attn.qkv.bias"])
+    assert not torch.equal(ema["transformer.h.0.attn.c_attn.bias"], final["transformer.h.0.attn.c_attn.bias"])
+
+
 def test_tensorboard_and_profiler_trace(tiny_config, tmp_path):
     pytest.importorskip("tensorboard")  # in the test extra; importorskip only for a bare install
     out = tmp_path / "tb"
