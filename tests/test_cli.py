@@ -29,7 +29,7 @@ from flash_models.cli import UsageError, _model_and_text, build_parser
     (["convert", "./no-such-dir", "out"], "no model folder there"),
     (["train", "no-such-config.yaml"], "config file no-such-config.yaml does not exist"),
     (["train", "configs/gpt2-small.yaml"], "data.train: no data at 'data/openwebtext:train'"),
-    (["train", "configs/gpt2-small.yaml", "optim.lrr=1"], "optim.'lrr'"),
+    (["train", "configs/gpt2-small.yaml", "optim.lrr=1"], "'optim.lrr'"),
     (["bench"], "choose an AREA"),
     (["bench", "nonsense"], "invalid choice"),
     ([], "required: COMMAND"),

@@ -297,8 +297,8 @@ def from_dict(cls, data: dict | None, prefix: str = ""):
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(str(key), names, n=1)
-        hint = f"; did you mean {prefix}{close[0]!r}?" if close else f"; known keys: {names}"
-        raise ConfigError(f"unknown config key {prefix}{key!r}{hint}")
+        hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; known keys: {names}"
+        raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
     kwargs = {}
     for name in names:
         if name not in data:

@@ -146,7 +146,7 @@ def test_cli_train(tiny_config, tmp_path, capsys):
     assert summary["steps"] == 3 and (tmp_path / "cli" / "metrics.jsonl").is_file()
     with pytest.raises(SystemExit):
         main(["train", str(path), "train.max_step=3"])
-    assert "did you mean train.'max_steps'" in capsys.readouterr().err
+    assert "did you mean 'train.max_steps'" in capsys.readouterr().err
 
 
 def test_benchmark_helpers():
