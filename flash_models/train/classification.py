@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .config import DataSection
-from .data import _field, iter_records
+from .data import _field, _is_saved_dataset, iter_records
 
 # Packed text rows are rounded up to a multiple of 1/TOKEN_BUCKETS of the padded batch's tokens. With 4, a
 # batch of 55% real tokens ran 75% of them (bench bert, seq 512 at 45% padding: 1.86x HF for BERT-base, 1.59x
@@ -19,8 +19,7 @@ class TextClassification:
     ids in sorted order (``label_names``), integer labels are kept."""
 
     def __init__(self, spec: str, tokenizer, cfg: DataSection, *, label_names: list[str] | None = None):
-        fmt = "hf_disk" if cfg.format == "hf_disk" else "jsonl"
-        rows = list(iter_records(fmt, spec))
+        rows = list(iter_records("hf_disk" if _is_saved_dataset(spec) else "jsonl", spec))  # jsonl covers csv/tsv
         raw = [_field(r, cfg.label_field, spec) for r in rows]
         if all(isinstance(v, int) or (isinstance(v, str) and v.lstrip("-").isdigit()) for v in raw):
             self.labels = [int(v) for v in raw]

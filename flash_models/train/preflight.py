@@ -9,11 +9,12 @@ from pathlib import Path
 from .config import ExperimentConfig, load_config
 
 
-def _data_exists(fmt: str, spec: str) -> bool:
+def _data_exists(spec: str) -> bool:
     if Path(spec).exists():
         return True
-    if fmt == "hf_disk":  # PATH:SPLIT
-        return Path(spec.partition(":")[0]).exists()
+    folder, _, split = spec.rpartition(":")  # a split of a saved HF dataset (hf_disk, sft, classification)
+    if folder and split and Path(folder).is_dir():
+        return True
     return bool(glob.glob(spec, recursive=True))
 
 
@@ -32,7 +33,7 @@ def check_paths(cfg: ExperimentConfig, *, origin: str = "") -> None:
     data = cfg.data
     if data.format != "synthetic":
         for key, spec, other in (("train", data.train, "data.format=synthetic"), ("eval", data.eval, "data.eval=null")):
-            if spec is not None and not _data_exists(data.format, spec):
+            if spec is not None and not _data_exists(spec):
                 raise FileNotFoundError(f"data.{key}: no data at {spec!r}{origin}; point it at your data "
                                         f"with data.{key}=PATH (or try {other})")
     tokenizer = data.tokenizer

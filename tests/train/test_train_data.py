@@ -177,3 +177,27 @@ def test_sft_from_saved_hf_dataset(tmp_path):
     item = PackedExamples(store, 64, pad_id=256)[0]
     trained = [int(i) for i, l in zip(item["input_ids"], item["labels"]) if l != IGNORE]
     assert ByteTokenizer().decode(trained) == "24" and store.num_docs == 2
+
+
+def test_classification_and_sft_from_a_split_of_a_saved_hf_dataset(tmp_path):
+    """Text classification read a saved dataset's arrow files as JSONL (UnicodeDecodeError), and the path check
+    refused PATH:SPLIT for every format but hf_disk."""
+    datasets = pytest.importorskip("datasets")  # in the test extra; importorskip only for a bare install
+    from flash_models.train import load_config
+    from flash_models.train.classification import TextClassification
+    from flash_models.train.preflight import check_paths
+
+    rows = {"text": ["good", "bad", "fine"], "label": ["pos", "neg", "pos"]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows),
+                          "validation": datasets.Dataset.from_dict({"text": ["meh"], "label": ["neg"]})}
+                         ).save_to_disk(str(tmp_path / "cls"))
+    cfg = load_config({"model": {"task": "sequence_classification"},
+                       "data": {"format": "classification", "train": f"{tmp_path / 'cls'}:train",
+                                "eval": f"{tmp_path / 'cls'}:validation", "tokenizer": "bytes"}})
+    check_paths(cfg)
+    train = TextClassification(cfg.data.train, ByteTokenizer(), cfg.data)
+    assert train.label_names == ["neg", "pos"] and train.labels == [1, 0, 1] and train[1]["input_ids"] == [98, 97, 100]
+    assert TextClassification(cfg.data.eval, ByteTokenizer(), cfg.data, label_names=train.label_names).labels == [0]
+    check_paths(load_config({"data": {"format": "sft", "train": f"{tmp_path / 'cls'}:train", "tokenizer": "bytes"}}))
+    with pytest.raises(FileNotFoundError, match="data.train: no data at"):
+        check_paths(load_config({"data": {"format": "sft", "train": f"{tmp_path / 'nope'}:train"}}))
