@@ -386,16 +386,19 @@ class Trainer:
         evaluates or saves at, which needs the model as that step left it. Consume the records before the
         model: while a record is handled, the following step may already be queued.
         """
-        pending: tuple[float, _QueuedStep] | None = None
+        pending: tuple[float, _QueuedStep, float] | None = None  # (queued at, step, queuing returned at)
         last_done: float | None = None
         while self.step < until or pending is not None:
             queued = None
             if self.step < until and (pending is None or not self._needs_model_after(pending[1].record["step"])):
-                queued = (time.perf_counter(), self._queue_step())
+                begun = time.perf_counter()
+                work = self._queue_step()
+                queued = (begun, work, time.perf_counter())
             if pending is not None:
-                started, step = pending
+                started, step, returned = pending
                 record = self._finish(step)
-                done = time.perf_counter()
+                # On the CPU queuing a step runs it: it was done when queuing returned, before the next one ran.
+                done = time.perf_counter() if step.copied is not None else returned
                 record["seconds"] = done - (started if last_done is None else max(started, last_done))
                 last_done = done
                 yield record
