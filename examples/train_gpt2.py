@@ -54,8 +54,9 @@ def main() -> None:
     trainer = Trainer(load_config(CONFIG, overrides))
     summary = trainer.fit()
     trainer.close()
-    print(f"final loss {summary['final_loss']:.3f}, eval perplexity {summary.get('eval_perplexity', float('nan')):.1f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}; model in {summary['exported']}")
+    if trainer.dist.is_main:  # under torchrun every rank gets here; one reports
+        print(f"final loss {summary['final_loss']:.3f}, eval perplexity {summary.get('eval_perplexity', float('nan')):.1f}, "
+              f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}; model in {summary['exported']}")
 
 
 if __name__ == "__main__":
