@@ -269,7 +269,10 @@ def _coerce(key: str, value, tp):
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected int")
+            hint = ""
+            if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+                hint = f" (YAML reads {value} as a string; write the integer out)"
+            raise ConfigError(f"{key}={value!r} has type {type(value).__name__}, expected int{hint}")
         return value
     if tp is float:
         if isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):

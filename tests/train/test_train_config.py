@@ -21,6 +21,7 @@ def test_unknown_section_is_named():
 @pytest.mark.parametrize("section,key,value,expected", [
     ("train", "max_steps", "ten", "train.max_steps='ten' has type str, expected int"),
     ("train", "max_steps", 1.5, "expected int"),
+    ("train", "max_steps", "1e3", "train.max_steps='1e3' has type str, expected int (YAML reads 1e3 as a string"),
     ("train", "compile", "yes", "train.compile='yes' has type str, expected bool"),
     ("optim", "lr", "fast", "optim.lr='fast' has type str, expected float"),
     ("optim", "betas", [0.9], "optim.betas"),
