@@ -134,6 +134,10 @@ class Trainer:
                 f"ranks x micro_batch_size={t.micro_batch_size} x accumulation steps"
             )
         self.accum_steps = per_rank // t.micro_batch_size
+        if len(data.train) < t.global_batch_size:
+            log.warning("the training data holds %d items (windows of data.seq_len tokens, or rows), fewer than "
+                        "train.global_batch_size=%d: every step takes some of them more than once",
+                        len(data.train), t.global_batch_size)
         self.sampler = StepSampler(len(data.train), global_batch=t.global_batch_size, seed=t.seed,
                                    shuffle=cfg.data.shuffle, rank=self.dist.dp_rank, world=self.dist.dp_world)
         self.batches = StepPrefetcher(self.sampler, data.train, t.micro_batch_size, data.collate, self.device,

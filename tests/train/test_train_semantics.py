@@ -71,3 +71,14 @@ def test_an_hf_model_is_refused_packed_documents_and_trains_plain_windows(tiny_c
     trainer = Trainer(tiny_config(data={"packing": "stream"}, train={"max_steps": 1}), model=hf)
     trainer.fit()
     assert trainer.history[0]["loss"] > 0
+
+
+def test_data_smaller_than_a_global_batch_trains_with_a_warning(tiny_config, tmp_path, caplog):
+    (tmp_path / "small.txt").write_text("a short document of a few words\n\nand another one")  # 3 windows of 16
+    with caplog.at_level("WARNING", logger="flash_models.train.trainer"):
+        trainer = Trainer(tiny_config(data={"train": str(tmp_path / "small.txt"), "seq_len": 16},
+                                      train={"max_steps": 2, "global_batch_size": 8, "micro_batch_size": 4}))
+    assert len(trainer.data.train) == 3
+    assert "holds 3 items" in caplog.text and "fewer than train.global_batch_size=8" in caplog.text
+    trainer.fit()
+    assert [h["rows"] for h in trainer.history] == [8, 8]
