@@ -84,7 +84,8 @@ def safe_torch_load(path: Path, *, what: str = "PyTorch checkpoint"):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        if "Weights only load failed" not in str(err):
+        # Bytes that are no pickle at all fail on an opcode the restricted unpickler lacks: damaged, not unsafe.
+        if "Weights only load failed" not in str(err) or "Unsupported operand" in str(err):
             raise ValueError(f"cannot read {path}: the {what} is truncated or corrupt ({err or type(err).__name__})") from None
         found = _UNSAFE_GLOBAL.search(str(err))
         culprit = f" (it calls {found.group(1)})" if found else ""

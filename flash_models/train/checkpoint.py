@@ -168,7 +168,11 @@ def find_checkpoint(resume: str, output_dir: Path) -> Path | None:
         name = latest.read_text().strip()
         if not _STEP_NAME.fullmatch(name):  # a crafted file must not point outside this run's checkpoints
             raise ValueError(f"{latest} names {name!r}, not a step_NNNNNNNN checkpoint folder of this run")
-        return output_dir / "checkpoints" / name
+        path = output_dir / "checkpoints" / name
+        if not path.is_dir():
+            raise FileNotFoundError(f"{latest} names {name}, which is not there (deleted?); resume from another "
+                                    "checkpoint with train.resume=PATH, or delete the latest file to start over")
+        return path
     path = Path(resume)
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"train.resume={resume!r}: no {STATE_FILE} there (give a checkpoints/step_* folder or 'auto')")

@@ -167,3 +167,18 @@ def test_a_missing_data_path_is_named_by_its_key_from_python(tiny_config, tmp_pa
     """The CLI's preflight named it; Trainer(config) failed deep in the loader with the bare path."""
     with pytest.raises(FileNotFoundError, match=r"data\.eval: no data at .*nope\.jsonl.*data\.eval=null"):
         Trainer(tiny_config(data={"eval": str(tmp_path / "nope.jsonl")}))
+
+
+def test_a_damaged_state_is_named_corrupt_and_a_missing_latest_folder_is_named(tiny_config, tmp_path):
+    """Bytes that are no pickle at all were refused as 'pickled objects that could run code'; ``latest`` naming a
+    deleted folder read as a truncated file."""
+    import shutil
+
+    _, ckpt = saved_run(tiny_config, tmp_path)
+    (ckpt / "train_state.pt").write_bytes(b"this is not a checkpoint")
+    with pytest.raises(ValueError, match="truncated or corrupt") as err:
+        Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": "auto"}))
+    assert not isinstance(err.value, UnsafeCheckpointError)
+    shutil.rmtree(ckpt)
+    with pytest.raises(FileNotFoundError, match=f"names {ckpt.name}, which is not there"):
+        Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": "auto"}))
