@@ -196,6 +196,11 @@ class ExperimentConfig:
         if self.model.task == "causal_lm" and self.data.seq_len < 2:  # a window of one token has nothing to predict
             raise ConfigError(f"data.seq_len must be >= 2 for model.task='causal_lm', got {self.data.seq_len}")
 
+        if self.model.task == "causal_lm" and self.data.label_smoothing:  # the LM loss would silently ignore it
+            raise ConfigError("data.label_smoothing applies to the classification tasks, not model.task='causal_lm'")
+        if self.model.task != "image_classification" and (self.data.mixup_alpha or self.data.cutmix_alpha):
+            raise ConfigError("data.mixup_alpha / data.cutmix_alpha mix images: they need "
+                              f"model.task='image_classification', not {self.model.task!r}")
         if (self.data.mixup_alpha or self.data.cutmix_alpha) and self.train.micro_batch_size % 2:
             raise ConfigError("data.mixup_alpha / data.cutmix_alpha need an even train.micro_batch_size "
                               f"(timm's Mixup mixes rows in pairs), got {self.train.micro_batch_size}")

@@ -102,6 +102,8 @@ def test_crash_while_resaving_a_checkpoint_keeps_the_old_one(tiny_config, tmp_pa
     ({"data": {"format": "text", "train": ""}}, r"data\.train is empty"),  # read the current folder as the corpus
     ({"train": {"output_dir": " "}}, r"train\.output_dir is empty"),
     ({"train": {"resume": ""}}, r"train\.resume is empty; use 'auto'"),
+    ({"data": {"format": "synthetic", "label_smoothing": 0.1}}, r"data\.label_smoothing applies to the classification"),
+    ({"data": {"format": "synthetic", "mixup_alpha": 0.8}}, r"mixup_alpha / data\.cutmix_alpha mix images"),
 ])
 def test_numeric_config_values_are_checked(override, problem):
     with pytest.raises(ConfigError, match=problem):
