@@ -358,7 +358,7 @@ def load_config(source: str | Path | dict | None = None, overrides: list[str] | 
     return from_dict(ExperimentConfig, apply_overrides(data, list(overrides)))
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     data = yaml.safe_load(path.read_text()) or {}
@@ -366,7 +366,12 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)
     if base is not None:
-        merged = _read_yaml(path.parent / base)
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: base={base!r} must be the path of one YAML file (relative to {path.name})")
+        chain = (*seen, path.resolve())
+        if (path.parent / base).resolve() in chain:
+            raise ConfigError(f"{path}: base {base!r} leads back to itself ({' -> '.join(p.name for p in chain)})")
+        merged = _read_yaml(path.parent / base, chain)
         for section, values in data.items():
             if isinstance(values, dict) and isinstance(merged.get(section), dict):
                 merged[section] = {**merged[section], **values}

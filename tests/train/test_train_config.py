@@ -64,6 +64,17 @@ def test_yaml_base_inheritance(tmp_path):
     assert (cfg.train.max_steps, cfg.train.seed) == (9, 3)
 
 
+def test_a_base_that_leads_back_or_is_no_path_is_named(tmp_path):
+    """A cycle recursed until Python gave up (RecursionError); a list failed on Path / list (TypeError)."""
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: ./a.yaml\n")
+    with pytest.raises(ConfigError, match=r"base './a.yaml' leads back to itself \(a.yaml -> b.yaml\)"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "c.yaml").write_text("base: [a.yaml]\n")
+    with pytest.raises(ConfigError, match="must be the path of one YAML file"):
+        load_config(tmp_path / "c.yaml")
+
+
 def test_presets_exist():
     names = {p.stem for p in CONFIGS}
     assert {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b", "smollm2-sft", "minilm-classification",
