@@ -34,13 +34,18 @@ def build_model(cfg: ExperimentConfig) -> nn.Module:
     if m.task != "causal_lm":
         return _build_classifier(cfg)
     if m.pretrained:
-        if m.overrides:
-            raise ValueError("model.overrides apply to random-init presets; a pretrained checkpoint keeps its config")
+        _refuse_overrides(m.overrides)
         model = from_pretrained(resolve_alias(m.name), attn_impl=m.attn_impl, kernel_backend=m.kernel_backend)
     else:
         check_overrides(m.name, m.overrides)
         model = create_model(m.name, attn_impl=m.attn_impl, kernel_backend=m.kernel_backend, **m.overrides)
     return model.train()
+
+
+def _refuse_overrides(overrides: dict) -> None:
+    if overrides:
+        raise ValueError("model.overrides apply to random-init presets (and timm model names); a checkpoint keeps its "
+                         f"config, so {sorted(overrides)} would be ignored")
 
 
 def check_overrides(preset: str, overrides: dict) -> None:
@@ -64,11 +69,13 @@ def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
             check_overrides(m.name, m.overrides)
             return create_model(m.name, architectures=["BertForSequenceClassification"], num_labels=m.num_labels,
                                 **m.overrides, **kw)
+        _refuse_overrides(m.overrides)
         return _with_sequence_head(from_pretrained(resolve_alias(m.name), **kw), m.num_labels)
     if m.name in list_models():
         check_overrides(m.name, m.overrides)
         return create_model(m.name, architectures=["ViTForImageClassification"], num_labels=m.num_labels, **m.overrides, **kw)
     if Path(m.name).exists():
+        _refuse_overrides(m.overrides)
         model = from_pretrained(m.name, **kw)
         if model.head is None or model.head.out_features != m.num_labels:
             raise ValueError(f"{m.name} has {0 if model.head is None else model.head.out_features} classes, not "

@@ -184,3 +184,14 @@ def test_a_damaged_state_is_named_corrupt_and_a_missing_latest_folder_is_named(t
     shutil.rmtree(ckpt)
     with pytest.raises(FileNotFoundError, match=f"names {ckpt.name}, which is not there"):
         Trainer(tiny_config(train={"max_steps": 4, "output_dir": str(tmp_path / "run"), "resume": "auto"}))
+
+
+def test_overrides_on_a_pretrained_classifier_are_refused_not_ignored(tmp_path):
+    """A pretrained BERT classifier (or an HF ViT folder) was loaded with its own config, the overrides dropped."""
+    config = load_config({"model": {"name": "minilm", "pretrained": True, "task": "sequence_classification",
+                                    "overrides": {"hidden_dropout_prob": 0.0}},
+                          "data": {"format": "classification", "train": str(tmp_path / "rows.jsonl"), "tokenizer": "bytes"},
+                          "train": {"device": "cpu", "output_dir": str(tmp_path / "run")}})
+    (tmp_path / "rows.jsonl").write_text('{"text": "a", "label": 0}\n{"text": "b", "label": 1}\n')
+    with pytest.raises(ValueError, match=r"\['hidden_dropout_prob'\] would be ignored"):
+        Trainer(config)
