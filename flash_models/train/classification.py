@@ -104,6 +104,11 @@ class ImageFolderData:
     def __init__(self, root: str, *, image_size: int, train: bool, class_to_idx: dict | None = None):
         from timm.data import ImageDataset, create_transform
 
+        if class_to_idx is not None:  # timm leaves out, silently, the images of a class the map lacks
+            unknown = sorted(set(ImageDataset(root).reader.class_to_idx) - set(class_to_idx))
+            if unknown:
+                raise ValueError(f"{root} has classes {unknown} that the training images lack "
+                                 f"(training classes: {sorted(class_to_idx)})")
         self.ds = ImageDataset(root, class_map=class_to_idx or "")
         self.ds.transform = create_transform(input_size=image_size, is_training=train)
         self.classes = sorted(self.ds.reader.class_to_idx, key=self.ds.reader.class_to_idx.get)

@@ -310,3 +310,20 @@ def test_classes_beyond_num_labels_are_refused_and_the_export_names_the_classes(
     hf = transformers.AutoConfig.from_pretrained(tmp_path / "run" / "final")
     assert hf.id2label == {0: "neg", 1: "neutral", 2: "pos", 3: "LABEL_3"}
     assert hf.label2id == {"neg": 0, "neutral": 1, "pos": 2, "LABEL_3": 3}
+
+
+def test_an_eval_image_class_the_training_images_lack_is_named(tmp_path):
+    """timm dropped its images without a word: the eval accuracy covered the other classes only."""
+    import shutil
+
+    from flash_models.testing import write_color_image_folder
+    from flash_models.train.classification import ImageFolderData
+
+    train = ImageFolderData(str(write_color_image_folder(tmp_path / "train", images_per_class=2, size=8)),
+                            image_size=8, train=True)
+    shutil.copytree(tmp_path / "train", tmp_path / "eval")
+    shutil.copytree(tmp_path / "train" / "red", tmp_path / "eval" / "green")
+    with pytest.raises(ValueError, match=r"has classes \['green'\] that the training images lack"):
+        ImageFolderData(str(tmp_path / "eval"), image_size=8, train=False, class_to_idx=train.class_to_idx)
+    shutil.rmtree(tmp_path / "eval" / "green")
+    assert len(ImageFolderData(str(tmp_path / "eval"), image_size=8, train=False, class_to_idx=train.class_to_idx)) == 4
