@@ -107,6 +107,12 @@ class Trainer:
         seed_everything(t.seed)  # same on every rank: identical initial weights
         self.output_dir = Path(t.output_dir)
         raw = model if model is not None else build_model(cfg)
+        if t.export and hasattr(raw.config, "to_hf"):  # known now, not after the last step
+            try:
+                raw.config.to_hf()
+            except ValueError as err:
+                raise ValueError(f"train.export=true saves the final model in HF layout, and {err}; set "
+                                 "train.export=false (train.save_every checkpoints keep the weights)") from None
         self.task = cfg.model.task
         # Our decoder LMs can skip the logits (fused LM head + loss); HF models and classifiers cannot.
         self.ours_lm = self.task == "causal_lm" and hasattr(raw, "fused_loss")

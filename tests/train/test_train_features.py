@@ -327,3 +327,13 @@ def test_an_eval_image_class_the_training_images_lack_is_named(tmp_path):
         ImageFolderData(str(tmp_path / "eval"), image_size=8, train=False, class_to_idx=train.class_to_idx)
     shutil.rmtree(tmp_path / "eval" / "green")
     assert len(ImageFolderData(str(tmp_path / "eval"), image_size=8, train=False, class_to_idx=train.class_to_idx)) == 4
+
+
+def test_a_model_without_an_hf_layout_is_refused_export_before_training(tiny_vit_config):
+    """A timm ViT with average pooling has no HF layout: export failed after the last step."""
+    overrides = ("model.overrides={img_size: 32, depth: 1, global_pool: avg}", "train.max_steps=1")
+    with pytest.raises(ValueError, match="train.export=true saves the final model in HF layout.*set train.export=false"):
+        Trainer(tiny_vit_config(*overrides, "train.export=true"))
+    trainer = Trainer(tiny_vit_config(*overrides, "train.export=false"))
+    trainer.fit()
+    assert len(trainer.history) == 1
