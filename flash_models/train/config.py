@@ -329,7 +329,11 @@ def parse_override(text: str) -> tuple[list[str], object]:
     path = key.strip().split(".")
     if not all(path):
         raise ConfigError(f"override {text!r} has an empty key")
-    return path, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return path, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({problem})") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -358,10 +362,33 @@ def load_config(source: str | Path | dict | None = None, overrides: list[str] | 
     return from_dict(ExperimentConfig, apply_overrides(data, list(overrides)))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"{self.name}:{key_node.start_mark.line + 1}: key {key!r} is given twice in one "
+                                  "mapping (only the last would count)")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    loader = _UniqueKeyLoader(path.read_text())
+    loader.name = str(path)
+    try:
+        data = loader.get_single_data() or {}
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({err.context + ', ' if err.context else ''}{err.problem})") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     base = data.pop("base", None)

@@ -92,3 +92,15 @@ def test_every_preset_validates(path):
 def test_model_override_typo_is_named():
     with pytest.raises(ValueError, match="model.overrides.n_layers is not a field of GPT2Config; did you mean 'n_layer'"):
         check_overrides("gpt2", {"n_layers": 2})
+
+
+def test_yaml_mistakes_are_named_with_their_line(tmp_path):
+    """A key given twice kept the last silently; a syntax error came out as PyYAML's multi-line traceback."""
+    (tmp_path / "twice.yaml").write_text("train:\n  max_steps: 3\ndata:\n  format: synthetic\ntrain:\n  seed: 2\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml:5: key 'train' is given twice"):
+        load_config(tmp_path / "twice.yaml")
+    (tmp_path / "broken.yaml").write_text("train:\n  max_steps: [3\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml:3:1: not valid YAML \(while parsing a flow sequence"):
+        load_config(tmp_path / "broken.yaml")
+    with pytest.raises(ConfigError, match=r"override 'train.max_steps=\[3': the value is not valid YAML"):
+        load_config({}, ["train.max_steps=[3"])
