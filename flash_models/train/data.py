@@ -113,14 +113,14 @@ def iter_records(fmt: str, spec: str) -> Iterator[dict]:
         return
     for path in resolve_files(spec):
         if fmt == "text":
-            for doc in re.split(r"\n\s*\n", path.read_text(encoding="utf-8")):
+            for doc in re.split(r"\n\s*\n", path.read_text(encoding="utf-8-sig")):
                 if doc.strip():
                     yield {"text": doc.strip("\n")}
         elif path.suffix in (".csv", ".tsv"):
-            with path.open(newline="", encoding="utf-8") as f:
+            with path.open(newline="", encoding="utf-8-sig") as f:
                 yield from csv.DictReader(f, delimiter="\t" if path.suffix == ".tsv" else ",")
         else:
-            with path.open(encoding="utf-8") as f:
+            with path.open(encoding="utf-8-sig") as f:
                 for line_no, line in enumerate(f, 1):
                     if line.strip():
                         try:

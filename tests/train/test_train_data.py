@@ -201,3 +201,16 @@ def test_classification_and_sft_from_a_split_of_a_saved_hf_dataset(tmp_path):
     check_paths(load_config({"data": {"format": "sft", "train": f"{tmp_path / 'cls'}:train", "tokenizer": "bytes"}}))
     with pytest.raises(FileNotFoundError, match="data.train: no data at"):
         check_paths(load_config({"data": {"format": "sft", "train": f"{tmp_path / 'nope'}:train"}}))
+
+
+def test_files_saved_with_a_byte_order_mark_read_as_without(tmp_path):
+    """Windows tools write a UTF-8 BOM: it broke the first JSONL line, renamed the first CSV column and was trained
+    on as three bytes of text."""
+    from flash_models.train.data import iter_records
+
+    (tmp_path / "rows.jsonl").write_bytes('\ufeff{"text": "a"}\n{"text": "b"}\n'.encode())
+    (tmp_path / "rows.csv").write_bytes("\ufefftext,label\nhello,1\n".encode())
+    (tmp_path / "doc.txt").write_bytes("\ufeffone\n\ntwo".encode())
+    assert list(iter_records("jsonl", str(tmp_path / "rows.jsonl"))) == [{"text": "a"}, {"text": "b"}]
+    assert list(iter_records("classification", str(tmp_path / "rows.csv"))) == [{"text": "hello", "label": "1"}]
+    assert list(iter_records("text", str(tmp_path / "doc.txt"))) == [{"text": "one"}, {"text": "two"}]
