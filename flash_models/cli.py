@@ -378,7 +378,9 @@ def cmd_train(args) -> None:
 
     from .train import train
 
-    print(json.dumps(train(args.config, args.overrides), indent=1))
+    summary = train(args.config, args.overrides)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun every rank returns the summary; one prints it
+        print(json.dumps(summary, indent=1))
 
 
 def cmd_bench(args, rest: list[str], parser: argparse.ArgumentParser) -> None:

@@ -149,6 +149,19 @@ def test_cli_train(tiny_config, tmp_path, capsys):
     assert "did you mean 'train.max_steps'" in capsys.readouterr().err
 
 
+def test_cli_train_prints_the_summary_on_the_main_rank_only(tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank printed it (the others with no export)."""
+    from flash_models import train as train_package
+    from flash_models.cli import main
+
+    (tmp_path / "exp.yaml").write_text("data: {format: synthetic}\n")
+    monkeypatch.setattr(train_package, "train", lambda config, overrides: {"steps": 1})
+    for rank, printed in (("1", ""), ("0", '{\n "steps": 1\n}\n')):
+        monkeypatch.setenv("RANK", rank)
+        main(["train", str(tmp_path / "exp.yaml")])
+        assert capsys.readouterr().out == printed
+
+
 def test_benchmark_helpers():
     from flash_models.bench.measure import benchmark_all, benchmark_memory
 
