@@ -217,11 +217,11 @@ def check_resumed_config(saved: dict | None, current: dict, *, saved_world: int 
     if fixed:
         raise ValueError(f"{path} holds a model built with {values(fixed)}; resume it with the settings it was "
                          "written with, or start a new run in another train.output_dir")
-    if "train.precision" in changed and "bf16" in (old["train.precision"], new["train.precision"]):
+    if "train.precision" in changed and "bf16" in (old.get("train.precision"), new.get("train.precision")):
         raise ValueError(f"{path} was written with {values(['train.precision'])}: pure bf16 keeps fp32 master weights "
                          "the other precisions lack; resume with the precision it was written with")
     tp = "tp" in (old.get("distributed.strategy"), new.get("distributed.strategy"))
-    if tp and ("distributed.strategy" in changed or saved_world != world):
+    if tp and ("distributed.strategy" in changed or saved_world not in (None, world)):  # None: not recorded
         raise ValueError(f"{path} was written by {saved_world} tensor-parallel ranks with "
                          f"{values(['distributed.strategy'])}, this run has {world} ranks: a tensor-parallel "
                          "checkpoint holds its fused projections in per-rank row order, so it is resumed by the same "
