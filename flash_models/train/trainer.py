@@ -117,6 +117,11 @@ class Trainer:
         # Our decoder LMs can skip the logits (fused LM head + loss); HF models and classifiers cannot.
         self.ours_lm = self.task == "causal_lm" and hasattr(raw, "fused_loss")
         self.fused_loss = t.fused_loss and self.ours_lm
+        limit = _position_limit(raw)
+        if limit is not None and self.task != "image_classification" and cfg.data.seq_len > limit:
+            # a row (or a document) that long would stop the run at the batch that holds it
+            raise ValueError(f"data.seq_len={cfg.data.seq_len} is longer than the {limit} positions of the model's "
+                             f"position table; set data.seq_len={limit} (or less)")
         if self.task == "causal_lm" and not self.ours_lm and (cfg.data.packing == "documents" or cfg.data.format == "sft"):
             # An HF model takes the packed row's cu_seqlens as an unused keyword: its documents would attend
             # to each other, with positions running on across them.
@@ -593,6 +598,17 @@ def _tokens_per_image(model: nn.Module) -> int | None:
         return config.num_patches + config.num_prefix_tokens
     if hasattr(config, "image_size") and hasattr(config, "patch_size"):  # HF ViTConfig: one class token
         return (config.image_size // config.patch_size) ** 2 + 1
+    return None
+
+
+def _position_limit(model: nn.Module) -> int | None:
+    """The longest sequence the learned position table of our decoder or BERT takes; None without one."""
+    from ..models.bert.model import BertPreTrainedModel
+
+    if hasattr(model, "decoder_config"):
+        return model.decoder_config.max_position_embeddings if model.decoder_config.learned_positions else None
+    if isinstance(model, BertPreTrainedModel):
+        return model.config.max_position_embeddings
     return None
 
 

@@ -82,3 +82,11 @@ def test_data_smaller_than_a_global_batch_trains_with_a_warning(tiny_config, tmp
     assert "holds 3 items" in caplog.text and "fewer than train.global_batch_size=8" in caplog.text
     trainer.fit()
     assert [h["rows"] for h in trainer.history] == [8, 8]
+
+
+@pytest.mark.parametrize("packing", ["stream", "documents"])
+def test_a_seq_len_past_the_position_table_is_refused_before_training(tiny_config, packing):
+    """It failed at the first batch holding a row (or document) that long, possibly deep into the run, asking to
+    'truncate the input'."""
+    with pytest.raises(ValueError, match=r"data\.seq_len=65 is longer than the 64 positions.*set data\.seq_len=64"):
+        Trainer(tiny_config(data={"seq_len": 65, "packing": packing}))
