@@ -60,10 +60,16 @@ def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
     classification (a registered ViT preset, an HF ViT folder, or a timm model name)."""
     from ..checkpoint import create_model, from_pretrained, from_timm
     from ..embedded import resolve_alias
-    from ..registry import list_models
+    from ..models.vit.model import VisionTransformer
+    from ..registry import get_preset, list_models
 
     m = cfg.model
     kw = dict(attn_impl=m.attn_impl, kernel_backend=m.kernel_backend)
+    family = "bert" if m.task == "sequence_classification" else "vit"
+    if m.name in list_models() and get_preset(m.name).model_type != family:  # create_model would build it as it is
+        fitting = [name for name in list_models() if get_preset(name).model_type == family]
+        raise ValueError(f"model.task={m.task!r} trains a {family} model, and {m.name!r} is a "
+                         f"{get_preset(m.name).model_type} preset; presets that fit: {fitting}")
     if m.task == "sequence_classification":
         if not m.pretrained:
             check_overrides(m.name, m.overrides)
@@ -77,6 +83,8 @@ def _build_classifier(cfg: ExperimentConfig) -> nn.Module:
     if Path(m.name).exists():
         _refuse_overrides(m.overrides)
         model = from_pretrained(m.name, **kw)
+        if not isinstance(model, VisionTransformer):
+            raise ValueError(f"model.task='image_classification' trains a ViT, and {m.name} holds a {type(model).__name__}")
         if model.head is None or model.head.out_features != m.num_labels:
             raise ValueError(f"{m.name} has {0 if model.head is None else model.head.out_features} classes, not "
                              f"model.num_labels={m.num_labels}; use a timm name or a preset to get a fresh head")
@@ -88,7 +96,10 @@ def _with_sequence_head(base: nn.Module, num_labels: int) -> nn.Module:
     """A BertForSequenceClassification whose encoder (and pooler) are ``base``'s weights and whose classifier
     is freshly initialised; a checkpoint that already has the right head is kept as it is."""
     from ..models.bert import BertForSequenceClassification
+    from ..models.bert.model import BertPreTrainedModel
 
+    if not isinstance(base, BertPreTrainedModel):
+        raise ValueError(f"model.task='sequence_classification' trains a BERT, and model.name is a {type(base).__name__}")
     return BertForSequenceClassification.on_encoder(base, num_labels=num_labels)
 
 

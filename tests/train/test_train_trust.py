@@ -195,3 +195,25 @@ def test_overrides_on_a_pretrained_classifier_are_refused_not_ignored(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"text": "a", "label": 0}\n{"text": "b", "label": 1}\n')
     with pytest.raises(ValueError, match=r"\['hidden_dropout_prob'\] would be ignored"):
         Trainer(config)
+
+
+def test_a_classifier_task_on_a_model_of_another_family_is_refused(tmp_path):
+    """create_model('gpt2', architectures=['ViTForImageClassification']) built a GPT-2 LM for image classification;
+    a decoder checkpoint for sequence classification failed with an AttributeError."""
+    import flash_models as fm
+
+    (tmp_path / "rows.jsonl").write_text('{"text": "a", "label": 0}\n{"text": "b", "label": 1}\n')
+    fm.create_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=300).save_pretrained(tmp_path / "gpt2")
+    text = {"format": "classification", "train": str(tmp_path / "rows.jsonl"), "tokenizer": "bytes"}
+    images = {"format": "image_folder", "train": str(tmp_path)}
+    cases = [
+        ({"name": "gpt2", "task": "image_classification"}, images, r"trains a vit model, and 'gpt2' is a gpt2 preset"),
+        ({"name": "llama-1b", "task": "sequence_classification"}, text, r"presets that fit: \['bert-base', 'bert-large'\]"),
+        ({"name": str(tmp_path / "gpt2"), "pretrained": True, "task": "sequence_classification"}, text,
+         "trains a BERT, and model.name is a GPT2LMHeadModel"),
+        ({"name": str(tmp_path / "gpt2"), "task": "image_classification"}, images, "trains a ViT, and .* holds a GPT2LMHeadModel"),
+    ]
+    for model, data, problem in cases:
+        config = load_config({"model": model, "data": data, "train": {"device": "cpu", "output_dir": str(tmp_path / "run")}})
+        with pytest.raises(ValueError, match=problem):
+            Trainer(config)
