@@ -19,6 +19,8 @@ from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
+
+GENERATION_CONFIG = "generation_config.json"
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 
 log = logging.getLogger(__name__)
@@ -169,6 +171,10 @@ def from_pretrained(
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
+    if not is_gguf(name_or_path) and gguf_file is None and (directory / GENERATION_CONFIG).is_file():
+        # The checkpoint's own generation defaults, as transformers reads them: an instruct model's end-of-turn
+        # ids are often listed there only (Llama-3: <|eot_id|>), and generate stops at them.
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.name_or_path = str(name_or_path)
     model.config.name_or_path = str(name_or_path)  # HF's place for it (TRL names the model and finds its tokenizer by it)
     return model.eval()

@@ -10,7 +10,7 @@ import torch
 from ..models.protocols import CausalDecoder, check_causal_decoder
 from .engine import cache_and_runner
 from .prompt import GenerateOutput, check_prompt, prefill_logits
-from .sampling import choose, process_logits, seen_tokens
+from .sampling import NgramHistory, choose, process_logits, seen_tokens
 from .settings import GenerationSettings, resolve_settings
 from .speculative import speculative_generate
 
@@ -37,12 +37,14 @@ class Generation:
     def __init__(self, model: CausalDecoder, input_ids, *, attention_mask=None, settings: GenerationSettings, generator=None,
                  tokenizer=None):
         check_causal_decoder(model)
-        self.model, self.settings, self.generator = model, settings, generator
-        self.input_ids, self.attention_mask = check_prompt(model, input_ids, attention_mask, settings)
+        self.model, self.generator = model, generator
+        self.input_ids, self.attention_mask, settings = check_prompt(model, input_ids, attention_mask, settings)
+        self.settings = settings
         self.stops = _StopStrings(tokenizer, settings.stop_strings)
         self.tokens: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
         self.logprobs: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
         B = self.input_ids.shape[0]
         self.finish_step = torch.full((B,), settings.max_new_tokens, dtype=torch.long, device=self.input_ids.device)
 
@@ -71,9 +73,13 @@ class Generation:
         B = self.input_ids.shape[0]
         device = self.input_ids.device
         logits = prefill_logits(model, self.input_ids, self.attention_mask, cache)
+        V = model.decoder_config.vocab_size
         seen = None
         if s.repetition_penalty != 1.0:
-            seen = seen_tokens(self.input_ids, self.attention_mask, model.decoder_config.vocab_size)
+            seen = seen_tokens(self.input_ids, self.attention_mask, V)
+        history = None
+        if s.no_repeat_ngram_size:
+            history = NgramHistory(self.input_ids, self.attention_mask, s.max_new_tokens, s.no_repeat_ngram_size)
         eos = torch.tensor(s.eos_ids, dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         stoppable = bool(s.eos_ids) or bool(s.stop_strings)
@@ -82,12 +88,16 @@ class Generation:
         active: torch.Tensor | None = None
         compact = s.do_sample and not s.output_scores
         for step in range(s.max_new_tokens):
+            banned = history.banned(V) if history is not None else None
+            if s.output_logits:  # a copy: the logits may be the decode graph's static output buffer
+                self.logits.append(logits.float().clone())
             if active is None:
-                scores = process_logits(logits, s, seen=seen, step=step)
+                scores = process_logits(logits, s, seen=seen, step=step, banned=banned)
                 token = choose(scores, do_sample=s.do_sample, generator=self.generator)
             else:
                 rows_seen = seen[active] if seen is not None else None
-                scores = process_logits(logits[active], s, seen=rows_seen, step=step)
+                rows_banned = banned[active] if banned is not None else None
+                scores = process_logits(logits[active], s, seen=rows_seen, step=step, banned=rows_banned)
                 token = torch.full((B,), s.pad_id, dtype=torch.long, device=device)
                 token[active] = choose(scores, do_sample=True, generator=self.generator)
             token = torch.where(finished, torch.full_like(token, s.pad_id), token)
@@ -113,7 +123,14 @@ class Generation:
                 return
             if seen is not None:
                 seen.scatter_(1, token.unsqueeze(1), True)
+            if history is not None:
+                history.push(token)
             logits = runner(token)
+
+    def running_at(self, step: int) -> bool:
+        """Whether any row was still generating at ``step`` (as a per-step stop check sees it): on a GPU the loop
+        checks every few steps, and the steps after every row has finished are not part of the output."""
+        return bool((self.finish_step >= step).any())
 
     def output(self):
         """Prompt + generated tokens; steps after the last row finished (the stop check runs every few
@@ -124,11 +141,13 @@ class Generation:
             steps = min(steps, int(self.finish_step.max()) + 1)
         new = torch.stack(self.tokens[:steps], dim=1) if steps else self.input_ids[:, :0]
         sequences = torch.cat([self.input_ids, new], dim=1)
-        if not (self.settings.return_dict_in_generate or self.settings.output_scores):
+        s = self.settings
+        if not (s.return_dict_in_generate or s.output_scores or s.output_logits):
             return sequences
-        scores = tuple(self.scores[:steps]) if self.settings.output_scores else None
-        logprobs = torch.stack(self.logprobs[:steps], dim=1) if self.settings.output_scores and steps else None
-        return GenerateOutput(sequences=sequences, scores=scores, logprobs=logprobs)
+        scores = tuple(self.scores[:steps]) if s.output_scores else None
+        logprobs = torch.stack(self.logprobs[:steps], dim=1) if s.output_scores and steps else None
+        logits = tuple(self.logits[:steps]) if s.output_logits else None
+        return GenerateOutput(sequences=sequences, scores=scores, logprobs=logprobs, logits=logits)
 
 
 @torch.inference_mode()
@@ -141,31 +160,51 @@ def generate(
     generator: torch.Generator | None = None,
     tokenizer=None,
     draft_model=None,
+    assistant_model=None,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    streamer=None,
     **kwargs,
 ):
-    """Greedy or sampled continuation of ``input_ids`` (B, S), with HF's argument names: max_new_tokens,
-    min_new_tokens, do_sample, temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id (one id or
-    several; [] for none), pad_token_id, stop_strings (needs ``tokenizer``), output_scores,
-    return_dict_in_generate; or a ``transformers.GenerationConfig``. Every argument is checked up front,
-    naming it. A batch may be left- or right-padded (pass ``attention_mask``): each row continues from its
-    own last real token, and the new tokens follow the prompt's columns as given. Finished rows continue
-    with pad_token_id (default: the first EOS id). ``generator`` seeds sampling. ``draft_model`` turns on
-    speculative decoding (greedy, the same tokens and scores as plain greedy). ``on_token`` gets each step's
-    (B,) tokens."""
+    """Greedy or sampled continuation of ``input_ids`` (B, S), with HF's argument names and meaning:
+    max_new_tokens or max_length (which counts the prompt's columns), min_new_tokens or min_length, do_sample,
+    temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size, num_return_sequences,
+    eos_token_id (one id or several; [] for none), pad_token_id, stop_strings (needs ``tokenizer``),
+    output_scores, output_logits, return_dict_in_generate; or a ``transformers.GenerationConfig``. The default
+    EOS and pad ids are the model's ``generation_config``'s (the checkpoint's generation_config.json, else its
+    config.json). Every argument is checked up front, naming it; an HF setting that would change the tokens
+    and is not implemented here is refused by name. A batch may be left- or right-padded (pass
+    ``attention_mask``): each row continues from its own last real token, and the new tokens follow the
+    prompt's columns as given. Finished rows continue with pad_token_id (default: the first EOS id).
+    ``generator`` seeds sampling. ``draft_model`` (HF's name: ``assistant_model``) turns on speculative
+    decoding (greedy, the same tokens and scores as plain greedy). ``on_token`` gets each step's (B,) tokens;
+    ``streamer`` is HF's streamer protocol (``TextStreamer``): ``put`` the prompt, then each step's tokens,
+    then ``end()``."""
     check_causal_decoder(model)
-    settings = resolve_settings(model.config, model.decoder_config.vocab_size, generation_config, **kwargs)
+    settings = resolve_settings(model.generation_config, model.decoder_config.vocab_size, generation_config, **kwargs)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if on_token is not None and not callable(on_token):
         raise ValueError(f"on_token must be callable (it gets each step's (batch,) tokens), got {type(on_token).__name__}")
+    if streamer is not None and not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+        raise ValueError(f"streamer must have put(tokens) and end() (transformers' TextStreamer), got {type(streamer).__name__}")
+    if assistant_model is not None:
+        if draft_model is not None:
+            raise ValueError("give draft_model or assistant_model (transformers' name for it), not both")
+        draft_model = assistant_model
     if draft_model is not None:
-        if on_token is not None:
-            raise ValueError("on_token is not supported with draft_model: speculative decoding emits several tokens "
-                             "per row per step, a different number in each row")
+        for name, value in (("on_token", on_token), ("streamer", streamer)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported with draft_model: speculative decoding emits several tokens "
+                                 "per row per step, a different number in each row")
         return speculative_generate(model, draft_model, input_ids, attention_mask=attention_mask, settings=settings)
     run = Generation(model, input_ids, attention_mask=attention_mask, settings=settings, generator=generator, tokenizer=tokenizer)
-    for token in run:
+    if streamer is not None:
+        streamer.put(run.input_ids.cpu())
+    for step, token in enumerate(run):
         if on_token is not None:
             on_token(token)
+        if streamer is not None and run.running_at(step):
+            streamer.put(token.cpu())
+    if streamer is not None:
+        streamer.end()
     return run.output()

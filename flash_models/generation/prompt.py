@@ -16,11 +16,14 @@ class GenerateOutput:
     sequences: torch.Tensor  # (B, S + T)
     scores: tuple[torch.Tensor, ...] | None = None  # T x (B, V): the processed scores each token was chosen from
     logprobs: torch.Tensor | None = None  # (B, T): log-probability of each chosen token under those scores
+    logits: tuple[torch.Tensor, ...] | None = None  # T x (B, V): the raw logits of each step (output_logits)
 
 
 def check_prompt(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: GenerationSettings):
-    """The prompt as (B, S) int64 ids on the model's device and its mask, checked: ids of the model's
-    vocabulary, a 0/1 mask of the same shape with a real token in every row, room in the position table."""
+    """(ids, mask, settings): the prompt as (B, S) int64 ids on the model's device and its mask, checked (ids of
+    the model's vocabulary, a 0/1 mask of the same shape with a real token in every row, room in the position
+    table), each row repeated ``num_return_sequences`` times in place as HF does; the settings with max_length
+    and min_length resolved for the prompt's S columns (``GenerationSettings.for_prompt``)."""
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
@@ -29,6 +32,7 @@ def check_prompt(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: 
         input_ids = input_ids.unsqueeze(0)
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty (batch, seq_len) prompt, got shape {tuple(input_ids.shape)}")
+    settings = settings.for_prompt(input_ids.shape[1])
     dc = model.decoder_config
     device = model.device
     input_ids = input_ids.to(device=device, dtype=torch.long)
@@ -56,7 +60,11 @@ def check_prompt(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: 
             f"prompt ({longest} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
             f"{dc.max_position_embeddings} positions"
         )
-    return input_ids, attention_mask
+    if settings.num_return_sequences > 1:
+        input_ids = input_ids.repeat_interleave(settings.num_return_sequences, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(settings.num_return_sequences, dim=0)
+    return input_ids, attention_mask, settings
 
 
 def prefill_logits(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Generation settings: HF's argument names, one typed object, checked once.
 
-``resolve_settings(model, generation_config, **kwargs)`` merges, in increasing priority: our defaults, the
-model config's EOS/pad ids, the set fields of a ``transformers.GenerationConfig``, then keyword arguments.
-An argument flash-models does not know raises, naming the ones it does.
+``resolve_settings(id_source, vocab_size, generation_config, **kwargs)`` merges, in increasing priority: our
+defaults, the EOS/pad ids of ``id_source`` (the model's generation config, or its config), the set fields of a
+``transformers.GenerationConfig``, then keyword arguments. Every HF setting is honoured or refused by name:
+one that changes no token here (beam-search-only tuning while num_beams is 1, caching choices) is accepted,
+one flash-models does not implement is accepted only at the value that turns it off, and an argument nobody
+knows raises, naming the ones flash-models takes.
 """
 
 from __future__ import annotations
@@ -14,8 +17,14 @@ from dataclasses import dataclass, fields, replace
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    max_new_tokens: int = 20
+    # None: from max_length (HF's total length, prompt columns included), else HF's default of 20 new tokens.
+    # ``for_prompt`` turns max_length and min_length into these counts once the prompt's length is known.
+    max_new_tokens: int | None = None
     min_new_tokens: int = 0
+    max_length: int | None = None
+    min_length: int = 0
+    no_repeat_ngram_size: int = 0  # a row never repeats an n-gram of its own (padding excluded)
+    num_return_sequences: int = 1  # sampled continuations per prompt, each prompt's rows consecutive as in HF
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 0
@@ -26,6 +35,7 @@ class GenerationSettings:
     pad_token_id: int | None = None
     stop_strings: tuple[str, ...] = ()
     output_scores: bool = False  # per-step processed log-probabilities of the chosen tokens and full scores
+    output_logits: bool = False  # per-step raw logits, before any processing
     return_dict_in_generate: bool = False
     num_draft_tokens: int = 4  # speculative decoding with a draft model
     use_cuda_graph: bool = True  # capture the decode step on CUDA
@@ -40,10 +50,20 @@ class GenerationSettings:
 
     def check(self, vocab_size: int) -> None:
         """Ranges, with HF's rules (types are checked by ``typed`` first)."""
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= max(self.max_new_tokens, 0):
+        if self.min_new_tokens < 0 or (self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens):
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"max_length (the prompt's length + new tokens) must be >= 1, got {self.max_length}")
+        for name in ("min_length", "no_repeat_ngram_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 disables it), got {getattr(self, name)}")
+        if self.num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        if self.num_return_sequences > 1 and not self.do_sample:
+            raise ValueError(f"num_return_sequences={self.num_return_sequences} needs do_sample=True: greedy decoding "
+                             "gives every copy the same tokens (as in transformers, which refuses it too)")
         # Greedy decoding ignores the sampling settings (temperature=0 is a common way to ask for it), but a
         # value no sampler could use is a mistake either way.
         if self.temperature < 0 or (self.do_sample and self.temperature == 0):
@@ -97,6 +117,19 @@ class GenerationSettings:
         values["stop_strings"] = tuple(stops)
         return replace(self, **values)
 
+    def for_prompt(self, prompt_len: int) -> GenerationSettings:
+        """These settings for a prompt of ``prompt_len`` columns: max_length and min_length, which count the
+        prompt's columns as HF's do, become counts of new tokens (max_new_tokens wins over max_length)."""
+        new = self.max_new_tokens
+        if new is None and self.max_length is not None:
+            if self.max_length <= prompt_len:
+                raise ValueError(f"max_length={self.max_length} leaves no room after the prompt's {prompt_len} columns "
+                                 "(max_length counts the prompt): pass max_new_tokens instead")
+            new = self.max_length - prompt_len
+        new = 20 if new is None else new
+        min_new = min(max(self.min_new_tokens, self.min_length - prompt_len), new)
+        return replace(self, max_new_tokens=new, min_new_tokens=min_new, max_length=None, min_length=0)
+
     @property
     def eos_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
@@ -109,47 +142,88 @@ class GenerationSettings:
 
 
 _NAMES = {f.name for f in fields(GenerationSettings)}
-_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "num_draft_tokens")
-_OPTIONAL_INTS = ("pad_token_id", "kv_block_size")
+_INTS = ("min_new_tokens", "min_length", "no_repeat_ngram_size", "num_return_sequences", "top_k", "num_draft_tokens")
+_OPTIONAL_INTS = ("max_new_tokens", "max_length", "pad_token_id", "kv_block_size")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty")
-_BOOLS = ("do_sample", "output_scores", "return_dict_in_generate", "use_cuda_graph", "programmatic_launch")
+_BOOLS = ("do_sample", "output_scores", "output_logits", "return_dict_in_generate", "use_cuda_graph",
+          "programmatic_launch")
 
 
 def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     return int(value)
-# HF GenerationConfig fields that have no effect for us when left at their neutral values.
-_NEUTRAL_HF = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True}
+# transformers' generation settings that change no token here: beam-search-only tuning (num_beams must be 1),
+# assisted-decoding tuning (a draft's tokens are checked by the target whatever their number), caching and
+# compilation choices (the KV cache is always on; use_cache=False would only recompute the same logits), the
+# ids of an encoder-decoder's decoder start, and the config's own bookkeeping.
+_HF_NO_EFFECT = frozenset({
+    "early_stopping", "length_penalty", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+    "compile_config", "disable_compile", "prefill_chunk_size", "low_memory", "bos_token_id", "decoder_start_token_id",
+    "is_assistant", "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "assistant_lookbehind", "target_lookbehind", "transformers_version", "_from_model_config",
+})
+# transformers' settings flash-models does not implement, accepted at the value that turns them off.
+_HF_OFF = {
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "guidance_scale": 1.0, "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0,
+    "remove_invalid_values": False, "renormalize_logits": False, "token_healing": False, "output_attentions": False,
+    "output_hidden_states": False, "use_mtp": False,
+}
 
 
 def _as_ids(value):
+    """eos/pad ids as HF takes them (an int, a list, a tensor) -> an int or a tuple of them."""
+    if hasattr(value, "tolist"):  # a tensor or a numpy array of ids
+        value = value.tolist()
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
+def _check_hf_setting(name: str, value, where: str) -> None:
+    """A transformers generation setting outside ours: accepted when it changes no token, else refused by name."""
+    empty = isinstance(value, (list, tuple, dict)) and not value
+    if name in _HF_NO_EFFECT or value is None or empty or (name in _HF_OFF and value == _HF_OFF[name]):
+        return
+    raise ValueError(f"{where}{name}={value!r} is not supported by flash-models; "
+                     + (f"only {name}={_HF_OFF[name]!r} is accepted" if name in _HF_OFF else f"drop {name}"))
+
+
+def _hf_setting_names() -> set[str]:
+    import transformers  # on use: only an argument outside ours needs HF's list
+
+    return set(transformers.GenerationConfig().to_dict())
+
+
 def _config_ids(model_config, vocab_size: int, name: str):
-    """The model config's EOS/pad ids, keeping only ids inside the vocabulary (tiny test configs often
+    """The EOS/pad ids ``model_config`` (a config or a GenerationConfig) holds, keeping only ids inside the vocabulary (tiny test configs often
     inherit out-of-range defaults, which could never be generated anyway)."""
     value = getattr(model_config, name, None)  # families differ in which id fields they have
     ids = [i for i in ((value,) if isinstance(value, int) else tuple(value or ())) if 0 <= i < vocab_size]
     return (ids[0] if len(ids) == 1 else tuple(ids)) if ids else None
 
 
-def resolve_settings(model_config, vocab_size: int, generation_config=None, **kwargs) -> GenerationSettings:
-    unknown = set(kwargs) - _NAMES
-    if unknown:
-        raise ValueError(f"unknown generation argument(s) {sorted(unknown)}; supported: {sorted(_NAMES)}")
+def resolve_settings(id_source, vocab_size: int, generation_config=None, **kwargs) -> GenerationSettings:
+    """``id_source``: what gives the default EOS/pad ids (the model's generation config or its config)."""
+    outside = set(kwargs) - _NAMES
+    if outside:
+        known = _hf_setting_names()
+        unknown = outside - known
+        if unknown:
+            raise ValueError(f"unknown generation argument(s) {sorted(unknown)}; supported: {sorted(_NAMES)}")
+        for name in sorted(outside):
+            _check_hf_setting(name, kwargs.pop(name), "")
     settings = GenerationSettings(
-        eos_token_id=_config_ids(model_config, vocab_size, "eos_token_id"),
-        pad_token_id=_config_ids(model_config, vocab_size, "pad_token_id"),
+        eos_token_id=_config_ids(id_source, vocab_size, "eos_token_id"),
+        pad_token_id=_config_ids(id_source, vocab_size, "pad_token_id"),
     )
     if generation_config is not None:
-        for name, neutral in _NEUTRAL_HF.items():
-            value = getattr(generation_config, name, None)
-            if value is not None and value != neutral:
-                raise ValueError(f"GenerationConfig.{name}={value} is not supported by flash-models (only {neutral})")
-        from_hf = {name: getattr(generation_config, name, None) for name in _NAMES}
-        settings = replace(settings, **{k: _as_ids(v) for k, v in from_hf.items() if v is not None})
+        if not hasattr(generation_config, "to_dict"):
+            raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+        given = {k: v for k, v in generation_config.to_dict().items() if v is not None}
+        for name, value in given.items():
+            if name not in _NAMES:
+                _check_hf_setting(name, value, "GenerationConfig.")
+        settings = replace(settings, **{k: _as_ids(v) for k, v in given.items() if k in _NAMES})
     # None means "not given" (as in HF); an empty eos_token_id list means "no EOS at all".
     explicit = {k: _as_ids(v) for k, v in kwargs.items() if v is not None}
     if explicit.get("eos_token_id") == ():

@@ -31,6 +31,8 @@ def _check_pair(target: CausalDecoder, draft, settings: GenerationSettings) -> N
         "stop_strings": "stop strings are matched on decoded text token by token",
         "kv_block_size": "its two caches roll rejected tokens back, which a paged cache does not",
         "compile_decode": "it runs no one-token decode step to compile",
+        "no_repeat_ngram_size": "the n-gram ban is not implemented for its checked positions",
+        "output_logits": "it keeps the processed scores only (output_scores)",
     }
     for name, why in refused.items():
         if getattr(settings, name) not in ((), None, False):
@@ -40,7 +42,7 @@ def _check_pair(target: CausalDecoder, draft, settings: GenerationSettings) -> N
 @torch.inference_mode()
 def speculative_generate(target: CausalDecoder, draft: CausalDecoder, input_ids, *, attention_mask=None, settings: GenerationSettings):
     _check_pair(target, draft, settings)
-    input_ids, attention_mask = check_prompt(target, input_ids, attention_mask, settings)
+    input_ids, attention_mask, settings = check_prompt(target, input_ids, attention_mask, settings)
     check_prompt(draft, input_ids, attention_mask, settings)  # the draft's own position table must hold it too
     B, S = input_ids.shape
     k, max_new, device = settings.num_draft_tokens, settings.max_new_tokens, input_ids.device

@@ -53,7 +53,9 @@ def stream(
 
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream takes one prompt (1, seq_len), got batch {input_ids.shape[0]}")
-    settings = resolve_settings(model.config, model.decoder_config.vocab_size, **kwargs)
+    settings = resolve_settings(model.generation_config, model.decoder_config.vocab_size, **kwargs)
+    if settings.num_return_sequences != 1:
+        raise ValueError("stream takes one prompt and yields one text: num_return_sequences must be 1")
     text = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
     eos = set(settings.eos_ids)
     for token in Generation(model, input_ids, settings=settings, generator=generator, tokenizer=tokenizer):

@@ -17,7 +17,8 @@ class CausalDecoder(Protocol):
     steps of a model whose rotary tables change with the length), a fixed-shape one-token decode step (what a
     CUDA graph captures), and the config values generation reads."""
 
-    config: Any  # the family's config; its eos_token_id / pad_token_id are generation's defaults
+    config: Any  # the family's config
+    generation_config: Any  # transformers.GenerationConfig: its eos_token_id / pad_token_id are generation's defaults
     decoder_config: DecoderConfig  # vocab_size, position limits (learned_positions), rope (dynamic NTK)
     rotary: RotaryEmbedding | None  # tables(length, device) for decode_step; None with learned positions
 
