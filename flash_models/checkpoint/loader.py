@@ -15,15 +15,15 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..config import check_model_size, check_numbers
+from ..models.protocols import is_causal_decoder
 from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
-
-GENERATION_CONFIG = "generation_config.json"
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 
 log = logging.getLogger(__name__)
+GENERATION_CONFIG = "generation_config.json"
 
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -171,7 +171,8 @@ def from_pretrained(
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
-    if not is_gguf(name_or_path) and gguf_file is None and (directory / GENERATION_CONFIG).is_file():
+    if not is_gguf(name_or_path) and gguf_file is None and (directory / GENERATION_CONFIG).is_file() \
+            and is_causal_decoder(model):
         # The checkpoint's own generation defaults, as transformers reads them: an instruct model's end-of-turn
         # ids are often listed there only (Llama-3: <|eot_id|>), and generate stops at them.
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
