@@ -274,12 +274,17 @@ def _stream(model, tokenizer, ids, args) -> str:
     if new_tokens < args.max_new_tokens:
         print(f"[at most {new_tokens} new tokens: the prompt ({ids.shape[1]} tokens) and the model's context of "
               f"{context} tokens leave no more room than that]", file=sys.stderr)
+    # The tokenizer's EOS and the checkpoint's own end ids (generation_config.json may list an end-of-turn id
+    # the tokenizer does not call its EOS), as transformers' generate stops at both.
+    listed = model.generation_config.eos_token_id
+    ends = {i for i in [tokenizer.eos_token_id, *([listed] if isinstance(listed, int) else listed or [])]
+            if i is not None and 0 <= i < model.decoder_config.vocab_size}
     times: list[float] = []
     pieces = []
     start = time.perf_counter()
     for piece in stream(
         model, tokenizer, ids, max_new_tokens=new_tokens, do_sample=args.do_sample,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=tokenizer.eos_token_id,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, eos_token_id=sorted(ends),
         generator=torch.Generator(device=model.device).manual_seed(args.seed),
         on_token=lambda _: times.append(time.perf_counter()),
     ):

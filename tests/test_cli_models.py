@@ -104,6 +104,20 @@ def test_convert_gguf_round_trip(tmp_path, smollm2_tokenizer):
     assert from_folder.stdout == from_gguf.stdout == tokenizer.decode(ours[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
 
 
+def test_chat_stops_at_an_end_id_listed_in_generation_config_only(tmp_path, tiny_folder, smollm2_tokenizer):
+    """An instruct checkpoint may list its end-of-turn id in generation_config.json only (Llama-3's <|eot_id|>)."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    ids = _chat_ids(smollm2_tokenizer, "Hello")
+    plain = fm.from_pretrained(folder).generate(ids, max_new_tokens=NEW_TOKENS, eos_token_id=smollm2_tokenizer.eos_token_id)
+    turn_end = int(plain[0, ids.shape[1]])  # the answer's first token: the turn ends right after it
+    assert turn_end != smollm2_tokenizer.eos_token_id
+    transformers.GenerationConfig(eos_token_id=[smollm2_tokenizer.eos_token_id, turn_end]).save_pretrained(folder)
+    run = run_cli("chat", str(folder), "Hello", "--max-new-tokens", str(NEW_TOKENS))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == smollm2_tokenizer.decode([turn_end], skip_special_tokens=True) + "\n"
+
+
 def test_convert_hf_folder_keeps_tokenizer_and_generation_config(tmp_path, tiny_folder):
     source = tmp_path / "source"
     shutil.copytree(tiny_folder, source)
