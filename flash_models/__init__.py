@@ -25,6 +25,7 @@ _LAZY = {
     "families": ".registry",
     "from_pretrained": ".checkpoint.loader",
     "from_timm": ".checkpoint.timm",
+    "generate": ".generation",
     "generation": ".generation",
     "list_models": ".registry",
     "minilm_dir": ".embedded",
@@ -37,6 +38,7 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 if TYPE_CHECKING:
     from . import generation
+    from .generation import generate
     from .backward import backward_on_this_thread
     from .checkpoint.loader import create_model, from_pretrained, save_pretrained
     from .checkpoint.remap import CheckpointKeyError

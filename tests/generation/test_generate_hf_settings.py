@@ -215,3 +215,10 @@ def test_the_checkpoints_generation_config_gives_the_default_eos_ids(tmp_path):
     assert ours.generation_config.eos_token_id == [1, turn_end]
     out = ours.generate(ids, max_new_tokens=12)
     assert torch.equal(out, ref) and int(out[0, -1]) == 0  # row 0 ended at turn_end and was padded
+
+
+def test_fm_generate_is_model_generate(pair):
+    _, ours = pair
+    ids = prompt()
+    assert torch.equal(fm.generate(ours, ids, max_new_tokens=5, eos_token_id=[]),
+                       ours.generate(ids, max_new_tokens=5, eos_token_id=[]))
