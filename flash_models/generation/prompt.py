@@ -40,6 +40,11 @@ def check_prompt(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: 
     if bool(outside.any()):  # once per call: on CUDA the model's own check is an asynchronous assert
         raise ValueError(f"input_ids must lie in the vocabulary [0, {dc.vocab_size}), got {int(input_ids[outside][0])}: "
                          "check the tokenizer matches the model")
+    pad = settings.pad_token_id
+    if attention_mask is None and pad is not None and pad not in settings.eos_ids and bool((input_ids == pad).any()):
+        # transformers' rule: without a mask, the pad id marks padding when it is set and is not an EOS id (a
+        # tokenizer's padded batch passed without its mask)
+        attention_mask = (input_ids != pad).long()
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise ValueError(f"attention_mask must be a tensor of 0/1 (1 = real token), got {type(attention_mask).__name__}")

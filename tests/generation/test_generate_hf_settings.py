@@ -222,3 +222,20 @@ def test_fm_generate_is_model_generate(pair):
     ids = prompt()
     assert torch.equal(fm.generate(ours, ids, max_new_tokens=5, eos_token_id=[]),
                        ours.generate(ids, max_new_tokens=5, eos_token_id=[]))
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["plain", "speculative"])
+def test_a_padded_batch_without_its_mask_is_read_through_the_pad_id_as_hf_does(draft):
+    """A tokenizer's padded batch passed without attention_mask: the pad id (set, and not an EOS id) marks the padding."""
+    hf = llama_hf(seed=34, pad_token_id=2)
+    ours = ours_from_hf(hf)
+    ids = prompt(seed=3).clamp(min=3)
+    ids[1, :3], ids[2, :5] = 2, 2
+    ref = hf.generate(ids, do_sample=False, max_new_tokens=8)
+    extra = dict(draft_model=ours_from_hf(llama_hf(seed=35, num_hidden_layers=1))) if draft else {}
+    assert torch.equal(ours.generate(ids, max_new_tokens=8, **extra), ref)
+    mask = (ids != 2).long()
+    assert torch.equal(ours.generate(ids, attention_mask=mask, max_new_tokens=8, **extra), ref)
+    # the pad id doubling as EOS marks nothing: the prompt is read whole, as in HF
+    assert torch.equal(ours.generate(ids, max_new_tokens=8, pad_token_id=1, eos_token_id=1),
+                       hf.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=1, eos_token_id=1))
