@@ -40,12 +40,12 @@ class TextStream:
 
 @torch.inference_mode()
 def stream(
-    model, tokenizer, input_ids: torch.Tensor, *, skip_special_tokens: bool = True, generator=None, on_token=None,
-    **kwargs,
+    model, tokenizer, input_ids: torch.Tensor, *, attention_mask=None, generation_config=None,
+    skip_special_tokens: bool = True, generator=None, on_token=None, **kwargs,
 ) -> Iterator[str]:
     """Yield text pieces of the continuation of a single prompt (1, S) as they are generated. Joined, they
     equal ``tokenizer.decode(new_tokens, skip_special_tokens=...)``; generation stops at EOS. ``on_token``
-    receives each token id as it comes (for timing)."""
+    receives each token id as it comes (for timing). The other arguments are ``generate``'s."""
     from .generate import Generation
     from .settings import resolve_settings
 
@@ -53,12 +53,13 @@ def stream(
 
     if input_ids.dim() == 2 and input_ids.shape[0] != 1:
         raise ValueError(f"stream takes one prompt (1, seq_len), got batch {input_ids.shape[0]}")
-    settings = resolve_settings(model.generation_config, model.decoder_config.vocab_size, **kwargs)
+    settings = resolve_settings(model.generation_config, model.decoder_config.vocab_size, generation_config, **kwargs)
     if settings.num_return_sequences != 1:
         raise ValueError("stream takes one prompt and yields one text: num_return_sequences must be 1")
     text = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
     eos = set(settings.eos_ids)
-    for token in Generation(model, input_ids, settings=settings, generator=generator, tokenizer=tokenizer):
+    for token in Generation(model, input_ids, attention_mask=attention_mask, settings=settings, generator=generator,
+                            tokenizer=tokenizer):
         token_id = int(token[0])
         if on_token is not None:
             on_token(token_id)

@@ -239,3 +239,16 @@ def test_a_padded_batch_without_its_mask_is_read_through_the_pad_id_as_hf_does(d
     # the pad id doubling as EOS marks nothing: the prompt is read whole, as in HF
     assert torch.equal(ours.generate(ids, max_new_tokens=8, pad_token_id=1, eos_token_id=1),
                        hf.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=1, eos_token_id=1))
+
+
+def test_stream_takes_a_tokenizers_output_and_a_generation_config(pair):
+    from tests.generation.test_generate import CharTokenizer
+
+    _, ours = pair
+    tok = CharTokenizer()
+    ids = torch.tensor([[0, 0, 40, 41, 42]])
+    encoded = dict(input_ids=ids, attention_mask=torch.tensor([[0, 0, 1, 1, 1]]))
+    config = transformers.GenerationConfig(max_length=12, eos_token_id=[])
+    pieces = list(fm.generation.stream(ours, tok, **encoded, generation_config=config))
+    alone = ours.generate(ids[:, 2:], max_new_tokens=7, eos_token_id=[])
+    assert "".join(pieces) == tok.decode(alone[0, 3:].tolist())
