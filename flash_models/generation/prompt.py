@@ -7,12 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.outputs import ModelOutput
 from ..models.protocols import CausalDecoder
 from .settings import GenerationSettings
 
 
 @dataclass
-class GenerateOutput:
+class GenerateOutput(ModelOutput):
+    """What ``return_dict_in_generate`` gives, read as transformers' output is: ``out.sequences``,
+    ``out["scores"]``, ``out[0]``."""
+
     sequences: torch.Tensor  # (B, S + T)
     scores: tuple[torch.Tensor, ...] | None = None  # T x (B, V): the processed scores each token was chosen from
     logprobs: torch.Tensor | None = None  # (B, T): log-probability of each chosen token under those scores

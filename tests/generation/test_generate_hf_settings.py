@@ -93,6 +93,7 @@ def test_output_logits_are_the_raw_logits_hf_returns(pair):
     for ours_step, hf_step in zip(out.logits, ref.logits):
         torch.testing.assert_close(ours_step, hf_step, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out.logits[1], out.scores[1])  # raw, not the penalized scores
+    assert out["sequences"] is out[0] is out.sequences and torch.equal(out.sequences, ref.sequences)  # read as HF's
 
 
 @pytest.mark.parametrize("settings,message", [
