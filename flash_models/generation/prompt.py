@@ -3,6 +3,7 @@ the output type."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,9 @@ def check_prompt(model: CausalDecoder, input_ids: torch.Tensor, attention_mask: 
     the model's vocabulary, a 0/1 mask of the same shape with a real token in every row, room in the position
     table), each row repeated ``num_return_sequences`` times in place as HF does; the settings with max_length
     and min_length resolved for the prompt's S columns (``GenerationSettings.for_prompt``)."""
+    if isinstance(input_ids, Mapping) and "input_ids" in input_ids:  # what tokenizers and apply_chat_template return
+        raise ValueError(f"input_ids is a tokenizer's output ({type(input_ids).__name__}): unpack it, "
+                         "model.generate(**encoded, max_new_tokens=...), which passes its attention_mask too")
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(f"input_ids must be a tensor of token ids, got {type(input_ids).__name__}")
     if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():

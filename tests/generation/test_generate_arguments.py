@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from flash_models.testing import ours_from_hf
 from tests.generation.test_generate import VOCAB, gpt2_hf, llama_hf
@@ -57,6 +58,7 @@ def test_a_bad_argument_is_named(model, kwargs, message):
     (torch.tensor([[5.0, 9.0]]), "input_ids must hold integer token ids .* got dtype torch.float32"),
     (torch.tensor([[True, False]]), "input_ids must hold integer token ids"),
     ([[5, 9]], "input_ids must be a tensor of token ids, got list"),
+    (transformers.BatchEncoding({"input_ids": torch.tensor([[5, 9]])}), r"tokenizer's output \(BatchEncoding\): unpack it"),
     (torch.tensor([[5, VOCAB]]), r"input_ids must lie in the vocabulary \[0, 257\), got 257"),
     (torch.tensor([[5, -3]]), "input_ids must lie in the vocabulary"),
     (torch.zeros(1, 0, dtype=torch.long), "input_ids must be a non-empty"),
