@@ -98,8 +98,12 @@ class Generation:
                 rows_seen = seen[active] if seen is not None else None
                 rows_banned = banned[active] if banned is not None else None
                 scores = process_logits(logits[active], s, seen=rows_seen, step=step, banned=rows_banned)
-                token = torch.full((B,), s.pad_id, dtype=torch.long, device=device)
-                token[active] = choose(scores, do_sample=True, generator=self.generator)
+                # The draw still covers every row (a finished one certain of the pad id): the random stream a
+                # seed gives is then spent as in transformers, which draws for finished rows too.
+                probs = torch.zeros(B, V, dtype=scores.dtype, device=device)
+                probs[:, s.pad_id] = 1.0
+                probs[active] = scores.softmax(dim=-1)
+                token = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(-1)
             token = torch.where(finished, torch.full_like(token, s.pad_id), token)
             if s.output_scores:  # a copy: the scores may be the decode graph's static output buffer
                 self.scores.append(scores.clone())

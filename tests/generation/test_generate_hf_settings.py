@@ -253,3 +253,20 @@ def test_stream_takes_a_tokenizers_output_and_a_generation_config(pair):
     pieces = list(fm.generation.stream(ours, tok, **encoded, generation_config=config))
     alone = ours.generate(ids[:, 2:], max_new_tokens=7, eos_token_id=[])
     assert "".join(pieces) == tok.decode(alone[0, 3:].tolist())
+
+
+def test_sampling_from_one_seed_gives_hf_tokens_while_rows_finish_at_different_steps(pair):
+    hf, ours = pair
+    ids = prompt(seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    eos = list(range(2, 30))  # likely enough that the rows finish early, at different steps
+    settings = dict(attention_mask=mask, do_sample=True, top_k=0, top_p=0.95, max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    torch.manual_seed(3)
+    ref = hf.generate(ids, **settings)
+    torch.manual_seed(3)
+    out = ours.generate(ids, **settings)
+    ends = torch.isin(ref[:, 7:], torch.tensor(eos))
+    finished_at = {int(row.nonzero()[0, 0]) if row.any() else None for row in ends}
+    assert None not in finished_at and len(finished_at) == 3, f"setup: rows should end at different steps ({finished_at})"
+    assert torch.equal(out, ref)
