@@ -237,7 +237,23 @@ def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | 
     hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class
     hf_config.dtype = model.dtype
-    write_model_dir(save_directory, hf_state, {"config.json": hf_config.to_json_string()}, max_shard_size=max_shard_size)
+    files = {"config.json": hf_config.to_json_string()}
+    generation = _generation_config_json(model)
+    if generation is not None:
+        files[GENERATION_CONFIG] = generation
+    write_model_dir(save_directory, hf_state, files, max_shard_size=max_shard_size)
+
+
+def _generation_config_json(model) -> str | None:
+    """A decoder's generation config as generation_config.json, when it says more than config.json's token ids
+    (read from the checkpoint's own, or set by the user or TRL): what from_pretrained and transformers read back."""
+    if not is_causal_decoder(model):
+        return None
+    c = model.config
+    from_config = transformers.GenerationConfig(bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+                                                pad_token_id=c.pad_token_id)
+    own = model.generation_config
+    return None if own.to_diff_dict() == from_config.to_diff_dict() else own.to_json_string()
 
 
 def check_override_names(preset: str, overrides: dict, *, prefix: str = "") -> None:

@@ -270,3 +270,16 @@ def test_sampling_from_one_seed_gives_hf_tokens_while_rows_finish_at_different_s
     finished_at = {int(row.nonzero()[0, 0]) if row.any() else None for row in ends}
     assert None not in finished_at and len(finished_at) == 3, f"setup: rows should end at different steps ({finished_at})"
     assert torch.equal(out, ref)
+
+
+def test_save_pretrained_keeps_the_generation_config_it_was_loaded_with(tmp_path):
+    hf = llama_hf(seed=36)
+    hf.generation_config = transformers.GenerationConfig(eos_token_id=[1, 7], bos_token_id=0, do_sample=True, top_p=0.8)
+    hf.save_pretrained(tmp_path / "source")
+    fm.from_pretrained(tmp_path / "source").save_pretrained(tmp_path / "copy")
+    again = fm.from_pretrained(tmp_path / "copy").generation_config
+    assert again.eos_token_id == [1, 7] and again.do_sample is True and again.top_p == 0.8
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "copy").eos_token_id == [1, 7]
+    # nothing beyond config.json's ids: no file, as before
+    ours_from_hf(llama_hf(seed=36)).save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / "generation_config.json").exists()
