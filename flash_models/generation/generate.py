@@ -16,19 +16,30 @@ from .speculative import speculative_generate
 
 
 class _StopStrings:
-    """Marks rows whose decoded continuation contains a stop string (host-side, only when asked for)."""
+    """Marks rows where a new token completes a stop string (host-side, only when asked for). As in
+    transformers, a stop string may begin in the prompt: each row's text is decoded from the end of its prompt
+    (enough tokens to hold the longest stop string) on, and a stop string counts when it ends past the prompt."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...]):
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...], input_ids: torch.Tensor, attention_mask):
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")
         self.tokenizer, self.stop_strings = tokenizer, stop_strings
+        if not stop_strings:
+            return
+        # A token holds at least one character, or a piece of one (byte tokens): 4 tokens a character suffice.
+        keep = 4 * max(len(t) for t in stop_strings)
+        rows = input_ids.tolist() if attention_mask is None else [
+            [t for t, real in zip(row, mask) if real] for row, mask in zip(input_ids.tolist(), attention_mask.tolist())]
+        self.tails = [row[-keep:] for row in rows]
+        self.tail_chars = [len(t) for t in tokenizer.batch_decode(self.tails, skip_special_tokens=False)]
 
     def hits(self, new_tokens: list[torch.Tensor]) -> torch.Tensor | None:
         if not self.stop_strings:
             return None
-        rows = torch.stack(new_tokens, dim=1).tolist()
+        rows = [tail + new for tail, new in zip(self.tails, torch.stack(new_tokens, dim=1).tolist())]
         texts = self.tokenizer.batch_decode(rows, skip_special_tokens=False)
-        return torch.tensor([any(s in t for s in self.stop_strings) for t in texts])
+        return torch.tensor([any(text.find(stop, max(0, start - len(stop) + 1)) >= 0 for stop in self.stop_strings)
+                             for text, start in zip(texts, self.tail_chars)])
 
 
 class Generation:
@@ -40,7 +51,7 @@ class Generation:
         self.model, self.generator = model, generator
         self.input_ids, self.attention_mask, settings = check_prompt(model, input_ids, attention_mask, settings)
         self.settings = settings
-        self.stops = _StopStrings(tokenizer, settings.stop_strings)
+        self.stops = _StopStrings(tokenizer, settings.stop_strings, self.input_ids, self.attention_mask)
         self.tokens: list[torch.Tensor] = []
         self.scores: list[torch.Tensor] = []
         self.logprobs: list[torch.Tensor] = []

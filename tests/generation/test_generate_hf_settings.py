@@ -283,3 +283,23 @@ def test_save_pretrained_keeps_the_generation_config_it_was_loaded_with(tmp_path
     # nothing beyond config.json's ids: no file, as before
     ours_from_hf(llama_hf(seed=36)).save_pretrained(tmp_path / "plain")
     assert not (tmp_path / "plain" / "generation_config.json").exists()
+
+
+def test_a_stop_string_may_begin_in_the_prompt_as_in_hf():
+    """transformers stops when a new token completes a stop string, wherever it begins (here: in the prompt);
+    one lying wholly inside the prompt stops nothing."""
+    from tests.generation.test_generate import CharTokenizer
+
+    ours = ours_from_hf(llama_hf(seed=44, vocab_size=258))
+    tok = CharTokenizer()
+    ids = torch.tensor([[0, 0, ord("p") + 2, ord("q") + 2], [ord("r") + 2, ord("s") + 2, ord("t") + 2, ord("u") + 2]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    free = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    assert all(2 <= t < 2 + 128 for t in free[:, 4].tolist()), "setup: the first new tokens should be ASCII bytes"
+    first = tok.decode(free[:, 4].tolist())  # one character a token
+    stops = ["q" + first[0], "stu" + first[1]]
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], stop_strings=stops, tokenizer=tok,
+                        pad_token_id=0)
+    assert out.shape[1] == 5 and torch.equal(out, free[:, :5])
+    inside = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], stop_strings=["pq", "rs"], tokenizer=tok)
+    assert torch.equal(inside, free)
