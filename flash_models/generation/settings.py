@@ -195,39 +195,48 @@ def _hf_setting_names() -> set[str]:
 
 
 def _config_ids(model_config, vocab_size: int, name: str):
-    """The EOS/pad ids ``model_config`` (a config or a GenerationConfig) holds, keeping only ids inside the vocabulary (tiny test configs often
-    inherit out-of-range defaults, which could never be generated anyway)."""
+    """The EOS/pad ids ``model_config`` (a config or a GenerationConfig) holds, keeping only ids inside the
+    vocabulary (tiny test configs often inherit out-of-range defaults, which could never be generated anyway)."""
     value = getattr(model_config, name, None)  # families differ in which id fields they have
     ids = [i for i in ((value,) if isinstance(value, int) else tuple(value or ())) if 0 <= i < vocab_size]
     return (ids[0] if len(ids) == 1 else tuple(ids)) if ids else None
 
 
-def resolve_settings(id_source, vocab_size: int, generation_config=None, **kwargs) -> GenerationSettings:
-    """``id_source``: what gives the default EOS/pad ids (the model's generation config or its config)."""
+def _set_fields(generation_config, where: str) -> dict:
+    if not hasattr(generation_config, "to_dict"):
+        raise ValueError(f"{where} must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
+    return {k: v for k, v in generation_config.to_dict().items() if v is not None}
+
+
+def resolve_settings(base, vocab_size: int, generation_config=None, **kwargs) -> GenerationSettings:
+    """Settings in transformers' priority: keyword arguments over ``generation_config`` over ``base`` over our
+    defaults. ``base`` is the model's own generation config (every set field counts, as in transformers' generate),
+    or a model config, which gives the EOS/pad ids alone; ids outside the vocabulary in it are dropped."""
     outside = set(kwargs) - _NAMES
     if outside:
-        known = _hf_setting_names()
-        unknown = outside - known
+        unknown = outside - _hf_setting_names()
         if unknown:
             raise ValueError(f"unknown generation argument(s) {sorted(unknown)}; supported: {sorted(_NAMES)}")
-        for name in sorted(outside):
-            _check_hf_setting(name, kwargs.pop(name), "")
-    settings = GenerationSettings(
-        eos_token_id=_config_ids(id_source, vocab_size, "eos_token_id"),
-        pad_token_id=_config_ids(id_source, vocab_size, "pad_token_id"),
-    )
+    import transformers  # on use, as the model's generation_config that gives ``base`` is
+
+    own = _set_fields(base, "model.generation_config") if isinstance(base, transformers.GenerationConfig) else {}
+    for name in ("eos_token_id", "pad_token_id"):
+        own[name] = _config_ids(base, vocab_size, name)
+    layers = [("model.generation_config.", {k: v for k, v in own.items() if v is not None})]  # (origin, values)
     if generation_config is not None:
-        if not hasattr(generation_config, "to_dict"):
-            raise ValueError(f"generation_config must be a transformers.GenerationConfig, got {type(generation_config).__name__}")
-        given = {k: v for k, v in generation_config.to_dict().items() if v is not None}
-        for name, value in given.items():
-            if name not in _NAMES:
-                _check_hf_setting(name, value, "GenerationConfig.")
-        settings = replace(settings, **{k: _as_ids(v) for k, v in given.items() if k in _NAMES})
+        layers.append(("GenerationConfig.", _set_fields(generation_config, "generation_config")))
     # None means "not given" (as in HF); an empty eos_token_id list means "no EOS at all".
-    explicit = {k: _as_ids(v) for k, v in kwargs.items() if v is not None}
-    if explicit.get("eos_token_id") == ():
-        explicit["eos_token_id"] = None
-    settings = replace(settings, **explicit).typed()
+    explicit = {k: v for k, v in kwargs.items() if v is not None}
+    layers.append(("", explicit))
+    merged, origin = {}, {}
+    for where, values in layers:
+        for name, value in values.items():
+            merged[name], origin[name] = value, where
+    for name in sorted(set(merged) - _NAMES):
+        _check_hf_setting(name, merged[name], origin[name])
+    values = {k: _as_ids(v) for k, v in merged.items() if k in _NAMES}
+    if values.get("eos_token_id") == ():
+        values["eos_token_id"] = None
+    settings = GenerationSettings(**values).typed()
     settings.check(vocab_size)
     return settings

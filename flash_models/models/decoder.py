@@ -385,8 +385,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
     def generation_config(self):
         """HF's ``GenerationConfig`` of this model: the checkpoint's generation_config.json (``from_pretrained``),
         else made from the config's token ids on first use (TRL aligns its ids with the tokenizer's). ``generate``
-        takes its default EOS and pad ids from it; pass ``generation_config=model.generation_config`` for its
-        other settings (a checkpoint's sampling defaults), which transformers' generate applies unasked."""
+        takes its defaults from it, as transformers' does (a checkpoint's sampling settings included)."""
         if self._generation_config is None:
             import transformers  # HF's class, made on use: the model files do not need transformers to load
 

@@ -303,3 +303,20 @@ def test_a_stop_string_may_begin_in_the_prompt_as_in_hf():
     assert out.shape[1] == 5 and torch.equal(out, free[:, :5])
     inside = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], stop_strings=["pq", "rs"], tokenizer=tok)
     assert torch.equal(inside, free)
+
+
+def test_the_models_generation_config_gives_the_defaults_as_in_hf():
+    hf = llama_hf(seed=38)  # its own models: their generation configs are changed here
+    ours = ours_from_hf(hf)
+    ids = prompt()
+    for model in (hf, ours):
+        model.generation_config = transformers.GenerationConfig(max_new_tokens=5, no_repeat_ngram_size=1, pad_token_id=0,
+                                                                eos_token_id=None, do_sample=False)
+    assert torch.equal(ours.generate(ids), hf.generate(ids))
+    assert ours.generate(ids).shape == (3, 12) and ours.generate(ids, max_new_tokens=2).shape == (3, 9)
+    config = transformers.GenerationConfig(max_new_tokens=3)  # overrides the model's, field by field
+    assert torch.equal(ours.generate(ids, generation_config=config), hf.generate(ids, generation_config=config))
+    ours.generation_config.num_beams = 4
+    with pytest.raises(ValueError, match=r"model\.generation_config\.num_beams=4 is not supported"):
+        ours.generate(ids)
+    assert ours.generate(ids, num_beams=1).shape == (3, 12)
