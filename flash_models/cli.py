@@ -299,10 +299,19 @@ def _stream(model, tokenizer, ids, args) -> str:
 
 # ------------------------------------------------------------------------------------------------------------
 # Commands
+def _note_sampling_flags(args) -> None:
+    """--temperature, --top-k and --top-p shape sampling only: without --do-sample they are ignored, said once."""
+    given = [flag for flag, value, neutral in (("--temperature", args.temperature, 1.0), ("--top-k", args.top_k, 0),
+                                               ("--top-p", args.top_p, 1.0)) if value != neutral]
+    if given and not args.do_sample:
+        print(f"[{', '.join(given)} without --do-sample: decoding greedily (add --do-sample to sample)]", file=sys.stderr)
+
+
 def cmd_generate(args) -> None:
     model_name, prompt = _model_and_text(args, text_name="PROMPT", text_required=True)
     if not prompt:
         raise UsageError("PROMPT is empty")
+    _note_sampling_flags(args)
     model, tokenizer, load_s = _load(args, model_name)
     if args.stats:
         print(f"[loaded {model_name} in {load_s:.1f} s]", file=sys.stderr)
@@ -313,6 +322,7 @@ def cmd_chat(args) -> None:
     model_name, message = _model_and_text(args, text_name="MESSAGE", text_required=False)
     if message is not None and not message.strip():
         raise UsageError("MESSAGE is empty (leave it out for an interactive chat)")
+    _note_sampling_flags(args)
     try:
         model, tokenizer, load_s = _load(args, model_name)
     except FileNotFoundError as err:

@@ -104,6 +104,15 @@ def test_convert_gguf_round_trip(tmp_path, smollm2_tokenizer):
     assert from_folder.stdout == from_gguf.stdout == tokenizer.decode(ours[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
 
 
+def test_sampling_flags_without_do_sample_are_said_to_be_ignored(tiny_folder):
+    greedy = run_cli("generate", str(tiny_folder), "Hello", "--max-new-tokens", "3")
+    flagged = run_cli("generate", str(tiny_folder), "Hello", "--max-new-tokens", "3", "--temperature", "0.7", "--top-k", "5")
+    assert greedy.returncode == 0 and flagged.returncode == 0, greedy.stderr + flagged.stderr
+    assert flagged.stdout == greedy.stdout
+    assert "--temperature, --top-k without --do-sample: decoding greedily" in flagged.stderr
+    assert "--do-sample" not in greedy.stderr
+
+
 def test_chat_stops_at_an_end_id_listed_in_generation_config_only(tmp_path, tiny_folder, smollm2_tokenizer):
     """An instruct checkpoint may list its end-of-turn id in generation_config.json only (Llama-3's <|eot_id|>)."""
     folder = tmp_path / "model"
