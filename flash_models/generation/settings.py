@@ -1,8 +1,8 @@
 """Generation settings: HF's argument names, one typed object, checked once.
 
-``resolve_settings(id_source, vocab_size, generation_config, **kwargs)`` merges, in increasing priority: our
-defaults, the EOS/pad ids of ``id_source`` (the model's generation config, or its config), the set fields of a
-``transformers.GenerationConfig``, then keyword arguments. Every HF setting is honoured or refused by name:
+``resolve_settings(base, vocab_size, generation_config, **kwargs)`` merges, in increasing priority as
+transformers does: our defaults, the set fields of the model's own generation config (``base``), those of a
+``generation_config`` argument, then keyword arguments. Every HF setting is honoured or refused by name:
 one that changes no token here (beam-search-only tuning while num_beams is 1, caching choices) is accepted,
 one flash-models does not implement is accepted only at the value that turns it off, and an argument nobody
 knows raises, naming the ones flash-models takes.
@@ -153,6 +153,8 @@ def _int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     return int(value)
+
+
 # transformers' generation settings that change no token here: beam-search-only tuning (num_beams must be 1),
 # assisted-decoding tuning (a draft's tokens are checked by the target whatever their number), caching and
 # compilation choices (the KV cache is always on; use_cache=False would only recompute the same logits), the
