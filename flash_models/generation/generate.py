@@ -184,9 +184,10 @@ def generate(
     max_new_tokens or max_length (which counts the prompt's columns), min_new_tokens or min_length, do_sample,
     temperature, top_k, top_p, min_p, repetition_penalty, no_repeat_ngram_size, num_return_sequences,
     eos_token_id (one id or several; [] for none), pad_token_id, stop_strings (needs ``tokenizer``),
-    output_scores, output_logits, return_dict_in_generate; or a ``transformers.GenerationConfig``. As in
-    transformers, ``model.generation_config`` (the checkpoint's generation_config.json, else config.json's token
-    ids) gives the defaults, a ``generation_config`` argument overrides it and keyword arguments override both.
+    output_scores, output_logits, return_dict_in_generate; or a ``transformers.GenerationConfig``, which keyword
+    arguments override. ``model.generation_config`` (the checkpoint's generation_config.json, else config.json's
+    token ids) gives the default EOS and pad ids; its sampling settings apply only when passed as
+    ``generation_config=model.generation_config`` (greedy unless asked, see ``resolve_settings``).
     Every argument is checked up front, naming it; an HF setting that would change the tokens and is not
     implemented here is refused by name. A batch may be left- or right-padded (pass
     ``attention_mask``): each row continues from its own last real token, and the new tokens follow the

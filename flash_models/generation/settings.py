@@ -212,18 +212,18 @@ def _set_fields(generation_config, where: str) -> dict:
 
 def resolve_settings(base, vocab_size: int, generation_config=None, **kwargs) -> GenerationSettings:
     """Settings in transformers' priority: keyword arguments over ``generation_config`` over ``base`` over our
-    defaults. ``base`` is the model's own generation config (every set field counts, as in transformers' generate),
-    or a model config, which gives the EOS/pad ids alone; ids outside the vocabulary in it are dropped."""
+    defaults. ``base`` is the model's own generation config (or a model config): it gives the EOS/pad ids alone,
+    ids outside the vocabulary dropped. Its sampling settings do not apply: without ``do_sample=True`` (or a
+    ``generation_config`` asking for it) generation is greedy, whatever the checkpoint recommends, so that
+    ``generate(ids)`` gives the same tokens for every checkpoint and a setting we do not implement in a
+    checkpoint's generation_config.json never makes it fail. ``generation_config=model.generation_config`` takes
+    the checkpoint's settings, every field."""
     outside = set(kwargs) - _NAMES
     if outside:
         unknown = outside - _hf_setting_names()
         if unknown:
             raise ValueError(f"unknown generation argument(s) {sorted(unknown)}; supported: {sorted(_NAMES)}")
-    import transformers  # on use, as the model's generation_config that gives ``base`` is
-
-    own = _set_fields(base, "model.generation_config") if isinstance(base, transformers.GenerationConfig) else {}
-    for name in ("eos_token_id", "pad_token_id"):
-        own[name] = _config_ids(base, vocab_size, name)
+    own = {name: _config_ids(base, vocab_size, name) for name in ("eos_token_id", "pad_token_id")}
     layers = [("model.generation_config.", {k: v for k, v in own.items() if v is not None})]  # (origin, values)
     if generation_config is not None:
         layers.append(("GenerationConfig.", _set_fields(generation_config, "generation_config")))

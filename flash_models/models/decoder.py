@@ -385,7 +385,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
     def generation_config(self):
         """HF's ``GenerationConfig`` of this model: the checkpoint's generation_config.json (``from_pretrained``),
         else made from the config's token ids on first use (TRL aligns its ids with the tokenizer's). ``generate``
-        takes its defaults from it, as transformers' does (a checkpoint's sampling settings included)."""
+        takes its default EOS and pad ids from it (its sampling settings only when it is passed as ``generation_config=``)."""
         if self._generation_config is None:
             import transformers  # HF's class, made on use: the model files do not need transformers to load
 

@@ -305,18 +305,22 @@ def test_a_stop_string_may_begin_in_the_prompt_as_in_hf():
     assert torch.equal(inside, free)
 
 
-def test_the_models_generation_config_gives_the_defaults_as_in_hf():
+def test_the_models_generation_config_gives_ids_and_its_sampling_settings_only_when_passed():
+    """model.generation_config's EOS/pad ids are the defaults; its other settings (sampling, lengths, settings we do
+    not implement) apply only when it is passed as generation_config=, where they give transformers' tokens."""
     hf = llama_hf(seed=38)  # its own models: their generation configs are changed here
     ours = ours_from_hf(hf)
     ids = prompt()
+    greedy = ours.generate(ids, max_new_tokens=6, eos_token_id=[], pad_token_id=0)
+    recommended = dict(max_new_tokens=5, no_repeat_ngram_size=1, pad_token_id=0, eos_token_id=None)
+    ours.generation_config = transformers.GenerationConfig(**recommended, do_sample=True, top_k=3, num_beams=4)
+    assert torch.equal(ours.generate(ids, max_new_tokens=6, eos_token_id=[]), greedy)  # greedy: nothing applied
+    with pytest.raises(ValueError, match=r"num_beams=4 is not supported"):
+        ours.generate(ids, generation_config=ours.generation_config)
     for model in (hf, ours):
-        model.generation_config = transformers.GenerationConfig(max_new_tokens=5, no_repeat_ngram_size=1, pad_token_id=0,
-                                                                eos_token_id=None, do_sample=False)
-    assert torch.equal(ours.generate(ids), hf.generate(ids))
-    assert ours.generate(ids).shape == (3, 12) and ours.generate(ids, max_new_tokens=2).shape == (3, 9)
-    config = transformers.GenerationConfig(max_new_tokens=3)  # overrides the model's, field by field
-    assert torch.equal(ours.generate(ids, generation_config=config), hf.generate(ids, generation_config=config))
-    ours.generation_config.num_beams = 4
-    with pytest.raises(ValueError, match=r"model\.generation_config\.num_beams=4 is not supported"):
-        ours.generate(ids)
-    assert ours.generate(ids, num_beams=1).shape == (3, 12)
+        model.generation_config = transformers.GenerationConfig(**recommended, do_sample=False)
+    out = ours.generate(ids, generation_config=ours.generation_config)
+    assert out.shape == (3, 12) and torch.equal(out, hf.generate(ids))
+    # Another GenerationConfig argument: its fields, not the model's (transformers would merge the model's in)
+    out = ours.generate(ids, generation_config=transformers.GenerationConfig(max_new_tokens=3), eos_token_id=[])
+    assert torch.equal(out, greedy[:, :10])
