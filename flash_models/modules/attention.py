@@ -41,7 +41,9 @@ class AttentionMask:
     """Everything a layer needs to mask attention, built once per model forward and shared by all layers.
 
     ``key_padding`` is HF's attention_mask as bool (B, past + Sq), True for real tokens, or None. Query i
-    sits at key index past_len + i: causal masking is aligned bottom-right.
+    sits at key index past_len + i: causal masking is aligned bottom-right. A ``sliding_window`` of W keeps the
+    keys less than W positions away: causal, the query itself and the W - 1 keys before it (Mistral); not
+    causal, W - 1 keys on either side (HF's bidirectional sliding window).
     """
 
     q_len: int
@@ -81,7 +83,7 @@ class AttentionMask:
             if self.causal:
                 allowed &= k_idx <= q_idx
             if self.sliding_window is not None:
-                allowed &= q_idx - k_idx < self.sliding_window
+                allowed &= (q_idx - k_idx).abs() < self.sliding_window  # (the causal mask cut the keys after)
             if self.cu_seqlens is not None:  # packed documents never attend across each other
                 doc = torch.searchsorted(self.cu_seqlens[1:], torch.arange(self.k_len, device=device), right=True)
                 allowed &= doc.unsqueeze(1) == doc.unsqueeze(0)
@@ -343,8 +345,10 @@ class Attention(nn.Module):
         return (out * row_has_keys).transpose(1, 2)
 
     def _flash_kwargs(self, mask: AttentionMask, dropout_p: float) -> dict:
-        # Our kernels' window is (left, right) in keys; a sliding window of W keeps the last W keys.
-        window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
+        # Our kernels' window is (left, right) in keys: W - 1 keys back, and as many ahead when not causal.
+        window = (-1, -1)
+        if mask.sliding_window is not None:
+            window = (mask.sliding_window - 1, 0 if mask.causal else mask.sliding_window - 1)
         return dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, dropout_p=dropout_p,
                     backend="triton" if self.attn_impl == "flash" else "auto")
 

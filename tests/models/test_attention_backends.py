@@ -46,6 +46,29 @@ def test_flash_matches_eager_and_sdpa(padded, window):
                 assert torch.equal(pad_rows, layers[impl].out_proj.bias.expand_as(pad_rows)), impl
 
 
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_bidirectional_sliding_window_agrees_across_backends(packed):
+    """Not causal, a window of W keeps the keys less than W positions away on either side (HF's bidirectional
+    sliding window), on every backend: padded rows, packed documents and dense rows alike."""
+    cfg = AttentionConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32, causal=False, sliding_window=3)
+    layers = make_layers(cfg, dtype=torch.bfloat16)
+    B, S = (1, 11) if packed else (2, 11)
+    x = torch.randn(B, S, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32) if packed else None
+    mask = build_attention_mask(None, q_len=S, past_len=0, causal=False, sliding_window=3, cu_seqlens=cu)
+    i = torch.arange(S)
+    expected = (i[:, None] - i[None, :]).abs() < 3
+    if packed:
+        doc = torch.tensor([0] * 4 + [1] * 7)
+        expected &= doc[:, None] == doc[None, :]
+    assert torch.equal(mask.dense(x.device)[0, 0], expected)
+    positions = torch.arange(S).expand(B, S)
+    with torch.no_grad():
+        ref = layers["eager"].float()(x.float(), mask=mask, position_ids=positions)
+        for impl in ("sdpa", "flash"):
+            assert_close(layers[impl](x, mask=mask, position_ids=positions).float(), ref, torch.bfloat16, name=impl)
+
 def test_flash_backward_matches_sdpa():
     layers = make_layers(dtype=torch.bfloat16)
     x = torch.randn(2, 9, 64, dtype=torch.float32)
