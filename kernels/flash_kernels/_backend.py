@@ -94,6 +94,12 @@ def capturing_cuda_graph() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reference computes in: float32 for every float type, float64 for float64 (whose users, such
+    as torch.autograd.gradcheck, ask for its precision and would silently get float32's)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def holds_integers(t: torch.Tensor) -> bool:
     """Whether t's dtype can hold ids (token ids, labels, positions): an integer one, bool excluded."""
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _ptx_math
-from ._backend import use_triton
+from ._backend import compute_dtype, use_triton
 from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
@@ -34,16 +34,18 @@ def _split_gate_up(gate_up: torch.Tensor, op: str) -> tuple[torch.Tensor, torch.
 
 def swiglu_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = _split_gate_up(gate_up, "swiglu")
-    return (F.silu(gate.float()) * up.float()).to(gate_up.dtype)
+    compute = compute_dtype(gate_up.dtype)
+    return (F.silu(gate.to(compute)) * up.to(compute)).to(gate_up.dtype)
 
 
 def geglu_ref(gate_up: torch.Tensor, *, approximate: str = "tanh") -> torch.Tensor:
     gate, up = _split_gate_up(gate_up, "geglu")
-    return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate_up.dtype)
+    compute = compute_dtype(gate_up.dtype)
+    return (F.gelu(gate.to(compute), approximate=approximate) * up.to(compute)).to(gate_up.dtype)
 
 
 def gelu_ref(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
-    return F.gelu(x.float(), approximate=approximate).to(x.dtype)
+    return F.gelu(x.to(compute_dtype(x.dtype)), approximate=approximate).to(x.dtype)
 
 
 

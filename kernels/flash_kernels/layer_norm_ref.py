@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._backend import compute_dtype
+
 
 def layer_norm_ref(
     x: torch.Tensor,
@@ -25,9 +27,10 @@ def layer_norm_ref(
     upcast: bool = True,
 ):
     """Plain PyTorch reference. ``dropout_mask`` (bool, x's shape) replays a given mask; without one, a
-    fresh mask is drawn when ``dropout_p > 0``. ``upcast`` computes in float32 (the kernels always do)."""
+    fresh mask is drawn when ``dropout_p > 0``. ``upcast`` computes in float32 (the kernels always do; float64
+    inputs stay float64)."""
     dtype = x.dtype
-    compute = torch.float32 if upcast else dtype
+    compute = compute_dtype(dtype) if upcast else dtype
     h = x.to(compute)
     if rowscale is not None:
         h = h * rowscale.to(compute).unsqueeze(-1)
@@ -37,7 +40,7 @@ def layer_norm_ref(
         h = h * dropout_mask / (1.0 - dropout_p)
     if residual is not None:
         h = h + residual.to(compute)
-    residual_out = h.to(torch.float32 if residual_in_fp32 else dtype)
+    residual_out = h.to(torch.promote_types(torch.float32, dtype) if residual_in_fp32 else dtype)
     h = residual_out.to(compute)  # the norm reads the stream as stored (as the kernels do)
     w = weight.to(compute) + 1.0 if zero_centered_weight else weight.to(compute)
     b = bias.to(compute) if bias is not None else None

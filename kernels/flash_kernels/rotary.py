@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import use_triton
+from ._backend import compute_dtype, use_triton
 from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
@@ -56,11 +56,13 @@ def apply_rotary_ref(
     position_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain PyTorch reference, computed in float32. x: (B, S, H, D), or (total, H, D) with cu_seqlens."""
+    """Plain PyTorch reference, computed in float32 (float64 for float64 x). x: (B, S, H, D), or (total, H, D)
+    with cu_seqlens."""
     rotary_dim = cos.shape[-1] * 2
     c, s = _positions_cos_sin(x, cos, sin, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
-    c, s = c.float(), s.float()
-    xr = x[..., :rotary_dim].float()
+    compute = compute_dtype(x.dtype)
+    c, s = c.to(compute), s.to(compute)
+    xr = x[..., :rotary_dim].to(compute)
     if interleaved:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
         rotated = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)

@@ -210,3 +210,10 @@ def test_activation_backward_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="must be even"):
         fk_activation_backward(torch.randn(4, 9, device=DEVICE), torch.randn(4, 4, device=DEVICE), activation="silu",
                                gated=True)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_float64_reference_keeps_float64_precision(name):
+    fn, _ = OPS[name]
+    x = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(lambda t: fn(t, backend="reference"), (x,))

@@ -216,3 +216,18 @@ def test_an_eager_call_records_one_backward_node():
     assert y.grad_fn is h.grad_fn and type(y.grad_fn).__name__ == "FusedNormBackward"
     leaves = {type(fn).__name__ for fn, _ in y.grad_fn.next_functions if fn is not None}
     assert leaves == {"AccumulateGrad"}
+
+
+@pytest.mark.parametrize("op", [layer_norm, rms_norm])
+def test_float64_reference_keeps_float64_precision(op):
+    """float64 inputs compute in float64 (torch.autograd.gradcheck's precision), with the residual stream too."""
+    x, res = (torch.randn(3, 11, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(11, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    torch.autograd.gradcheck(
+        lambda x, w, b, res: op(x, w, b, residual=res, residual_in_fp32=True, prenorm=True, backend="reference"),
+        (x, w, b, res))
+    y, stream = op(x, w, b, residual=res, prenorm=True, residual_in_fp32=True, backend="reference")
+    assert stream.dtype == torch.float64
+    h = x + res
+    want = F.layer_norm(h, (11,), w, b) if op is layer_norm else F.rms_norm(h, (11,), w, 1e-6) + b
+    assert (y - want).abs().max() < 1e-12

@@ -153,3 +153,15 @@ def test_gpu_llama7b_size():
     x = torch.randn(4, 4096, 32, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     cos, sin = _tables(128, positions=8192)
     _check(x, cos, sin, torch.bfloat16, 1.0, seqlen_offsets=torch.tensor([0, 10, 100, 1000], device="cuda"))
+
+
+def test_float64_reference_keeps_float64_precision():
+    x = torch.randn(2, 5, 3, 8, dtype=torch.float64, requires_grad=True)
+    angles = torch.rand(16, 3, dtype=torch.float64) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    torch.autograd.gradcheck(lambda t: apply_rotary(t, cos, sin, seqlen_offsets=2, backend="reference"), (x,))
+    out = apply_rotary(x, cos, sin, backend="reference")
+    x1, x2, rest = x[..., :3], x[..., 3:6], x[..., 6:]
+    c, s = cos[:5, None], sin[:5, None]
+    want = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c, rest), dim=-1)
+    assert (out - want).abs().max() < 1e-12
