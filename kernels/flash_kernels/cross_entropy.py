@@ -44,7 +44,9 @@ def cross_entropy_ref(
     when every row is ignored, with zero gradients, as ``torch.nn.functional.cross_entropy``)."""
     z = logits.float() * logit_scale
     lse = torch.logsumexp(z, dim=-1)
-    losses = F.cross_entropy(z, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    # torch takes int64 targets only; ours may be any integer dtype (int32 too, as the kernels take)
+    losses = F.cross_entropy(z, labels.long(), ignore_index=ignore_index, label_smoothing=label_smoothing,
+                             reduction="none")
     valid = labels != ignore_index
     if lse_square_scale:
         losses = losses + lse_square_scale * lse.square() * valid
@@ -67,6 +69,12 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: s
         "positions that carry no loss",
     )
 
+
+
+def index_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Labels as the kernels and torch's gathers index with: int32 and int64 as they are, narrower integers
+    (int16, uint8, ...) widened to int64."""
+    return labels if labels.dtype in (torch.int32, torch.int64) else labels.long()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -479,11 +487,9 @@ _ce_eager = eager_function(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _unsupported(logits: torch.Tensor, labels: torch.Tensor) -> str | None:
+def _unsupported(logits: torch.Tensor) -> str | None:
     if logits.dtype not in _DTYPES:
         return f"logits dtype {logits.dtype} (supported: float32, float16, bfloat16)"
-    if labels.dtype not in (torch.int32, torch.int64):
-        return f"labels dtype {labels.dtype} (use int64 or int32)"
     if logits.numel() == 0:
         return "an empty input"
     return None
@@ -537,7 +543,8 @@ def cross_entropy(
         raise ValueError(f"cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
     if not torch.compiler.is_compiling():
         check_labels(labels, logits.shape[-1], ignore_index, "cross_entropy")
-    if not use_triton(backend, logits, op="cross_entropy", unsupported=_unsupported(logits, labels)):
+    labels = index_labels(labels)
+    if not use_triton(backend, logits, op="cross_entropy", unsupported=_unsupported(logits)):
         return cross_entropy_ref(
             logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing,
             lse_square_scale=lse_square_scale, logit_scale=logit_scale, reduction=reduction, return_lse=return_lse,

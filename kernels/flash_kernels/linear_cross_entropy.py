@@ -28,7 +28,9 @@ import torch.nn.functional as F
 
 from ._backend import check_backend_name, records_grad, use_triton
 from ._triton_utils import eager_function, pick, placeholder
-from .cross_entropy import REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref, mean_over_labelled
+from .cross_entropy import (
+    REDUCTIONS, ce_rows_fwd, ce_rows_fwd_bwd_, check_labels, cross_entropy_ref, index_labels, mean_over_labelled,
+)
 
 
 def linear_cross_entropy_ref(
@@ -382,6 +384,7 @@ def linear_cross_entropy(
     vocab_size = vocab_size or weight.shape[0]
     if not torch.compiler.is_compiling():
         check_labels(labels, vocab_size, ignore_index, "linear_cross_entropy")
+    labels = index_labels(labels)
     if check_backend_name(backend) == "reference":
         return linear_cross_entropy_ref(hidden, weight, labels, bias=bias, ignore_index=ignore_index,
                                         label_smoothing=label_smoothing, logit_scale=logit_scale, reduction=reduction,

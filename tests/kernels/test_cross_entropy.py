@@ -154,6 +154,17 @@ def test_matches_torch_functional():
         assert_close(cross_entropy(logits, labels, backend="triton", **kw), want, torch.float32)
 
 
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int16])
+def test_narrow_integer_labels(backend, label_dtype):
+    """Labels of any integer dtype give the int64 labels' loss on every backend (torch itself takes int64 only)."""
+    logits = torch.randn(9, 37, device=DEVICE)
+    labels = _labels(9, 37)
+    want = F.cross_entropy(logits, labels, label_smoothing=0.1)
+    assert_close(cross_entropy(logits, labels.to(label_dtype), label_smoothing=0.1, backend=backend), want,
+                 torch.float32)
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_all_rows_ignored_gives_nan_as_torch_with_zero_gradients(backend):
     logits = torch.randn(4, 50, device=DEVICE, requires_grad=True)

@@ -115,6 +115,18 @@ def test_no_grad_path_and_default_chunk():
     assert default_chunk_size(10, 64) == 10
 
 
+
+@pytest.mark.parametrize("backend", ["triton", "auto", "reference"])
+@pytest.mark.parametrize("label_dtype", [torch.int32, torch.int16, torch.uint8])
+def test_narrow_integer_labels(backend, label_dtype):
+    """Labels of any integer dtype give the int64 labels' loss on every path (uint8's ignore_index is 255)."""
+    hidden, weight, _, labels = _inputs(torch.float32, False, vocab=201)
+    ignore = 255 if label_dtype == torch.uint8 else -100
+    labels = labels.masked_fill(labels < 0, ignore)
+    want = linear_cross_entropy_ref(hidden, weight, labels, ignore_index=ignore)
+    got = linear_cross_entropy(hidden, weight, labels.to(label_dtype), ignore_index=ignore, backend=backend)
+    assert_close(got, want, torch.float32)
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_empty_batch_gives_zero_gradients(bias):
     """No token, no chunk: the gradients the first chunk would have written are zeros, not an empty buffer."""
