@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ._backend import compute_dtype, use_triton
+from ._backend import compute_dtype, holds_integers, use_triton
 from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
@@ -98,9 +98,9 @@ def rotary_cos_sin(
 ):
     """One token's cos/sin row at ``pos`` as float32 over the rotary-half channels ``k``, and the channel pairs
     (first, second) they rotate."""
-    # An out-of-table position loads nothing (one comparison with a scalar limit: Triton 3.9's interpreter
-    # rejects a block mask and'ed with a scalar condition).
-    k_mask = k < tl.where(pos < max_pos, HALF, 0)
+    # An out-of-table position, negative ones too, loads nothing (comparisons of scalars only: Triton 3.9's
+    # interpreter rejects a block mask and'ed with a scalar condition).
+    k_mask = k < tl.where((pos >= 0) & (pos < max_pos), HALF, 0)
     c = tl.load(COS + pos * stride_cos + k, mask=k_mask, other=0.0).to(tl.float32)
     sn = tl.load(SIN + pos * stride_sin + k, mask=k_mask, other=0.0).to(tl.float32)
     if CONJ:
@@ -288,12 +288,47 @@ def _check_shapes(x, cos, sin, *, seqlen_offsets, position_ids, cu_seqlens):
         raise ValueError(f"apply_rotary: expected x of shape {layout}, got {tuple(x.shape)}")
     if position_ids is not None and position_ids.shape != x.shape[:2]:
         raise ValueError(f"apply_rotary: position_ids {tuple(position_ids.shape)} != (B, S) {tuple(x.shape[:2])}")
+    if position_ids is not None and not holds_integers(position_ids):
+        raise ValueError(f"apply_rotary: position_ids must be integer positions (torch.long), got {position_ids.dtype}")
+    if cu_seqlens is not None and (not holds_integers(cu_seqlens) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
+        raise ValueError(f"apply_rotary: cu_seqlens must be 1-D integer offsets (batch + 1,) with at least 2 entries, "
+                         f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if isinstance(seqlen_offsets, torch.Tensor):
+        batch = cu_seqlens.numel() - 1 if cu_seqlens is not None else x.shape[0]
+        if not holds_integers(seqlen_offsets) or seqlen_offsets.shape != (batch,):
+            raise ValueError(f"apply_rotary: a seqlen_offsets tensor holds one integer offset per sequence, ({batch},), "
+                             f"got {seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}")
+    elif seqlen_offsets < 0:
+        raise ValueError(f"apply_rotary: seqlen_offsets must be >= 0, got {seqlen_offsets}")
     if position_ids is None and cu_seqlens is None and isinstance(seqlen_offsets, int):
         if x.shape[1] + seqlen_offsets > cos.shape[0]:
             raise ValueError(
                 f"apply_rotary: positions up to {x.shape[1] + seqlen_offsets} exceed the cos/sin table of "
                 f"{cos.shape[0]} positions; build a longer table"
             )
+    elif not x.is_cuda and not torch.compiler.is_compiling():
+        _check_position_values(x, cos, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
+
+
+def _check_position_values(x, cos, *, seqlen_offsets, position_ids, cu_seqlens):
+    """Every token's position lies in [0, table length), and cu_seqlens cover x's tokens. Only off CUDA, where
+    reading the values costs no host sync: on CUDA the caller keeps positions inside the table, and the kernel
+    reads no memory outside it (a position outside gives zeros in the rotary channels)."""
+    if cu_seqlens is not None:
+        offsets = cu_seqlens.tolist()
+        if offsets[0] != 0 or offsets[-1] != x.shape[0] or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"apply_rotary: cu_seqlens must start at 0, not decrease and end at the {x.shape[0]} "
+                             f"tokens of x, got {offsets if len(offsets) <= 20 else tuple(cu_seqlens.shape)}")
+    positions = position_ids
+    if positions is None:
+        positions, _, _ = _token_positions(x, seqlen_offsets=seqlen_offsets, position_ids=None, cu_seqlens=cu_seqlens)
+    if positions is None:  # one offset per batch row: rows reach offset + S - 1
+        positions = torch.stack((seqlen_offsets, seqlen_offsets + max(x.shape[1] - 1, 0)))
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(
+            f"apply_rotary: positions span [{int(positions.min())}, {int(positions.max())}], outside the cos/sin "
+            f"table of {cos.shape[0]} positions; pass positions in [0, {cos.shape[0]}) or build a longer table"
+        )
 
 
 def apply_rotary(

@@ -165,3 +165,44 @@ def test_float64_reference_keeps_float64_precision():
     c, s = cos[:5, None], sin[:5, None]
     want = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c, rest), dim=-1)
     assert (out - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_positions_outside_the_table_are_refused(backend):
+    """Out-of-table positions would index past the table (an IndexError, a silent wrap for negative ones, or zeros
+    from the kernel): every form of positions is checked, and malformed offsets are named."""
+    x = torch.randn(2, 3, 2, 8, device=DEVICE)
+    cos, sin = _tables(8, positions=8)
+    bad = {
+        "outside the cos/sin table": [dict(position_ids=torch.tensor([[0, 1, 8], [0, 1, 2]], device=DEVICE)),
+                                      dict(position_ids=torch.tensor([[0, 1, -1], [0, 1, 2]], device=DEVICE)),
+                                      dict(seqlen_offsets=torch.tensor([0, 6], device=DEVICE))],
+        "must be integer positions": [dict(position_ids=torch.zeros(2, 3, device=DEVICE))],
+        "one integer offset per sequence": [dict(seqlen_offsets=torch.tensor([0, 1, 2], device=DEVICE)),
+                                            dict(seqlen_offsets=torch.tensor([0.0, 1.0], device=DEVICE))],
+        "must be >= 0": [dict(seqlen_offsets=-1)],
+    }
+    for message, cases in bad.items():
+        for kw in cases:
+            with pytest.raises(ValueError, match=message):
+                apply_rotary(x, cos, sin, backend=backend, **kw)
+    packed = torch.randn(12, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="outside the cos/sin table"):  # a sequence of 10 tokens
+        apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 2, 12], dtype=torch.int32, device=DEVICE),
+                     backend=backend)
+    with pytest.raises(ValueError, match="end at the 12 tokens"):
+        apply_rotary(packed, cos, sin, cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE),
+                     backend=backend)
+
+
+def test_kernel_reads_no_cos_sin_row_outside_the_table():
+    """Positions are not checked on CUDA (a host sync): there the kernel loads nothing for a position outside
+    the table, negative ones included, and the rotary channels come out zero instead of rotating by whatever
+    memory lies before or after the table."""
+    x = torch.randn(1, 4, 2, 8, device=DEVICE)
+    cos, sin = _tables(8, positions=8)
+    positions = torch.tensor([-3, -1, 8, 5], device=DEVICE)
+    out = rot._rotary(x, cos, sin, positions, None, 0, False, False, 2)
+    assert torch.equal(out[0, :3], torch.zeros_like(out[0, :3]))
+    want = rot.apply_rotary_ref(x[:, 3:], cos, sin, position_ids=torch.tensor([[5]], device=DEVICE))
+    assert_close(out[:, 3:], want, torch.float32)
