@@ -86,6 +86,9 @@ def _check_qkv(op, q, k, v, q_dims):
         raise ValueError(f"{op}: k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{op}: head dim of q ({q.shape[-1]}) != head dim of k ({k.shape[-1]})")
+    if q.shape[-1] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"{op}: q, k, v need a head dim and a number of kv heads of at least 1, got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}")
     if q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(
             f"{op}: number of q heads ({q.shape[-2]}) must be a multiple of the number of kv heads ({k.shape[-2]})"
@@ -104,7 +107,7 @@ def _check_float_dtype(op, dtype) -> None:
 
 
 def _check_common(op, *, window_size, softcap, dropout_p, alibi_slopes, batch, hq, device):
-    if len(window_size) != 2 or any(w < -1 for w in window_size):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or any(w < -1 for w in window_size):
         raise ValueError(f"{op}: window_size must be (left, right) with -1 for unbounded, got {window_size}")
     if softcap < 0:
         raise ValueError(f"{op}: softcap must be >= 0, got {softcap}")

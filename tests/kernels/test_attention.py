@@ -270,8 +270,14 @@ def test_validation_errors():
         flash_attn_func(q.float(), k.float(), v.float(), backend="triton")
     with pytest.raises(ValueError, match="batch"):
         flash_attn_func(q.expand(2, 8, 4, 32), k, v, backend="triton")
-    with pytest.raises(ValueError, match="window_size"):
-        flash_attn_func(q, k, v, window_size=(-2, 0))
+    for window in ((-2, 0), 3, (1, 0, 0)):
+        with pytest.raises(ValueError, match="window_size"):
+            flash_attn_func(q, k, v, window_size=window)
+    for backend in ("reference", "triton"):  # no ZeroDivisionError from the scale or the GQA group
+        with pytest.raises(ValueError, match="at least 1"):
+            flash_attn_func(q[..., :0], k[..., :0], v[..., :0], backend=backend)
+        with pytest.raises(ValueError, match="at least 1"):
+            flash_attn_func(q, k[:, :, :0], v[:, :, :0], backend=backend)
     with pytest.raises(ValueError, match="alibi_slopes"):
         flash_attn_func(q, k, v, alibi_slopes=torch.rand(3, device=q.device))
     if DEVICE == "cpu":
