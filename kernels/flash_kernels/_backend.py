@@ -53,6 +53,8 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
     """True when ``op`` should run our Triton kernel on ``x``.
 
     ``unsupported`` is the op's own reason it cannot take this input (a dtype, a head dim, a shape), or None.
+    An empty ``x`` takes the reference on every backend (once the device is one the kernels run on): there is
+    nothing to launch, and the reference's empty result (and gradients) are what the kernel's would be.
     """
     backend = check_backend_name(backend)
     if backend == "reference":
@@ -63,13 +65,15 @@ def use_triton(backend: str | None, x: torch.Tensor, *, op: str, unsupported: st
         raise ValueError(f"{op}: backend='triton' needs Triton: {NOT_LOADED_REASON}. Use backend='reference' or 'auto'.")
     on_device = x.device.type == "cuda" or (x.device.type == "cpu" and triton_interpreter_enabled())
     if backend == "auto":
-        return x.device.type == "cuda" and unsupported is None
+        return x.device.type == "cuda" and x.numel() > 0 and unsupported is None
     if not on_device:
         raise ValueError(
             f"{op}: backend='triton' cannot run on device {x.device.type!r}: the Triton kernels need a CUDA "
             "tensor (or TRITON_INTERPRET=1 set before importing triton, for tests). Use backend='reference' "
             "or 'auto'."
         )
+    if x.numel() == 0:
+        return False
     if unsupported is not None:
         raise ValueError(f"{op}: backend='triton' cannot run this input: {unsupported}. Use backend='auto'.")
     return True

@@ -103,6 +103,9 @@ def flash_attn_with_kvcache_ref(
                                 dropout_p=0.0, dropout_mask=None)
         outs.append(o)
         lses.append(lse)
+    if not outs:  # an empty batch
+        out, lse = q.new_empty(q.shape), q.new_empty(0, q.shape[2], q.shape[1], dtype=torch.float32)
+        return (out, lse) if return_softmax_lse else out
     out = torch.cat(outs, dim=0)
     return (out, torch.cat(lses, dim=0)) if return_softmax_lse else out
 

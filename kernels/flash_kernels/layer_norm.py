@@ -418,8 +418,6 @@ def _unsupported(x: torch.Tensor, residual: torch.Tensor | None) -> str | None:
         return f"residual dtype {residual.dtype}"
     if x.shape[-1] > MAX_WIDTH:
         return f"row width {x.shape[-1]} > {MAX_WIDTH}"
-    if x.numel() == 0:
-        return "an empty input"
     return None
 
 

@@ -255,8 +255,6 @@ def _unsupported(x: torch.Tensor, cos: torch.Tensor) -> str | None:
         return f"cos/sin dtype {cos.dtype}"
     if x.stride(-1) != 1:
         return "a head dim that is not contiguous"
-    if x.numel() == 0:
-        return "an empty input"
     return None
 
 

@@ -99,8 +99,7 @@ def test_bad_inputs():
         linear_act(x, weight.clone().requires_grad_(), backend="triton")
     with pytest.raises(ValueError, match="float32"):
         linear_act(x.float(), weight.float(), backend="triton")
-    with pytest.raises(ValueError, match="empty input"):
-        linear_act(x[:0], weight, backend="triton")
+    assert linear_act(x[:0], weight, backend="triton").shape == (0, 8)  # nothing to launch: the empty result
 
 
 def test_compile_fullgraph():
