@@ -402,8 +402,11 @@ _norm_eager = eager_function("FusedNorm", _norm_fwd_shaped, _norm_setup_context,
 def _check_inputs(x, weight, bias, weight1, bias1, residual, rowscale, dropout_p, op):
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"{op}: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
-    for name, p in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1)):
-        if p is not None and p.shape != x.shape[-1:]:
+    for name, p in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1), ("residual", residual),
+                    ("rowscale", rowscale)):
+        if p is not None and p.device != x.device:
+            raise ValueError(f"{op}: {name} is on {p.device}, x on {x.device}; move them to one device")
+        if p is not None and name in ("weight", "bias", "weight1", "bias1") and p.shape != x.shape[-1:]:
             raise ValueError(f"{op}: {name} shape {tuple(p.shape)} != normalized dim ({x.shape[-1]},)")
     if rowscale is not None and rowscale.shape != x.shape[:-1]:
         raise ValueError(f"{op}: rowscale shape {tuple(rowscale.shape)} != x.shape[:-1] {tuple(x.shape[:-1])}")
@@ -426,6 +429,8 @@ def _norm(
     residual_in_fp32, zero_centered_weight, out_dtype, return_dropout_mask, backend, op,
 ):
     _check_inputs(x, weight, bias, weight1, bias1, residual, rowscale, dropout_p, op)
+    if weight is None:  # no scale, as torch's norms take weight=None: the identity scale, which gets no gradient
+        weight = (torch.zeros if zero_centered_weight else torch.ones)(x.shape[-1], device=x.device)
     dual = weight1 is not None
     if not use_triton(backend, x, op=op, unsupported=_unsupported(x, residual)):
         mask = torch.rand(x.shape, device=x.device) >= dropout_p if dropout_p > 0.0 else None
@@ -461,6 +466,7 @@ def _norm(
 
 
 _NORM_DOC = """{what} over the last dim, fused with dropout, row scaling and residual add (see the module docstring).
+    ``weight`` None scales by nothing (as torch's ``weight=None``).
 
     Returns ``y``{dual}; with ``prenorm=True`` also the new residual stream ``h`` (float32 when
     ``residual_in_fp32``); with ``return_dropout_mask=True`` also the boolean keep mask (None without dropout).
@@ -470,7 +476,7 @@ _NORM_DOC = """{what} over the last dim, fused with dropout, row scaling and res
 
 def layer_norm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,
@@ -494,7 +500,7 @@ def layer_norm(
 
 def rms_norm(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,

@@ -231,3 +231,28 @@ def test_float64_reference_keeps_float64_precision(op):
     h = x + res
     want = F.layer_norm(h, (11,), w, b) if op is layer_norm else F.rms_norm(h, (11,), w, 1e-6) + b
     assert (y - want).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_weight_none_scales_by_nothing(backend, zero_centered):
+    """As torch's norms take weight=None; zero-centred or not, no weight is the identity scale."""
+    x = torch.randn(4, 3, 19, device=DEVICE, requires_grad=True)
+    b = torch.randn(19, device=DEVICE, requires_grad=True)
+    got = (layer_norm(x, None, b, zero_centered_weight=zero_centered, backend=backend),
+           rms_norm(x, None, zero_centered_weight=zero_centered, backend=backend))
+    want = (F.layer_norm(x, (19,), None, b, 1e-5), F.rms_norm(x, (19,), None, 1e-6))
+    g = torch.randn_like(x)
+    for ours, ref in zip(got, want):
+        assert_close(ours, ref, torch.float32)
+        params = (x, b) if ref is want[0] else (x,)
+        for a, r in zip(torch.autograd.grad(ours, params, g), torch.autograd.grad(ref, params, g)):
+            assert_close(a, r, torch.float32)
+
+
+def test_parameters_on_another_device_are_named():
+    x = torch.randn(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight is on meta"):
+        layer_norm(x, torch.ones(8, device="meta"))
+    with pytest.raises(ValueError, match="residual is on meta"):
+        rms_norm(x, torch.ones(8, device=DEVICE), residual=torch.ones(3, 8, device="meta"))
