@@ -122,11 +122,8 @@ def embedding_layer_norm(
     lookups = (("position", position_ids, position_table), ("token_type", token_type_ids, type_table))
     _check(input_ids, token_table, weight, bias, lookups)
     tables = [t for t in (position_table, type_table) if t is not None]
-    if not use_triton(backend, token_table, op="embedding_layer_norm",
-                      unsupported=_unsupported(token_table, weight, bias, tables)):
-        return embedding_layer_norm_ref(input_ids, token_table, weight, bias, position_ids=position_ids,
-                                        position_table=position_table, position_offset=position_offset,
-                                        token_type_ids=token_type_ids, type_table=type_table, eps=eps)
+    # Checked on every backend: the reference's lookups would raise an IndexError naming no input, or, for a
+    # negative position within position_offset of 0, read another position's row.
     if check_token_ids:
         check_ids_in_range(input_ids, token_table.shape[0], message="embedding_layer_norm: input_ids out of range")
         if type_table is not None:
@@ -135,6 +132,11 @@ def embedding_layer_norm(
     if position_table is not None:
         rows = position_table.shape[0] - position_offset
         check_ids_in_range(position_ids, rows, message=f"embedding_layer_norm: position_ids must lie in [0, {rows})")
+    if not use_triton(backend, token_table, op="embedding_layer_norm",
+                      unsupported=_unsupported(token_table, weight, bias, tables)):
+        return embedding_layer_norm_ref(input_ids, token_table, weight, bias, position_ids=position_ids,
+                                        position_table=position_table, position_offset=position_offset,
+                                        token_type_ids=token_type_ids, type_table=type_table, eps=eps)
     n = token_table.shape[1]
     ids, dev, dt = input_ids.reshape(-1), token_table.device, token_table.dtype
     y = torch.empty((ids.numel(), n), device=dev, dtype=dt)

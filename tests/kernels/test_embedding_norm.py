@@ -71,10 +71,16 @@ def test_bad_inputs_and_out_of_range_ids():
     with pytest.raises(ValueError, match="move them to one device"):
         embedding_layer_norm(**{**kw, "input_ids": kw["input_ids"].to("meta")}, backend="triton")
     if DEVICE == "cpu":  # on CUDA an out-of-range id is a device assert, which ends the process
+        for backend in ("triton", "reference"):
+            with pytest.raises(ValueError, match="position_ids must lie in"):
+                embedding_layer_norm(**{**kw, "position_ids": kw["position_ids"] + 16}, backend=backend)
+            with pytest.raises(ValueError, match="input_ids out of range"):
+                embedding_layer_norm(**{**kw, "input_ids": kw["input_ids"] - 50}, backend=backend)
+        # a negative position within position_offset of 0 would read another position's row of the table
+        shifted = _inputs(32, torch.float32, offset=2)
+        shifted["position_ids"][0, 0] = -1
         with pytest.raises(ValueError, match="position_ids must lie in"):
-            embedding_layer_norm(**{**kw, "position_ids": kw["position_ids"] + 16}, backend="triton")
-        with pytest.raises(ValueError, match="input_ids out of range"):
-            embedding_layer_norm(**{**kw, "input_ids": kw["input_ids"] - 50}, backend="triton")
+            embedding_layer_norm(**shifted, backend="reference")
 
 
 @pytest.mark.gpu
