@@ -289,6 +289,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
         dc = self.decoder_config
         B, S = input_ids.shape
         window = dc.attention.sliding_window
+        if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                                           or attention_mask.shape[1] < S):
+            raise ValueError(f"attention_mask must be (batch, keys): {B} rows of 1 for real tokens and 0 for padding "
+                             f"covering at least the {S} input tokens, got shape {tuple(attention_mask.shape)} (4-D "
+                             "and additive masks are not taken)")
         if kv_cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("cu_seqlens (packed documents) cannot be combined with a KV cache")

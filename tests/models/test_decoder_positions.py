@@ -47,3 +47,14 @@ def test_mask_positions_false_with_a_kv_cache_is_refused():
     model = fm.create_model("gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32)
     with pytest.raises(ValueError, match="mask_positions=False cannot be combined with a KV cache"):
         model(torch.tensor([[1, 2, 3]]), kv_cache=model.new_kv_cache(1, 8), mask_positions=False)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_mask_that_is_not_batch_by_keys_is_named(cached):
+    """4-D, 1-D, another batch, or fewer columns than new tokens: a ValueError saying what the mask must be, not a
+    broadcast or indexing error from inside the attention."""
+    model = fm.create_model("gpt2", n_embd=32, n_layer=1, n_head=4, vocab_size=64, n_positions=32)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for mask in (torch.ones(2, 1, 3, 3), torch.ones(3), torch.ones(3, 3), torch.ones(2, 2)):
+        with pytest.raises(ValueError, match=r"attention_mask must be \(batch, keys\)"):
+            model(ids, attention_mask=mask, kv_cache=model.new_kv_cache(2, 8) if cached else None)
