@@ -43,17 +43,20 @@ def kv_append_ref(
 @triton.jit
 def slot_location(SLOTS, TABLE, b, s, s_slb, s_sls, s_tb, block_size, n_blocks, PAGED: tl.constexpr):
     """The device side of ``cache_locations`` for token (b, s): its (row, slot) in a per-row cache, or
-    (block, offset) in a paged pool, and whether to write there: not when the block table names a block outside
-    the pool's [0, n_blocks) (the host checks tables where that costs no sync; a CUDA graph's replay runs no host
-    code, and a write there would land outside the pool). Shared with rotary_append.py's fused kernel."""
+    (block, offset) in a paged pool, and whether to write there: not for a negative slot or one past a per-row
+    cache's length, nor when the block table names a block outside the pool's [0, n_blocks) (the host checks
+    slots and tables where that costs no sync; a CUDA graph's replay runs no host code, and a write there would
+    land in another row or outside the cache). Shared with rotary_append.py's fused kernel."""
     slot = tl.load(SLOTS + b * s_slb + s * s_sls)
     if PAGED:
-        first = tl.load(TABLE + b * s_tb + slot // block_size).to(tl.int64)
+        first = tl.load(TABLE + b * s_tb + tl.maximum(slot, 0) // block_size).to(tl.int64)
         second = slot % block_size
+        inside = (slot >= 0) & (first >= 0) & (first < n_blocks)
     else:
         first = b.to(tl.int64)
         second = slot
-    return first, second, (first >= 0) & (first < n_blocks)
+        inside = (slot >= 0) & (slot < block_size)
+    return first, second, inside
 
 
 @lean_launch
@@ -112,6 +115,24 @@ def _check(k_cache, v_cache, k, v, slots, block_table, *, op: str = "kv_append")
                          f"{block_table.dtype} {tuple(block_table.shape)}")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{op}: the head dim must be contiguous in k, v and the caches")
+    if not k.is_cuda and slots.numel() and not torch.compiler.is_compiling():
+        _check_slot_values(k_cache, slots, block_table, op)
+
+
+def _check_slot_values(k_cache, slots, block_table, op) -> None:
+    """Every slot inside its row's capacity, and (paged) every block it lands in inside the pool. Only off CUDA,
+    where reading the values costs no host sync: the reference's indexing would wrap a negative slot round to
+    the row's end, or raise an IndexError naming no input."""
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    low, high = int(slots.min()), int(slots.max())
+    if low < 0 or high >= capacity:
+        raise ValueError(f"{op}: slots span [{low}, {high}], outside the cache's {capacity} slots a row; keep every "
+                         "new token inside the cache (allocate a longer one)")
+    if block_table is not None:
+        blocks, _ = cache_locations(slots, block_table, k_cache.shape[1])
+        if int(blocks.min()) < 0 or int(blocks.max()) >= k_cache.shape[0]:
+            raise ValueError(f"{op}: block_table sends a slot to block {int(blocks.min())}..{int(blocks.max())}, "
+                             f"outside the pool's [0, {k_cache.shape[0]})")
 
 
 def kv_append(

@@ -188,6 +188,11 @@ def _check(qkv, cos, sin, position_ids, k_cache, v_cache, slots, block_table, nu
     if qkv.stride(-1) != 1:
         raise ValueError(f"{op}: qkv's head dim must be contiguous (stride 1), got strides {qkv.stride()}; "
                          "pass the projection's output viewed as (B, S, heads, head_dim)")
+    if not qkv.is_cuda and position_ids.numel() and not torch.compiler.is_compiling():
+        low, high = int(position_ids.min()), int(position_ids.max())
+        if low < 0 or high >= cos.shape[0]:  # only off CUDA, where reading them costs no host sync
+            raise ValueError(f"{op}: position_ids span [{low}, {high}], outside the cos/sin table of {cos.shape[0]} "
+                             f"positions; pass positions in [0, {cos.shape[0]}) or build a longer table")
     k, v = qkv[:, :, num_q_heads:num_q_heads + hkv], qkv[:, :, num_q_heads + hkv:]
     _check_kv_append(k_cache, v_cache, k, v, slots, block_table, op=op)
 

@@ -43,3 +43,38 @@ def test_paged_triton_append_equals_reference(dtype):
     # and the reference itself puts row b's slot s at (table[b, s // block_size], s % block_size)
     b, s = 1, int(slots[1, 2])
     assert torch.equal(ref[0][table[b, s // block_size], s % block_size], k[1, 2])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_slots_outside_the_cache_are_refused(backend, paged):
+    """A negative slot would wrap round to the row's end (reference) or write before the row (kernel), one past
+    the row into the next row's cache: checked where that costs no host sync."""
+    cache = torch.zeros(6, 4, 1, 8, device=DEVICE)  # per-row: 6 rows of 4 slots; paged: 6 blocks of 4
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE) if paged else None
+    k = torch.ones(2 if paged else 6, 1, 1, 8, device=DEVICE)
+    capacity = 8 if paged else 4
+    for bad in (-1, capacity):
+        slots = torch.zeros(k.shape[:2], dtype=torch.long, device=DEVICE)
+        slots[1, 0] = bad
+        if DEVICE == "cpu":
+            with pytest.raises(ValueError, match="outside the cache"):
+                kv_append(cache, cache.clone(), k, k.clone(), slots, block_table=table, backend=backend)
+    if paged and DEVICE == "cpu":
+        with pytest.raises(ValueError, match="outside the pool"):
+            kv_append(cache, cache.clone(), k, k.clone(), torch.zeros(2, 1, dtype=torch.long, device=DEVICE),
+                      block_table=table + 5, backend=backend)
+
+
+def test_kernel_writes_nothing_for_a_slot_outside_the_cache():
+    """On CUDA the slots are not read back (a sync): the kernel itself leaves out a write outside a row."""
+    from flash_kernels.kv_append import _kv_append_triton
+
+    cache = torch.zeros(3, 4, 1, 8, device=DEVICE)
+    k = torch.arange(3, dtype=torch.float32, device=DEVICE).view(3, 1, 1, 1).expand(3, 1, 1, 8) + 1
+    slots = torch.tensor([[-1], [4], [2]], dtype=torch.int32, device=DEVICE)
+    v_cache = cache.clone()
+    _kv_append_triton(cache, v_cache, k, k, slots, None)
+    want = torch.zeros_like(cache)
+    want[2, 2] = 3
+    assert torch.equal(cache, want) and torch.equal(v_cache, want)

@@ -184,6 +184,13 @@ BAD = {
     "cache rows": (lambda: _bad(k_cache=torch.randn(3, 12, 2, 32), v_cache=torch.randn(3, 12, 2, 32)),
                    r"must be \(B, S, Hkv, D\) for a cache"),
 }
+if DEVICE == "cpu":  # values are checked off CUDA only (a host sync there): positions past the table, bad slots
+    BAD.update({
+        "position past the table": (lambda: _bad(position_ids=torch.tensor([[3], [64]])), "outside the cos/sin table"),
+        "negative position": (lambda: _bad(position_ids=torch.tensor([[-1], [3]])), "outside the cos/sin table"),
+        "slot past the row": (lambda: _bad(slots=torch.tensor([[0], [12]], dtype=torch.int32)), "outside the cache"),
+        "negative slot": (lambda: _bad(slots=torch.tensor([[-1], [0]], dtype=torch.int32)), "outside the cache"),
+    })
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
