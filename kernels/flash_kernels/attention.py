@@ -755,6 +755,7 @@ _FWD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "ca
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse, rng_state = output
+    ctx.mark_non_differentiable(lse, rng_state)  # as the reference's (and FA2's) lse: no gradient flows back from it
     ctx.save_for_backward(q, k, v, out, lse, rng_state, inputs[3], inputs[4], inputs[12])
     # max_q, max_k, causal, scale, wl, wr, softcap, dropout_p, deterministic (a direct op call may leave it out)
     ctx.args = inputs[5:12] + (inputs[13], bool(inputs[14]) if len(inputs) > 14 else False)

@@ -28,7 +28,7 @@ from ._triton_utils import cdiv, next_power_of_2, sm_count
 from .attention import _check_common, _check_float_dtype, _triton_unsupported, _window_bounds, block_d
 from .attention_ref import _alibi_2d, _attention_ref
 from .attention_tiles import _LOG2E, LN2, LOG2E, _load_rows, _mm, _scores, _store_rows
-from .kv_append import kv_append, kv_append_ref
+from .kv_append import _kv_append_op, kv_append_ref
 from .rotary import apply_rotary
 
 # ----------------------------------------------------------------------------------------------------------
@@ -486,9 +486,10 @@ def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, leftpad
     s_new = k.shape[1] if k is not None else 0
     if k is not None:
         # Clamped: a length the caller could not check (in a CUDA graph's capture) writes inside the cache. The
-        # Triton append, as the attention, also skips a page outside the pool (see slot_location).
+        # Triton append, as the attention, also skips a page outside the pool (see slot_location); the public
+        # function checked the rest, so kv_append's op is called without kv_append's checks of the values.
         slots = (cache_seqlens[:, None] + torch.arange(s_new, device=k.device, dtype=cache_seqlens.dtype))
-        kv_append(k_cache, v_cache, k, v, slots.clamp_(0, capacity - 1), block_table=block_table, backend="triton")
+        _kv_append_op(k_cache, v_cache, k, v, slots.clamp_(0, capacity - 1), block_table)
     bsz, seqlen_q, hq, d = q.shape
     hkv = k_cache.shape[2]
     group = hq // hkv

@@ -123,6 +123,7 @@ def _setup_context(ctx, inputs, output):
     qkv, num_heads_kv, cu, max_seqlen, causal, scale, wl, wr, softcap, alibi, dropout_p = inputs[:11]
     deterministic = bool(inputs[11]) if len(inputs) > 11 else False  # a direct op call may leave it out
     out, lse, rng_state = output
+    ctx.mark_non_differentiable(lse, rng_state)  # as the reference's (and FA2's) lse: no gradient flows back from it
     ctx.save_for_backward(qkv, out, lse, rng_state, cu, alibi)
     ctx.args = (num_heads_kv, max_seqlen, causal, scale, wl, wr, softcap, dropout_p, deterministic)
 

@@ -257,6 +257,19 @@ def test_varlen_torch_compile_fullgraph():
         torch.testing.assert_close(g, rg)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lse_is_not_differentiable(backend):
+    """As FA2's: a gradient taken through the lse would be silently dropped by the backward, so the lse does
+    not require one, on every backend, dense and varlen."""
+    q, k, v = _qkv(2, 5, 5, 2, 1, 16, torch.float16)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, backend=backend)
+    assert out.requires_grad and not lse.requires_grad
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32, device=DEVICE)
+    out, lse = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu, cu, 7, 7,
+                                      return_lse=True, backend=backend)
+    assert out.requires_grad and not lse.requires_grad
+
+
 def test_validation_errors():
     q, k, v = _qkv(1, 8, 8, 4, 2, 32, torch.float16)
     with pytest.raises(ValueError, match="multiple of the number of kv heads"):

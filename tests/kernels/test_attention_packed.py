@@ -148,3 +148,10 @@ def test_gpu_packed_real_size():
     (g,) = torch.autograd.grad(out, qkv, dout)
     (rg,) = torch.autograd.grad(ref, qkv, dout)
     assert_close(g, rg, torch.bfloat16, scale=GRAD_SCALE, name="dqkv")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_packed_lse_is_not_differentiable(backend):
+    qkv = torch.randn(2, 5, 3, 2, 16, dtype=torch.float16, device=DEVICE, requires_grad=True)
+    out, lse = flash_attn_qkvpacked_func(qkv, causal=True, return_lse=True, backend=backend)
+    assert out.requires_grad and not lse.requires_grad
