@@ -91,6 +91,13 @@ def dummy_pointer(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _DUMMIES[key]
 
 
+def unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t with a unit stride on its last dim, copied only where it has none (None stays None). The kernels take
+    the outer strides of their tables (cos/sin, block tables) and none of their 1-D inputs (weights, labels,
+    offsets, ids): a strided or expanded one would be read as if it were contiguous."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def or_dummy(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """t, or the dummy pointer where t is None (a kernel argument its constexpr flags never touch)."""
     return t if t is not None else dummy_pointer(device, dtype)

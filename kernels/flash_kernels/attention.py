@@ -59,6 +59,7 @@ from ._launch_plans import LaunchPlans, bind_launch
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import (
     cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
+    unit_last_stride,
 )
 from . import attention_hopper, attention_hopper_bwd
 from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_preprocess_kernel
@@ -783,10 +784,6 @@ _attn_eager = eager_function("FlashAttention", _attn_fwd_impl, _setup_context, _
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _contiguous_last(x):
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -839,7 +836,8 @@ def _attend(op, q, k, v, cu_q, cu_k, max_q, max_k, *, batch, dropout_p, softmax_
         else:
             out, lse = flash_attn_varlen_func_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **common)
     else:
-        q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+        q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+        cu_q, cu_k = unit_last_stride(cu_q), unit_last_stride(cu_k)
         alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
         out, lse, _ = pick(_attn_fwd_op, _attn_eager)(
             q, k, v, cu_q, cu_k, int(max_q), int(max_k), causal, float(scale), int(window_size[0]),

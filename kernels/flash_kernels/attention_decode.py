@@ -24,7 +24,7 @@ from ._launch import lean_launch
 from ._triton_compat import tl, triton
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import TRIGGER_BEFORE_WAIT, launch_options, wait_for_predecessor
-from ._triton_utils import cdiv, next_power_of_2, sm_count
+from ._triton_utils import cdiv, next_power_of_2, sm_count, unit_last_stride
 from .attention import _check_common, _check_float_dtype, _triton_unsupported, _window_bounds, block_d
 from .attention_ref import _alibi_2d, _attention_ref
 from .attention_tiles import _LOG2E, LN2, LOG2E, _load_rows, _mm, _scores, _store_rows
@@ -768,6 +768,7 @@ def flash_attn_with_kvcache(
                            interleaved=rotary_interleaved, backend="triton")
     q = q if q.stride(-1) == 1 else q.contiguous()
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
+    cache_seqlens, table, cache_leftpad = (unit_last_stride(t) for t in (cache_seqlens, table, cache_leftpad))
     out, lse = _kvcache_op(q, k_cache, v_cache, cache_seqlens, k, v, table, cache_leftpad, alibi, causal, float(scale),
                            int(window_size[0]), int(window_size[1]), float(softcap), int(num_splits),
                            bool(return_softmax_lse))

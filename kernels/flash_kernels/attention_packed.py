@@ -20,9 +20,9 @@ from typing import Optional
 import torch
 
 from ._backend import use_triton
-from ._triton_utils import eager_function, pick
+from ._triton_utils import eager_function, pick, unit_last_stride
 from .attention import (
-    _attn_bwd_impl, _attn_fwd_impl, _check_common, _check_cu_seqlens, _check_qkv, _contiguous_last, _outputs,
+    _attn_bwd_impl, _attn_fwd_impl, _check_common, _check_cu_seqlens, _check_qkv, _outputs,
     _triton_unsupported, fa2_attn_probs,
 )
 from .attention_ref import flash_attn_func_ref, flash_attn_varlen_func_ref
@@ -173,7 +173,7 @@ def _attend_packed(op, qkv, num_heads_kv, cu_seqlens, max_seqlen, *, causal, sof
         return _outputs(out, lse, return_lse, return_attn_probs)
     alibi = alibi_slopes.float().contiguous() if alibi_slopes is not None else None
     out, lse, _ = pick(_packed_fwd_op, _packed_eager)(
-        _contiguous_last(qkv), num_heads_kv, cu_seqlens, int(max_seqlen), causal, float(scale), int(window_size[0]),
+        unit_last_stride(qkv), num_heads_kv, unit_last_stride(cu_seqlens), int(max_seqlen), causal, float(scale), int(window_size[0]),
         int(window_size[1]), float(softcap), alibi, float(dropout_p), bool(deterministic),
     )
     return _outputs(out, lse, return_lse, return_attn_probs)

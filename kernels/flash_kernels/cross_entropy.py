@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from ._backend import check_ids_in_range, holds_integers, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import as_rows, cdiv, dummy_pointer, eager_function, next_power_of_2, pick, warps_for_block
+from ._triton_utils import (
+    as_rows, cdiv, dummy_pointer, eager_function, next_power_of_2, pick, unit_last_stride, warps_for_block,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -73,8 +75,8 @@ def check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int, op: s
 
 def index_labels(labels: torch.Tensor) -> torch.Tensor:
     """Labels as the kernels and torch's gathers index with: int32 and int64 as they are, narrower integers
-    (int16, uint8, ...) widened to int64."""
-    return labels if labels.dtype in (torch.int32, torch.int64) else labels.long()
+    (int16, uint8, ...) widened to int64, and contiguous (the kernels read label i at offset i)."""
+    return unit_last_stride(labels if labels.dtype in (torch.int32, torch.int64) else labels.long())
 
 
 # ----------------------------------------------------------------------------------------------------------

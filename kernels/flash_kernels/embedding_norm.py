@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ._backend import check_ids_in_range, needs_grad_reason, use_triton
 from ._launch import lean_launch
 from ._triton_compat import tl, triton
-from ._triton_utils import or_dummy
+from ._triton_utils import or_dummy, unit_last_stride
 from .layer_norm import _fwd_plan
 from .layer_norm_kernels import _store_affine
 from .layer_norm_ref import layer_norm_ref
@@ -138,14 +138,16 @@ def embedding_layer_norm(
                                         position_table=position_table, position_offset=position_offset,
                                         token_type_ids=token_type_ids, type_table=type_table, eps=eps)
     n = token_table.shape[1]
-    ids, dev, dt = input_ids.reshape(-1), token_table.device, token_table.dtype
+    ids, dev, dt = unit_last_stride(input_ids.reshape(-1)), token_table.device, token_table.dtype
+    flat = lambda t: unit_last_stride(or_dummy(t, dev, torch.int64).reshape(-1))  # noqa: E731
+    weight, bias = unit_last_stride(weight), unit_last_stride(bias)
     y = torch.empty((ids.numel(), n), device=dev, dtype=dt)
     if ids.numel():
         block, _, warps = _fwd_plan(n)
         row_stride = lambda table: 0 if table is None else table.stride(0)  # noqa: E731
         _embedding_norm_kernel[(ids.numel(),)](
-            ids, token_table, or_dummy(position_ids, dev, torch.int64).reshape(-1), or_dummy(position_table, dev, dt),
-            or_dummy(token_type_ids, dev, torch.int64).reshape(-1), or_dummy(type_table, dev, dt), weight,
+            ids, token_table, flat(position_ids), or_dummy(position_table, dev, dt), flat(token_type_ids),
+            or_dummy(type_table, dev, dt), weight,
             or_dummy(bias, dev, dt), y, token_table.stride(0), row_stride(position_table), row_stride(type_table),
             y.stride(0), position_offset, n, float(eps),
             HAS_POSITIONS=position_table is not None, HAS_TYPES=type_table is not None, HAS_B=bias is not None,

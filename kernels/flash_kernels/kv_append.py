@@ -15,7 +15,7 @@ import torch
 
 from ._backend import use_triton
 from ._launch import lean_launch
-from ._triton_utils import next_power_of_2
+from ._triton_utils import next_power_of_2, unit_last_stride
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
@@ -145,6 +145,6 @@ def kv_append(
     block id is outside the pool is not written."""
     _check(k_cache, v_cache, k, v, slots, block_table)
     if use_triton(backend, k, op="kv_append"):
-        _kv_append_op(k_cache, v_cache, k, v, slots, block_table)
+        _kv_append_op(k_cache, v_cache, k, v, slots, unit_last_stride(block_table))
     else:
         kv_append_ref(k_cache, v_cache, k, v, slots, block_table)

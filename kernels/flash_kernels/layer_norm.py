@@ -27,7 +27,7 @@ from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options
 from ._triton_utils import (
     as_rows, cdiv, dropout_seed, eager_function, next_power_of_2, num_programs, or_dummy,
-    or_placeholder, placeholder, warps_for_block,
+    or_placeholder, placeholder, unit_last_stride, warps_for_block,
 )
 from .layer_norm_kernels import _norm_bwd_kernel, _norm_fwd_kernel
 from .layer_norm_ref import layer_norm_dual_ref, layer_norm_ref
@@ -447,13 +447,14 @@ def _norm(
     # block's norm in inference (BERT) thus writes one tensor instead of two.
     grad = records_grad(x, weight, bias, weight1, bias1, residual)
     store_residual = _stream_exists(residual, rowscale, dropout_p) and (prenorm or grad)
-    args = (None if rowscale is None else rowscale.reshape(-1), float(eps), float(dropout_p), is_rms_norm,
-            zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
+    weight, bias, weight1, bias1 = (unit_last_stride(p) for p in (weight, bias, weight1, bias1))
+    rowscale = None if rowscale is None else unit_last_stride(rowscale.reshape(-1))
+    args = (rowscale, float(eps), float(dropout_p), is_rms_norm, zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
             return_dropout_mask and dropout_p > 0.0)
     if torch.compiler.is_compiling():  # the custom op takes rows
         y, y1, res_out, _, _, _, mask = _norm_fwd_op(
             as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual), *args)
-        # (an absent output is an empty placeholder: x is never empty here, see _unsupported)
+        # (an absent output is an empty placeholder: x is never empty here, see use_triton)
         y, y1, res_out, mask = (t.view(shape) if t.numel() else t for t in (y, y1, res_out, mask))
     else:  # shaped in and out: no view for autograd to record (_norm_fwd_shaped)
         y, y1, res_out, _, _, _, mask = _norm_eager(x, weight, bias, weight1, bias1, residual, *args)

@@ -21,7 +21,7 @@ from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, eager_function, next_power_of_2, pick
+from ._triton_utils import cdiv, eager_function, next_power_of_2, pick, unit_last_stride
 
 
 def _positions_cos_sin(x, cos, sin, *, seqlen_offsets, position_ids, cu_seqlens):
@@ -365,6 +365,7 @@ def apply_rotary(
             out = torch.cat((out, x[..., rotated:, :]), dim=-2)
         return x.copy_(out) if inplace else out
     positions, offsets, offset = _token_positions(x, seqlen_offsets=seqlen_offsets, position_ids=position_ids, cu_seqlens=cu_seqlens)
+    positions, offsets, cos, sin = (unit_last_stride(t) for t in (positions, offsets, cos, sin))
     x4 = x.unsqueeze(0) if cu_seqlens is not None else x  # (B, S, H, D)
     if inplace and not (torch.is_grad_enabled() and x.requires_grad):
         x_rot = x4[:, :, :rotated]

@@ -26,7 +26,7 @@ from ._launch import lean_launch
 from ._pdl import enabled as programmatic_launch_enabled
 from ._pdl import launch_options, wait_for_predecessor
 from ._triton_compat import tl, triton
-from ._triton_utils import cdiv, next_power_of_2, pick, warps_for_block
+from ._triton_utils import cdiv, next_power_of_2, pick, unit_last_stride, warps_for_block
 from .kv_append import _check as _check_kv_append
 from .kv_append import kv_append_ref, slot_location
 from .rotary import ROTATION_COMPILE_OPTIONS, _DTYPES, _TILE, apply_rotary_ref, rotary_cos_sin, rotate_pairs
@@ -233,5 +233,6 @@ def rotary_kv_append(
         return rotary_kv_append_ref(qkv, cos, sin, position_ids=position_ids, k_cache=k_cache, v_cache=v_cache,
                                     slots=slots, num_q_heads=num_q_heads, block_table=block_table,
                                     interleaved=interleaved)
+    cos, sin, block_table = unit_last_stride(cos), unit_last_stride(sin), unit_last_stride(block_table)
     return pick(_rotary_kv_append_op, _rotary_kv_append)(
         qkv, cos, sin, position_ids, k_cache, v_cache, slots, block_table, int(num_q_heads), bool(interleaved))
