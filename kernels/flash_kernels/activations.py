@@ -325,16 +325,18 @@ _GRAD_KINDS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 
 
 def activation_backward_ref(x: torch.Tensor, dout: torch.Tensor, *, activation: str, gated: bool):
-    """Reference of ``activation_backward``: autograd through the float32 reference forward."""
+    """Reference of ``activation_backward``: autograd through the float32 (float64 for float64 x) reference
+    forward."""
     approximate = "tanh" if activation == "gelu_tanh" else "none"
+    compute = compute_dtype(x.dtype)
     with torch.enable_grad():
-        x32 = x.detach().float().requires_grad_()
+        x32 = x.detach().to(compute).requires_grad_()
         if gated:
             gate, up = _split_gate_up(x32, "activation_backward")
             out = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate=approximate)) * up
         else:
             out = F.silu(x32) if activation == "silu" else F.gelu(x32, approximate=approximate)
-        (dx,) = torch.autograd.grad(out, x32, dout.float())
+        (dx,) = torch.autograd.grad(out, x32, dout.to(compute))
     return dx.to(x.dtype), out.detach().to(x.dtype)
 
 

@@ -449,8 +449,8 @@ def _norm(
     store_residual = _stream_exists(residual, rowscale, dropout_p) and (prenorm or grad)
     weight, bias, weight1, bias1 = (unit_last_stride(p) for p in (weight, bias, weight1, bias1))
     rowscale = None if rowscale is None else unit_last_stride(rowscale.reshape(-1))
-    args = (rowscale, float(eps), float(dropout_p), is_rms_norm, zero_centered_weight, residual_dtype, out_dtype or x.dtype, store_residual,
-            return_dropout_mask and dropout_p > 0.0)
+    args = (rowscale, float(eps), float(dropout_p), is_rms_norm, zero_centered_weight, residual_dtype,
+            out_dtype or x.dtype, store_residual, return_dropout_mask and dropout_p > 0.0)
     if torch.compiler.is_compiling():  # the custom op takes rows
         y, y1, res_out, _, _, _, mask = _norm_fwd_op(
             as_rows(x), weight, bias, weight1, bias1, None if residual is None else as_rows(residual), *args)

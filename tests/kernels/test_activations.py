@@ -217,3 +217,12 @@ def test_float64_reference_keeps_float64_precision(name):
     fn, _ = OPS[name]
     x = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(lambda t: fn(t, backend="reference"), (x,))
+
+
+def test_activation_backward_reference_keeps_float64_precision():
+    x, dout = torch.randn(3, 10, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    dx, out = fk_activation_backward(x, dout, activation="silu", gated=True, backend="reference")
+    xr = x.clone().requires_grad_()
+    want = swiglu(xr, backend="reference")
+    (want_dx,) = torch.autograd.grad(want, xr, dout)
+    assert (out - want).abs().max() < 1e-12 and (dx - want_dx).abs().max() < 1e-12
