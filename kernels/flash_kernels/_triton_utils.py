@@ -95,7 +95,7 @@ def unit_last_stride(t: torch.Tensor | None) -> torch.Tensor | None:
     """t with a unit stride on its last dim, copied only where it has none (None stays None). The kernels take
     the outer strides of their tables (cos/sin, block tables) and none of their 1-D inputs (weights, labels,
     offsets, ids): a strided or expanded one would be read as if it were contiguous."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+    return t if t is None or t.dim() == 0 or t.stride(-1) == 1 else t.contiguous()
 
 
 def or_dummy(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

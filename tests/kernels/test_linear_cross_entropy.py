@@ -357,3 +357,14 @@ def test_all_labels_ignored_gives_nan_as_torch_with_zero_gradients(backend):
     loss.backward()
     for grad in (hidden.grad, weight.grad, b.grad):
         assert torch.equal(grad, torch.zeros_like(grad))
+
+
+@pytest.mark.parametrize("backend", ["triton", "auto", "reference"])
+def test_one_token_without_a_batch_dim(backend):
+    """hidden (H,) and a 0-d label: one token's loss, as F.cross_entropy gives it (reduction="none": 0-d too)."""
+    hidden, weight = torch.randn(24, device=DEVICE), torch.randn(301, 24, device=DEVICE)
+    label = torch.tensor(7, device=DEVICE)
+    want = torch.nn.functional.cross_entropy((weight @ hidden)[None], label[None])
+    for reduction in ("mean", "none"):
+        got = linear_cross_entropy(hidden, weight, label, reduction=reduction, backend=backend)
+        assert got.shape == () and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
