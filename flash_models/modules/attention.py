@@ -344,6 +344,14 @@ class Attention(nn.Module):
             )
         return (out * row_has_keys).transpose(1, 2)
 
+    def _check_flash_dtype(self, x: torch.Tensor) -> None:
+        """An explicit attn_impl="flash" on inputs its kernels cannot take: said in the model's words (the kernels'
+        own refusal would point at their backend= argument, which a model's caller never passes)."""
+        if self.attn_impl == "flash" and x.dtype not in FLASH_DTYPES:
+            raise ValueError(f"attn_impl='flash' runs our attention kernels in float16 or bfloat16, and this layer's "
+                             f"inputs are {x.dtype}: load the model with dtype=torch.bfloat16 (or float16, or run it "
+                             "under torch.autocast), or use attn_impl='sdpa' or 'auto'")
+
     def _flash_kwargs(self, mask: AttentionMask, dropout_p: float) -> dict:
         # Our kernels' window is (left, right) in keys: W - 1 keys back, and as many ahead when not causal.
         window = (-1, -1)
@@ -354,6 +362,7 @@ class Attention(nn.Module):
 
     def _flash_packed(self, qkv, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
         """qkv (B, S, Hq + 2 * Hkv, D), no padding -> (B, S, Hq, D)."""
+        self._check_flash_dtype(qkv)
         kwargs = dict(self._flash_kwargs(mask, dropout_p), num_heads_kv=self.cfg.num_kv_heads)
         if mask.cu_seqlens is not None:  # packed documents: one row holding every document back to back
             assert qkv.shape[0] == 1, "packed documents come as a single row"
@@ -365,6 +374,7 @@ class Attention(nn.Module):
         return flash_kernels.flash_attn_qkvpacked_func(qkv, **kwargs)
 
     def _flash(self, q, k, v, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
+        self._check_flash_dtype(q)
         kwargs = self._flash_kwargs(mask, dropout_p)
         if mask.cu_seqlens is not None:  # packed documents: one row holding every document back to back
             B, S, Hq, D = q.shape

@@ -200,3 +200,14 @@ def test_paged_cached_decoding_flash_matches_eager():
             cache.advance_to(mask.cache_lengths)
         outs[impl] = torch.cat(steps, dim=1)
     assert_close(outs["flash"], outs["eager"], torch.bfloat16)
+
+
+def test_explicit_flash_on_float32_says_what_to_change():
+    """The kernels refuse float32; for attn_impl="flash" the error speaks of the model's dtype and attn_impl, not
+    of the kernel's backend= argument, on the packed and the padded path."""
+    layer = make_layers()["flash"]  # float32
+    x = torch.randn(2, 5, 64)
+    with pytest.raises(ValueError, match="attn_impl='flash' runs our attention kernels in float16 or bfloat16"):
+        run(layer, x)
+    with pytest.raises(ValueError, match="load the model with dtype=torch.bfloat16"):
+        run(layer, x, torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
