@@ -682,7 +682,7 @@ def _check_lengths(op, cache_seqlens, s_new, capacity, cache_leftpad, table, n_p
         problems[f"block_table (or cache_batch_idx) names pages (rows) outside [0, {n_pages})"] = (
             used & ((table < 0) | (table >= n_pages))).any(dim=1)
     if on_device or compiling:
-        valid = ~torch.stack([bad.reshape(bad.shape[0], -1).any(dim=1) for bad in problems.values()]).any()
+        valid = ~torch.stack(list(problems.values())).any()  # each (B,), B may be 0
         # CUDA takes assert messages under 255 characters: the short form (the CPU's ValueError names the rule).
         torch._assert_async(valid, f"{op}: cache_seqlens, cache_leftpad or block_table put a row's keys outside the "
                                    f"cache (capacity {capacity} keys, {n_pages} pages or rows)")
