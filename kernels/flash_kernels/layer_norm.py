@@ -402,10 +402,11 @@ _norm_eager = eager_function("FusedNorm", _norm_fwd_shaped, _norm_setup_context,
 def _check_inputs(x, weight, bias, weight1, bias1, residual, rowscale, dropout_p, op):
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"{op}: residual shape {tuple(residual.shape)} != input shape {tuple(x.shape)}")
+    device = x.device  # (made once: every .device makes a new object, and this runs at every eager call)
     for name, p in (("weight", weight), ("bias", bias), ("weight1", weight1), ("bias1", bias1), ("residual", residual),
                     ("rowscale", rowscale)):
-        if p is not None and p.device != x.device:
-            raise ValueError(f"{op}: {name} is on {p.device}, x on {x.device}; move them to one device")
+        if p is not None and p.device != device:
+            raise ValueError(f"{op}: {name} is on {p.device}, x on {device}; move them to one device")
         if p is not None and name in ("weight", "bias", "weight1", "bias1") and p.shape != x.shape[-1:]:
             raise ValueError(f"{op}: {name} shape {tuple(p.shape)} != normalized dim ({x.shape[-1]},)")
     if rowscale is not None and rowscale.shape != x.shape[:-1]:
