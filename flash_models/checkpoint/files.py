@@ -30,37 +30,54 @@ WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX)
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for checkpoints this large
 
 
-def weight_files(directory: Path) -> list[Path]:
-    """The weight files of an HF model folder, preferring safetensors over .bin."""
+def weight_files(directory: Path) -> dict[Path, set[str] | None]:
+    """The weight files of an HF model folder, preferring safetensors over .bin: each file with the tensor
+    names its index lists in it (None for a single-file checkpoint, whose tensors are all read)."""
     for name in WEIGHT_FILES:
         path = directory / name
         if path.is_file():
             if name.endswith(".index.json"):
-                shards = _shard_names(path)
+                shards = _shard_contents(path)
                 missing = [s for s in shards if not (directory / s).is_file()]
                 if missing:
                     raise FileNotFoundError(f"{path} lists shards that are not in {directory}: {missing}")
-                return [directory / s for s in shards]
-            return [path]
+                return {directory / s: keys for s, keys in shards.items()}
+            return {path: None}
     raise FileNotFoundError(f"no weights in {directory}: expected one of {', '.join(WEIGHT_FILES)}")
 
 
-def _shard_names(index: Path) -> list[str]:
-    """The shard files a sharded checkpoint's index names: plain file names in the index's own folder (as HF
-    writes them). A name with a folder in it (``../``, an absolute path) is refused: a crafted index must not make
-    the loader read files outside the checkpoint folder."""
+def _shard_contents(index: Path) -> dict[str, set[str]]:
+    """Shard file -> the tensor names a sharded checkpoint's index puts in it. Shards are plain file names in the
+    index's own folder (as HF writes them); a name with a folder in it (``../``, an absolute path) is refused: a
+    crafted index must not make the loader read files outside the checkpoint folder."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
         raise ValueError(f"{index} is not a checkpoint index (a JSON object with a weight_map): {err!r}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index}: weight_map must map tensor names to shard file names")
-    shards = sorted(set(weight_map.values()))
-    outside = [s for s in shards if s in ("", ".", "..") or Path(s).name != s or "\\" in s]
+    shards: dict[str, set[str]] = {}
+    for key, shard in weight_map.items():
+        shards.setdefault(shard, set()).add(key)
+    outside = [s for s in sorted(shards) if s in ("", ".", "..") or Path(s).name != s or "\\" in s]
     if outside:
         raise ValueError(f"{index} names shards outside its folder: {outside[:5]}; shards must be file names in "
                          f"{index.parent}")
-    return shards
+    return dict(sorted(shards.items()))
+
+
+def _check_shard(path: Path, held: set[str], listed: set[str] | None) -> None:
+    """A shard must hold exactly the tensors its index lists in it: a tensor it lacks, or one the index places in
+    another shard (which of two copies is the checkpoint's?), means the index and the shards disagree."""
+    if listed is None or held == listed:
+        return
+    absent, unlisted = sorted(listed - held), sorted(held - listed)
+    problems = [f"the index lists {len(absent)} tensor(s) in it that it does not hold: {', '.join(absent[:10])}"] if absent else []
+    if unlisted:
+        problems.append(f"it holds {len(unlisted)} tensor(s) the index does not place in it: {', '.join(unlisted[:10])}")
+    index = path.parent / (SAFETENSORS_INDEX if path.suffix == ".safetensors" else BIN_INDEX)
+    raise ValueError(f"{index} and its shard {path.name} disagree: {'; '.join(problems)}. The checkpoint is damaged "
+                     "or its files come from different saves: download it again")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -112,8 +129,10 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     total = sum(f.stat().st_size for f in files)
     state: dict[str, torch.Tensor] = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < PROGRESS_MIN_BYTES) as bar:
-        for path in files:
-            state.update(_read_safetensors(path) if path.suffix == ".safetensors" else _read_bin(path))
+        for path, listed in files.items():
+            tensors = _read_safetensors(path) if path.suffix == ".safetensors" else _read_bin(path)
+            _check_shard(path, set(tensors), listed)
+            state.update(tensors)
             bar.update(path.stat().st_size)
     return state
 
