@@ -30,10 +30,12 @@ WEIGHT_FILES = (SAFETENSORS, SAFETENSORS_INDEX, BIN, BIN_INDEX)
 PROGRESS_MIN_BYTES = 256 << 20  # show a progress bar only for checkpoints this large
 
 
-def weight_files(directory: Path) -> dict[Path, set[str] | None]:
-    """The weight files of an HF model folder, preferring safetensors over .bin: each file with the tensor
-    names its index lists in it (None for a single-file checkpoint, whose tensors are all read)."""
-    for name in WEIGHT_FILES:
+def weight_files(directory: Path, *, use_safetensors: bool | None = None) -> dict[Path, set[str] | None]:
+    """The weight files of an HF model folder, preferring safetensors over .bin (``use_safetensors``, as in
+    transformers: True reads safetensors only, False .bin only): each file with the tensor names its index lists
+    in it (None for a single-file checkpoint, whose tensors are all read)."""
+    names = {None: WEIGHT_FILES, True: WEIGHT_FILES[:2], False: WEIGHT_FILES[2:]}[use_safetensors]
+    for name in names:
         path = directory / name
         if path.is_file():
             if name.endswith(".index.json"):
@@ -43,7 +45,8 @@ def weight_files(directory: Path) -> dict[Path, set[str] | None]:
                     raise FileNotFoundError(f"{path} lists shards that are not in {directory}: {missing}")
                 return {directory / s: keys for s, keys in shards.items()}
             return {path: None}
-    raise FileNotFoundError(f"no weights in {directory}: expected one of {', '.join(WEIGHT_FILES)}")
+    raise FileNotFoundError(f"no weights in {directory}: expected one of {', '.join(names)}"
+                            + ("" if use_safetensors is None else f" (use_safetensors={use_safetensors})"))
 
 
 def _shard_contents(index: Path) -> dict[str, set[str]]:
@@ -123,9 +126,9 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
     return safe_torch_load(path)
 
 
-def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+def load_state_dict(directory: str | Path, *, use_safetensors: bool | None = None) -> dict[str, torch.Tensor]:
     directory = Path(directory)
-    files = weight_files(directory)
+    files = weight_files(directory, use_safetensors=use_safetensors)
     total = sum(f.stat().st_size for f in files)
     state: dict[str, torch.Tensor] = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < PROGRESS_MIN_BYTES) as bar:

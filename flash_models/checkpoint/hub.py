@@ -37,12 +37,14 @@ def is_gguf(name_or_path: str | Path) -> bool:
     return str(name_or_path).lower().endswith(".gguf")
 
 
-def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None) -> Path:
+def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None, subfolder: str = "",
+                      **download) -> Path:
     """A local folder as is; anything else is a hub repo id, downloaded (safetensors preferred, .bin if the
-    repo has no safetensors) into the HF cache."""
+    repo has no safetensors) into the HF cache. ``subfolder`` is the model's folder inside either; ``download``
+    are huggingface_hub's ``cache_dir``, ``local_files_only``, ``token`` and ``force_download``."""
     path = Path(name_or_path)
     if path.is_dir():
-        return path
+        return _subfolder(path, subfolder)
     if path.exists() or str(name_or_path).startswith((".", "/")) or str(name_or_path).count("/") > 1:
         raise FileNotFoundError(f"{name_or_path}: no model folder there (expected a folder with config.json)")
     from huggingface_hub import snapshot_download
@@ -56,11 +58,24 @@ def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None) 
         raise FileNotFoundError(f"{_not_here(repo_id)}: no such file or folder, and not a hub repo id (owner/name)") from None
     # No network (or HF_HUB_OFFLINE=1) fails at once here, served from the local cache when the repo is in it:
     # the snapshot lookup makes one attempt, where transformers' own loaders retry for about a minute.
+    prefix = f"{subfolder.strip('/')}/" if subfolder else ""
     with _hub_errors(repo_id):
-        local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CONFIG_PATTERNS + ["*.safetensors"]))
-        if not (local / "model.safetensors").exists() and not (local / "model.safetensors.index.json").exists():
-            local = Path(snapshot_download(repo_id, revision=revision, allow_patterns=_CONFIG_PATTERNS + ["pytorch_model*.bin"]))
-    return local
+        patterns = [prefix + p for p in _CONFIG_PATTERNS + ["*.safetensors"]]
+        root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **download))
+        if not (root / prefix / "model.safetensors").exists() and not (root / prefix / "model.safetensors.index.json").exists():
+            patterns = [prefix + p for p in _CONFIG_PATTERNS + ["pytorch_model*.bin"]]
+            root = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns, **download))
+    return _subfolder(root, subfolder)
+
+
+def _subfolder(folder: Path, subfolder: str) -> Path:
+    """``folder / subfolder``, which must be a folder inside ``folder`` (the model's files)."""
+    inner = folder / subfolder if subfolder else folder
+    if subfolder and (Path(subfolder).is_absolute() or ".." in Path(subfolder).parts):
+        raise ValueError(f"subfolder={subfolder!r} must be a relative folder inside {folder}")
+    if not inner.is_dir():
+        raise FileNotFoundError(f"{inner}: no such folder (subfolder={subfolder!r} of {folder})")
+    return inner
 
 
 def _not_here(repo_id: str) -> str:
@@ -84,14 +99,20 @@ def _hub_errors(repo_id: str, what: str = ""):
         raise ValueError(f"{not_here} ({type(err).__name__}: {reason})") from err
 
 
-def resolve_gguf(name_or_path: str | Path, *, gguf_file: str | None = None, revision: str | None = None) -> Path:
-    """A local .gguf path, or ``gguf_file`` inside a hub repo (or local folder) ``name_or_path``."""
+def resolve_gguf(name_or_path: str | Path, *, gguf_file: str | None = None, revision: str | None = None,
+                 subfolder: str = "", **download) -> Path:
+    """A local .gguf path, or ``gguf_file`` inside a hub repo (or local folder) ``name_or_path`` (in its
+    ``subfolder``); ``download`` as in ``resolve_model_dir``."""
     if gguf_file is None:
+        if subfolder:
+            raise ValueError(f"subfolder={subfolder!r} with a .gguf path: give the file's own path, or the folder "
+                             "with gguf_file=")
         return Path(name_or_path)
     folder = Path(name_or_path)
     if folder.is_dir():
-        return folder / gguf_file
+        return _subfolder(folder, subfolder) / gguf_file
     from huggingface_hub import hf_hub_download
 
     with _hub_errors(str(name_or_path), f" with the file {gguf_file!r}"):
-        return Path(hf_hub_download(str(name_or_path), gguf_file, revision=revision))
+        return Path(hf_hub_download(str(name_or_path), gguf_file, revision=revision, subfolder=subfolder or None,
+                                    **download))

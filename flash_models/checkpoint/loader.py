@@ -20,6 +20,7 @@ from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
+from .load_options import attn_impl_from_hf, config_overrides, device_from_map
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 
 log = logging.getLogger(__name__)
@@ -129,13 +130,31 @@ def from_pretrained(
     gguf_file: str | None = None,
     revision: str | None = None,
     torch_dtype: torch.dtype | str | None = None,
+    config: transformers.PretrainedConfig | str | Path | None = None,
+    subfolder: str = "",
+    device_map: str | int | torch.device | dict | None = None,
+    attn_implementation: str | None = None,
+    use_safetensors: bool | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+    token: str | bool | None = None,
+    force_download: bool = False,
+    **kwargs,
 ):
     """Load a model from a hub repo id, a local HF folder, or a .gguf file, with HF's weights.
 
     ``dtype`` defaults to float32 ("auto": the checkpoint's own dtype) and ``device`` to the CPU. ``attn_impl``
     picks the attention backend ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops
-    ("reference", "triton", "auto"). ``torch_dtype`` is transformers' older name for ``dtype`` (a warning says so).
-    The model comes back in eval mode, as in transformers.
+    ("reference", "triton", "auto"). The model comes back in eval mode, as in transformers.
+
+    transformers' arguments mean what they mean there: ``torch_dtype`` is the older name for ``dtype`` (a warning
+    says so); ``device_map`` names the one device to load on ("auto": the GPU, else the CPU; a map over several
+    devices is refused); ``attn_implementation`` takes HF's names ("flash_attention_2" is our "flash");
+    ``config`` (an HF config or a folder holding config.json) replaces the checkpoint's config.json;
+    ``subfolder``, ``revision``, ``cache_dir``, ``local_files_only``, ``token`` and ``force_download`` locate the
+    files; ``use_safetensors`` picks the weight format; other keywords that are fields of the checkpoint's config
+    class override them (``num_labels=3``), as in transformers (``load_options``). Any other keyword is refused
+    by name, and ``trust_remote_code`` never runs code.
     """
     if torch_dtype is not None:
         if dtype is not None:
@@ -143,16 +162,34 @@ def from_pretrained(
         warnings.warn("torch_dtype is transformers' older name for dtype: pass dtype=", FutureWarning, stacklevel=2)
         dtype = torch_dtype
     dtype = dtype if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype)
-    device = resolve_device(device)
-    if is_gguf(name_or_path) or gguf_file is not None:
-        config_dict, hf_state = load_gguf(resolve_gguf(name_or_path, gguf_file=gguf_file, revision=revision))
+    device = resolve_device(device_from_map(device, device_map))
+    attn_impl = attn_impl_from_hf(attn_impl, attn_implementation)
+    if use_safetensors not in (None, True, False):
+        raise ValueError(f"use_safetensors must be True, False or None, got {use_safetensors!r}")
+    download = {"cache_dir": cache_dir, "local_files_only": local_files_only, "token": token,
+                "force_download": force_download}
+    gguf = is_gguf(name_or_path) or gguf_file is not None
+    if gguf:
+        if use_safetensors:
+            raise ValueError("use_safetensors=True with a GGUF file: a GGUF file holds its own weights")
+        path = resolve_gguf(name_or_path, gguf_file=gguf_file, revision=revision, subfolder=subfolder, **download)
+        config_dict, hf_state = load_gguf(path)
         model_type = config_dict.pop("model_type")
         get_family(model_type)
         hf_config = _hf_config(str(name_or_path), transformers.AutoConfig.for_model, model_type, **config_dict)
     else:
-        directory = resolve_model_dir(name_or_path, revision=revision)
-        hf_config = read_hf_config(directory)
-        hf_state = load_state_dict(directory)
+        directory = resolve_model_dir(name_or_path, revision=revision, subfolder=subfolder, **download)
+        hf_config = read_hf_config(directory) if config is None else None
+        hf_state = load_state_dict(directory, use_safetensors=use_safetensors)
+    if config is not None:
+        hf_config = _given_config(config, checkpoint_type=hf_config.model_type if gguf else None)
+    overrides = config_overrides(type(hf_config), dict(kwargs))
+    if overrides:
+        fields = hf_config.to_dict()
+        if "num_labels" in overrides:  # the checkpoint's label names are for its own count
+            fields.pop("id2label", None), fields.pop("label2id", None)
+        hf_config = _hf_config(f"from_pretrained({name_or_path!r}) overrides {sorted(overrides)}",
+                               type(hf_config).from_dict, {**fields, **overrides})
     if dtype == "auto":
         dtype = checkpoint_dtype(hf_state)
     _tie_as_transformers_does(hf_config, hf_state)
@@ -167,18 +204,39 @@ def from_pretrained(
             raise CheckpointKeyError(f"{err}\n  config.json names the class {named[0]}, which flash-models does not "
                                      f"load: a {hf_config.model_type} checkpoint loads as {type(model).__name__}") from None
         raise
-    check_hf_shapes(hf_state, expected, ruleset)
+    try:
+        check_hf_shapes(hf_state, expected, ruleset)
+    except ValueError as err:
+        if not overrides:
+            raise
+        raise ValueError(f"{err}\n  the keyword overrides {sorted(overrides)} changed the checkpoint's config; a fresh "
+                         "task head for another label count: BertForSequenceClassification.from_pretrained(path, "
+                         "num_labels=N)") from None
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)
-    if not is_gguf(name_or_path) and gguf_file is None and (directory / GENERATION_CONFIG).is_file() \
-            and is_causal_decoder(model):
+    if not gguf and (directory / GENERATION_CONFIG).is_file() and is_causal_decoder(model):
         # The checkpoint's own generation defaults, as transformers reads them: an instruct model's end-of-turn
         # ids are often listed there only (Llama-3: <|eot_id|>), and generate stops at them.
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.name_or_path = str(name_or_path)
     model.config.name_or_path = str(name_or_path)  # HF's place for it (TRL names the model and finds its tokenizer by it)
     return model.eval()
+
+
+def _given_config(config, *, checkpoint_type: str | None):
+    """The HF config a ``config=`` argument names: an HF config object, or a folder (or its config.json) read as
+    from_pretrained reads one. For a GGUF file it must be of the file's architecture."""
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        config = read_hf_config(path.parent if path.name == "config.json" else path)
+    if not isinstance(config, transformers.PretrainedConfig):
+        raise ValueError(f"config must be a transformers config (PretrainedConfig) or a folder holding config.json, "
+                         f"got {type(config).__name__}")
+    get_family(config.model_type)
+    if checkpoint_type is not None and config.model_type != checkpoint_type:
+        raise ValueError(f"config is a {config.model_type} config, but the GGUF file holds a {checkpoint_type} model")
+    return copy.deepcopy(config)  # the overrides and the tie check below change it; the caller's stays as given
 
 
 def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> None:
