@@ -103,6 +103,7 @@ def hf_config_dict(reader) -> dict:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", int, None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", int, None),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", int, None),  # as transformers reads it
     }
 
 

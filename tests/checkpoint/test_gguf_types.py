@@ -1,0 +1,68 @@
+"""GGUF files of several tensor types, written from a random HF LLaMA: ours equals transformers' own GGUF
+load of the same file (logits and config), tied and untied heads."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import flash_models as fm
+from flash_models.checkpoint.gguf_file import permute_rotary
+from flash_models.testing import random_hf_model
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(path, hf, matrix_type):
+    """``hf`` as llama.cpp's converter writes it: Q/K rows permuted, 2-D weights stored as ``matrix_type``."""
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size), w.add_token_merges([])
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(5)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    names.update({f"model.layers.{i}.{hf_name}.weight": f"blk.{i}.{name}.weight"
+                  for i in range(c.num_hidden_layers) for hf_name, name in LAYER_NAMES.items()})
+    for key, tensor in hf.state_dict().items():
+        if key == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if "q_proj" in key or "k_proj" in key:
+            tensor = permute_rotary(tensor, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
+        array = tensor.float().numpy()
+        if array.ndim == 1 or matrix_type == Q.F32:
+            w.add_tensor(names[key], array)
+        elif matrix_type == Q.F16:
+            w.add_tensor(names[key], array.astype(np.float16))
+        else:
+            raw = gguf.quants.quantize(array, matrix_type)
+            w.add_tensor(names[key], raw, raw_shape=raw.shape, raw_dtype=matrix_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("matrix_type", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_1], ids=lambda t: t.name)
+def test_gguf_tensor_types_match_transformers_gguf_load(tmp_path, matrix_type, tied):
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    hf = random_hf_model(config, seed=5)
+    write_gguf(tmp_path / "m.gguf", hf, matrix_type)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+    assert ours.config.tie_word_embeddings == theirs.config.tie_word_embeddings == tied
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps", "max_position_embeddings"):
+        assert getattr(ours.config, name) == getattr(theirs.config, name), name
