@@ -71,7 +71,11 @@ def device_from_map(device, device_map):
                          "model on one device; pass device= (or device_map='auto': the GPU, else the CPU)")
     else:
         chosen = device_map
-    if device is not None and torch.device(device) != torch.device(chosen):
+    try:
+        differ = device is not None and torch.device(device) != torch.device(chosen)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} / device_map={device_map!r}: not a torch device ({err})") from None
+    if differ:
         raise ValueError(f"device={device!r} and device_map={device_map!r} name different devices: give one of them")
     return chosen
 

@@ -67,10 +67,20 @@ def resolve_device(device: torch.device | str | int | None) -> torch.device:
 
 
 def checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
-    """What ``dtype="auto"`` loads as: the dtype most of the checkpoint's floating tensors have on disk
-    (float32 for a GGUF file, which dequantizes to float32)."""
+    """What ``dtype="auto"`` loads as when config.json names no dtype: the dtype most of the checkpoint's floating
+    tensors have on disk (float32 for a GGUF file, which dequantizes to float32)."""
     counts = collections.Counter(v.dtype for v in state.values() if v.is_floating_point())
     return counts.most_common(1)[0][0] if counts else torch.float32
+
+
+def _config_dtype(hf_config) -> torch.dtype | None:
+    """The dtype config.json names (``dtype``, or its older name ``torch_dtype``), which transformers' dtype="auto"
+    takes before the weights' own; None when it names none (or no floating dtype)."""
+    named = hf_config.dtype
+    try:
+        return resolve_dtype(named) if named is not None else None
+    except ValueError:
+        return None
 
 
 def build_model(hf_config, *, attn_impl: str = "auto", kernel_backend: str = "auto", device="meta"):
@@ -191,7 +201,7 @@ def from_pretrained(
         hf_config = _hf_config(f"from_pretrained({name_or_path!r}) overrides {sorted(overrides)}",
                                type(hf_config).from_dict, {**fields, **overrides})
     if dtype == "auto":
-        dtype = checkpoint_dtype(hf_state)
+        dtype = _config_dtype(hf_config) or checkpoint_dtype(hf_state)
     _tie_as_transformers_does(hf_config, hf_state)
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)

@@ -1,5 +1,6 @@
 """transformers' from_pretrained keyword arguments: honoured with HF's meaning, or refused by name."""
 
+import json
 import logging
 import shutil
 
@@ -150,3 +151,17 @@ def test_num_labels_that_does_not_fit_the_head_points_at_a_fresh_head(tmp_path):
     assert model.config.id2label == {0: "no", 1: "yes"}
     with pytest.raises(ValueError, match=r"(?s)classifier\.weight.*overrides \['num_labels'\].*num_labels=N"):
         fm.from_pretrained(tmp_path, num_labels=5)
+
+
+def test_dtype_auto_takes_the_config_dtype_first_as_transformers_does(saved, tmp_path):
+    hf, folder = saved
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    fields = json.loads((tmp_path / "config.json").read_text())
+    for key, name, expected in [("dtype", "bfloat16", torch.bfloat16), ("torch_dtype", "float16", torch.float16),
+                                (None, None, torch.float32)]:  # float32 weights on disk
+        fields.pop("dtype", None), fields.pop("torch_dtype", None)
+        if key is not None:
+            fields[key] = name
+        (tmp_path / "config.json").write_text(json.dumps(fields))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype
+        assert fm.from_pretrained(tmp_path, dtype="auto").dtype == theirs == expected
