@@ -15,6 +15,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..config import check_model_size, check_numbers
+from ..models.hf_config import ModelConfig
 from ..models.protocols import is_causal_decoder
 from ..registry import get_family, get_preset, rules_for
 from .files import load_state_dict, write_model_dir
@@ -240,9 +241,11 @@ def _given_config(config, *, checkpoint_type: str | None):
     if isinstance(config, (str, Path)):
         path = Path(config)
         config = read_hf_config(path.parent if path.name == "config.json" else path)
+    elif isinstance(config, ModelConfig):  # another of our models' config
+        config = config.to_hf()
     if not isinstance(config, transformers.PretrainedConfig):
-        raise ValueError(f"config must be a transformers config (PretrainedConfig) or a folder holding config.json, "
-                         f"got {type(config).__name__}")
+        raise ValueError(f"config must be a transformers config (PretrainedConfig), a flash-models model's config, or "
+                         f"a folder holding config.json, got {type(config).__name__}")
     get_family(config.model_type)
     if checkpoint_type is not None and config.model_type != checkpoint_type:
         raise ValueError(f"config is a {config.model_type} config, but the GGUF file holds a {checkpoint_type} model")

@@ -109,6 +109,7 @@ def test_config_object_or_folder_replaces_config_json(saved, tmp_path):
     shutil.copytree(folder, tmp_path / "weights")
     (tmp_path / "weights" / "config.json").unlink()  # config= needs no config.json beside the weights
     assert _logits_err(fm.from_pretrained(tmp_path / "weights", config=folder), hf) < 1e-5
+    assert _logits_err(fm.from_pretrained(tmp_path / "weights", config=fm.from_pretrained(folder).config), hf) < 1e-5
     with pytest.raises(ValueError, match="config must be a transformers config"):
         fm.from_pretrained(folder, config={"model_type": "llama"})
 
