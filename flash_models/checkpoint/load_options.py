@@ -109,6 +109,8 @@ def config_overrides(hf_config_class, options: dict) -> dict:
                      or n in ("output_hidden_states", "output_attentions") and options[n])
     if refused:
         raise ValueError("; ".join(f"{n}={options[n]!r} is not supported ({REFUSED_CONFIG_FLAGS[n]})" for n in refused))
+    if not options:
+        return {}
     known = set(hf_config_class().to_dict()) | set(hf_config_class.attribute_map) | {"num_labels"}
     unknown = [n for n in options if n not in known and n not in REFUSED_CONFIG_FLAGS]
     if unknown:

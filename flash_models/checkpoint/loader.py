@@ -220,9 +220,9 @@ def from_pretrained(
     except ValueError as err:
         if not overrides:
             raise
-        raise ValueError(f"{err}\n  the keyword overrides {sorted(overrides)} changed the checkpoint's config; a fresh "
-                         "task head for another label count: BertForSequenceClassification.from_pretrained(path, "
-                         "num_labels=N)") from None
+        head = ("; a fresh task head for another label count: BertForSequenceClassification.from_pretrained(path, "
+                "num_labels=N)") if "num_labels" in overrides else ""
+        raise ValueError(f"{err}\n  the keyword overrides {sorted(overrides)} changed the checkpoint's config{head}") from None
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
     model.load_state_dict(state, strict=True, assign=True)

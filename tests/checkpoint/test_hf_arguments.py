@@ -97,6 +97,8 @@ def test_config_fields_as_keywords_override_the_checkpoints_as_in_transformers(s
     assert ours.config.rms_norm_eps == 0.25
     assert _logits_err(ours, theirs) < 1e-5
     assert _logits_err(ours, hf) > 1e-3  # the override took effect
+    with pytest.raises(ValueError, match=r"(?s)embed_tokens.*the keyword overrides \['vocab_size'\] changed the checkpoint's config$"):
+        fm.from_pretrained(folder, vocab_size=70)
 
 
 def test_config_object_or_folder_replaces_config_json(saved, tmp_path):
