@@ -66,3 +66,22 @@ def test_gguf_tensor_types_match_transformers_gguf_load(tmp_path, matrix_type, t
     assert ours.config.tie_word_embeddings == theirs.config.tie_word_embeddings == tied
     for name in ("bos_token_id", "eos_token_id", "pad_token_id", "rms_norm_eps", "max_position_embeddings"):
         assert getattr(ours.config, name) == getattr(theirs.config, name), name
+
+
+def test_gguf_file_in_a_subfolder_and_loading_arguments(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf = random_hf_model(config, seed=6)
+    (tmp_path / "sub").mkdir()
+    write_gguf(tmp_path / "sub" / "m.gguf", hf, Q.F32)
+    ids = torch.randint(0, 64, (1, 7))
+    model = fm.from_pretrained(tmp_path, gguf_file="m.gguf", subfolder="sub", device_map="cpu", dtype="auto")
+    assert model.dtype == torch.float32  # a GGUF file dequantizes to float32
+    with torch.no_grad():
+        assert (model(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="use_safetensors=True with a GGUF file"):
+        fm.from_pretrained(tmp_path / "sub" / "m.gguf", use_safetensors=True)
+    with pytest.raises(ValueError, match="config is a gpt2 config, but the GGUF file holds a llama model"):
+        fm.from_pretrained(tmp_path / "sub" / "m.gguf", config=transformers.GPT2Config())
+    with pytest.raises(ValueError, match="subfolder='sub' with a .gguf path"):
+        fm.from_pretrained(tmp_path / "sub" / "m.gguf", subfolder="sub")
