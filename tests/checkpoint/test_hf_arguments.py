@@ -168,3 +168,18 @@ def test_dtype_auto_takes_the_config_dtype_first_as_transformers_does(saved, tmp
         (tmp_path / "config.json").write_text(json.dumps(fields))
         theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto").dtype
         assert fm.from_pretrained(tmp_path, dtype="auto").dtype == theirs == expected
+
+
+def test_fresh_head_takes_the_label_names_given_with_num_labels(tmp_path):
+    from flash_models.models.bert import BertForSequenceClassification
+
+    config = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=37)
+    random_hf_model(config, auto_class="AutoModel").save_pretrained(tmp_path)
+    names = {0: "neg", 1: "pos", 2: "neu"}
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3, id2label=names)
+    for kwargs in ({"num_labels": 3, "id2label": names}, {"id2label": names}):
+        ours = BertForSequenceClassification.from_pretrained(tmp_path, **kwargs)
+        assert ours.config.id2label == theirs.config.id2label == names
+        assert ours.classifier.weight.shape == theirs.classifier.weight.shape
+    assert BertForSequenceClassification.from_pretrained(tmp_path, num_labels=4).config.id2label[3] == "LABEL_3"

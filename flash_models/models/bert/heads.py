@@ -79,7 +79,9 @@ class _BertWithHead(BertPreTrainedModel):
         if type(base) is cls and num_labels in (None, base.config.num_labels):
             return base
         encoder = base if isinstance(base, BertModel) else base.bert
-        labels = base.config.typed.labels if num_labels is None else tuple(f"LABEL_{i}" for i in range(num_labels))
+        labels = base.config.typed.labels  # names given with num_labels (id2label=) are on the base config already
+        if num_labels is not None and num_labels != len(labels):
+            labels = tuple(f"LABEL_{i}" for i in range(num_labels))
         config = dataclasses.replace(base.config.typed, architecture=cls.__name__, labels=labels)
         reference = next(encoder.parameters())
         model = cls(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
