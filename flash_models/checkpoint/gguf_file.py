@@ -85,7 +85,7 @@ def hf_config_dict(reader) -> dict:
             raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
         rope.update(rope_type=scaling, factor=a("rope.scaling.factor", float))
         original = a("rope.scaling.original_context_length", int, None)
-        if original is not None:
+        if original is not None and scaling == "yarn":  # linear scaling has no such parameter in transformers
             rope["original_max_position_embeddings"] = original
     tensor_names = {t.name for t in reader.tensors}
     return {

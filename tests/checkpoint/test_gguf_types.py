@@ -18,9 +18,15 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
 
 
 def write_gguf(path, hf, matrix_type):
-    """``hf`` as llama.cpp's converter writes it: Q/K rows permuted, 2-D weights stored as ``matrix_type``."""
+    """``hf`` as llama.cpp's converter writes it: Q/K rows permuted, 2-D weights stored as ``matrix_type``, rope
+    scaling (linear, yarn) in the metadata."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
+    rope = c.rope_parameters
+    if rope["rope_type"] != "default":
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"])), w.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     w.add_block_count(c.num_hidden_layers), w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
@@ -85,3 +91,22 @@ def test_gguf_file_in_a_subfolder_and_loading_arguments(tmp_path):
         fm.from_pretrained(tmp_path / "sub" / "m.gguf", config=transformers.GPT2Config())
     with pytest.raises(ValueError, match="subfolder='sub' with a .gguf path"):
         fm.from_pretrained(tmp_path / "sub" / "m.gguf", subfolder="sub")
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 16}], ids=lambda r: r["rope_type"])
+def test_gguf_rope_scaling_is_applied(tmp_path, rope):
+    """llama.cpp applies the file's rope scaling; so do we (transformers' GGUF loader drops it: its logits are of
+    unscaled rotary, so the reference here is the HF model built with the same scaling)."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rope_parameters=rope)
+    hf = random_hf_model(config, seed=7)
+    write_gguf(tmp_path / "m.gguf", hf, Q.F32)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    read = ours.config.to_hf().rope_parameters
+    assert {key: read[key] for key in rope} == rope
+    ids = torch.randint(0, 64, (1, 40))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
