@@ -254,8 +254,8 @@ def _given_config(config, *, checkpoint_type: str | None):
 
 def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> None:
     """transformers ties an output head to the input embeddings only when the checkpoint holds no head of its
-    own, or one equal to them; a checkpoint whose head differs loads untied there (with a warning). So it does
-    here (``hf_config`` is untied in place): the logits are the checkpoint's, as in transformers. Which head
+    own, or one equal to them; a checkpoint whose head differs loads untied there (with a warning), and one that
+    holds the head but not the embeddings takes the head as both. So it does here (``hf_config`` is untied in place): the logits are the checkpoint's, as in transformers. Which head
     ties to which table is transformers' own mapping (``_tied_weights_keys`` of the HF class)."""
     if not hf_config.to_dict().get("tie_word_embeddings"):
         return
@@ -274,7 +274,12 @@ def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> N
         return
     tables = {tied_rules.normalize_hf_key(k): v for k, v in hf_state.items()}
     for head in heads:
-        table = tables.get(ties.get(tied_rules.normalize_hf_key(head)))
+        target = ties.get(tied_rules.normalize_hf_key(head))
+        table = tables.get(target)
+        if table is None and target is not None:
+            # The head alone, without the table it ties to: transformers ties either way round, so it is the table.
+            hf_state[target] = hf_state.pop(head)
+            continue
         if table is not None and not (table.shape == hf_state[head].shape and torch.equal(table, hf_state[head])):
             log.warning("the config ties %s to the embeddings, but the checkpoint holds a different one: loading it "
                         "untied, as transformers does (set tie_word_embeddings=false in config.json to silence this)", head)

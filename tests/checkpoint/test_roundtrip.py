@@ -130,11 +130,11 @@ TIED_HEADS = {  # a tied config, its HF class, and HF's (head, embeddings) keys
 
 
 @pytest.mark.parametrize("name", TIED_HEADS)
-@pytest.mark.parametrize("head", ["equal", "different"])
+@pytest.mark.parametrize("head", ["equal", "different", "alone"])
 def test_tied_config_with_a_head_of_its_own_loads_as_transformers_does(tmp_path, name, head):
     """transformers ties the head only when the checkpoint's own head equals the embeddings; one that differs is
-    used untied (its warning says so): the logits must be the checkpoint's either way. Old buffers the rules
-    skip (BERT's position_ids) sit beside it."""
+    used untied (its warning says so), and a head saved without the embeddings is both: the logits must be the
+    checkpoint's either way. Old buffers the rules skip (BERT's position_ids) sit beside it."""
     from safetensors.torch import load_file, save_file
 
     config, hf_class, head_key, embedding_key = TIED_HEADS[name]
@@ -142,6 +142,8 @@ def test_tied_config_with_a_head_of_its_own_loads_as_transformers_does(tmp_path,
     hf_class(config).save_pretrained(tmp_path)
     state = load_file(tmp_path / "model.safetensors")
     state[head_key] = state[embedding_key].clone() if head == "equal" else torch.randn_like(state[embedding_key])
+    if head == "alone":
+        state[head_key] = state.pop(embedding_key)
     if name == "bert-mlm":
         state["bert.embeddings.position_ids"] = torch.arange(config.max_position_embeddings)[None]
         # untied, the decoder's bias (which the checkpoint lacks) stays tied to this one in transformers
@@ -149,7 +151,7 @@ def test_tied_config_with_a_head_of_its_own_loads_as_transformers_does(tmp_path,
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     hf = hf_class.from_pretrained(tmp_path).eval()
     ours = fm.from_pretrained(tmp_path)
-    assert ours.config.tie_word_embeddings == (head == "equal")
+    assert ours.config.tie_word_embeddings == (head != "different")
     ids = torch.randint(0, 97, (2, 7))
     with torch.no_grad():
         assert max_rel_err(ours(ids).logits, hf(ids).logits) < 1e-5
