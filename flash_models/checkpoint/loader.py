@@ -154,7 +154,7 @@ def from_pretrained(
 ):
     """Load a model from a hub repo id, a local HF folder, or a .gguf file, with HF's weights.
 
-    ``dtype`` defaults to float32 ("auto": the checkpoint's own dtype) and ``device`` to the CPU. ``attn_impl``
+    ``dtype`` defaults to float32 ("auto": the dtype config.json names, else the weights' own) and ``device`` to the CPU. ``attn_impl``
     picks the attention backend ("eager", "sdpa", "flash", "auto") and ``kernel_backend`` the fused ops
     ("reference", "triton", "auto"). The model comes back in eval mode, as in transformers.
 
