@@ -7,6 +7,7 @@ import flash_models as fm
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_meta_keys_match_hf, assert_round_trip_bit_identical,
     assert_saved_model_read_by_transformers, low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model,
+    random_input_ids,
 )
 
 VOCAB = 151
@@ -258,3 +259,39 @@ def test_pad_token_id_outside_the_vocabulary_is_refused_naming_it():
     """HF builds word_embeddings with padding_idx=pad_token_id, which torch refuses with a bare assertion."""
     with pytest.raises(ValueError, match=f"pad_token_id {VOCAB} is outside the vocabulary of {VOCAB} tokens"):
         fm.checkpoint.build_model(bert_config(pad_token_id=VOCAB))
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([0, 2, 1], dtype=torch.int32), torch.tensor([[0], [2], [1]])],
+                         ids=["int32", "column"])
+def test_sequence_labels_of_another_int_dtype_or_a_column_give_hf_loss(labels):
+    """HF flattens the labels (labels.view(-1)); int32 ids are class ids too."""
+    hf = hf_bert("BertForSequenceClassification", seed=12)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(12)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels.long()).loss
+        out = ours(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+    assert torch.allclose(out, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("architecture, bad_labels", [
+    ("BertForSequenceClassification", lambda ids: torch.tensor([0, 3, 1])),
+    ("BertForTokenClassification", lambda ids: torch.full_like(ids, -1)),
+    ("BertForMaskedLM", lambda ids: torch.full_like(ids, VOCAB)),
+])
+def test_labels_outside_the_classes_are_refused_naming_them(architecture, bad_labels):
+    """torch's own error is an IndexError ('Target 3 is out of bounds'), a device assert on CUDA."""
+    ours = ours_from_hf(hf_bert(architecture, seed=13))
+    ids, mask, _ = padded_batch(13)
+    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, \d+\) .* or -100"):
+        ours(ids, attention_mask=mask, labels=bad_labels(ids))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_position_ids_past_the_table_are_refused_naming_them(packed):
+    ours = ours_from_hf(hf_bert(seed=14))
+    ids = random_input_ids(VOCAB, (1, 6))
+    positions = torch.arange(36, 42).unsqueeze(0)  # the table has 40 rows
+    extra = dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)) if packed else {}
+    with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 40\)"):
+        ours(ids, position_ids=positions, **extra)

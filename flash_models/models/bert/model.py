@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_kernels._backend import check_ids_in_range
+
 from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ...runtime.cuda_graphs import replays_graph
@@ -75,6 +77,10 @@ class BertModel(BertPreTrainedModel):
         Then last_hidden_state is (1, total, hidden) and pooler_output (N, hidden), from each sequence's first
         token (an empty sequence gets an arbitrary row: leave it out of any loss).
         """
+        if position_ids is not None:  # the embedding checks ids and types; given positions would index unchecked
+            limit = self.config.max_position_embeddings
+            check_ids_in_range(position_ids, limit, message=f"position_ids must lie in [0, {limit}) (BERT's "
+                               "max_position_embeddings); leave them out to count from 0 in each sequence")
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
         if input_ids.dim() != 2:
