@@ -17,13 +17,14 @@ AUTO = {
     "BertForMaskedLM": "AutoModelForMaskedLM",
     "BertForSequenceClassification": "AutoModelForSequenceClassification",
     "BertForTokenClassification": "AutoModelForTokenClassification",
+    "BertForQuestionAnswering": "AutoModelForQuestionAnswering",
 }
 
 
 def bert_config(architecture="BertModel", **overrides):
     base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=112,
                 max_position_embeddings=40, type_vocab_size=3, hidden_act="gelu_new", layer_norm_eps=1e-6,
-                architectures=[architecture], num_labels=3)
+                architectures=[architecture], num_labels=2 if architecture == "BertForQuestionAnswering" else 3)
     return transformers.BertConfig(**{**base, **overrides})
 
 
@@ -48,6 +49,8 @@ def padded_inputs(seed=0):
 def main_output(out, architecture):
     if architecture == "BertModel":
         return out.last_hidden_state
+    if architecture == "BertForQuestionAnswering":
+        return torch.stack((out.start_logits, out.end_logits), -1)
     return out.prediction_logits if architecture == "BertForPreTraining" else out.logits
 
 
@@ -172,11 +175,12 @@ def test_old_checkpoint_names_and_pretraining_weights_load_as_masked_lm(tmp_path
     assert max_rel_err(out[mask.bool()], ref[mask.bool()]) < 1e-5
 
 
-@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification"])
+@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification",
+                                          "BertForQuestionAnswering"])
 def test_save_pretrained_is_read_by_transformers_with_same_outputs(architecture, tmp_path):
     hf = hf_bert(architecture, seed=9)
     assert type(hf).__name__ == architecture  # and the helper checks transformers reads back the same class
-    output = "last_hidden_state" if architecture == "BertModel" else "logits"  # main_output of these three
+    output = {"BertModel": "last_hidden_state", "BertForQuestionAnswering": "start_logits"}.get(architecture, "logits")
     assert_saved_model_read_by_transformers(hf, tmp_path, padded_inputs(9), auto_class=AUTO[architecture],
                                             output=output, tol=1e-6)
 
@@ -198,7 +202,8 @@ def test_config_without_architectures_builds_bert_model():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(is_decoder=True), "decoder"),
-    (dict(architectures=["BertForQuestionAnswering"]), "BertForQuestionAnswering"),
+    (dict(architectures=["BertForMultipleChoice"]), "BertForMultipleChoice"),
+    (dict(architectures=["BertForQuestionAnswering"], num_labels=3), "num_labels must be 2"),
     (dict(position_embedding_type="relative_key"), "position_embedding_type"),
 ])
 def test_unsupported_configs_raise(overrides, match):
@@ -295,3 +300,34 @@ def test_position_ids_past_the_table_are_refused_naming_them(packed):
     extra = dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)) if packed else {}
     with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 40\)"):
         ours(ids, position_ids=positions, **extra)
+
+
+def test_question_answering_loss_matches_hf_with_positions_outside_the_window():
+    """HF clamps a position outside the row to S and ignores it; a padded batch is scored over every position."""
+    hf = hf_bert("BertForQuestionAnswering", seed=15)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(15)
+    starts, ends = torch.tensor([[2], [40], [7]]), torch.tensor([5, 9, -3])  # (B, 1) as HF takes too
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, start_positions=starts, end_positions=ends)
+        out = ours(ids, attention_mask=mask, token_type_ids=types, start_positions=starts, end_positions=ends)
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert max_rel_err(out.start_logits, ref.start_logits) < 1e-5 and max_rel_err(out.end_logits, ref.end_logits) < 1e-5
+    assert out[1] is out.start_logits and out[2] is out.end_logits  # HF's order: loss, start, end
+    with pytest.raises(ValueError, match="start_positions must be integer token indices"):
+        ours(ids, start_positions=starts.float(), end_positions=ends)
+
+
+def test_question_answering_head_on_a_base_checkpoint_saves_for_transformers(tmp_path):
+    """From a sequence classifier's checkpoint (3 labels): the QA head takes its two, as HF's does."""
+    source = hf_bert("BertForSequenceClassification", seed=16)
+    source.save_pretrained(tmp_path / "cls")
+    qa = fm.models.bert.BertForQuestionAnswering.from_pretrained(tmp_path / "cls")
+    assert qa.config.num_labels == 2 and qa.bert.pooler is None
+    qa.save_pretrained(tmp_path / "qa")
+    reread = transformers.AutoModelForQuestionAnswering.from_pretrained(tmp_path / "qa").eval()
+    ids, mask, types = padded_batch(16)
+    with torch.no_grad():
+        out, ref = qa.eval()(ids, attention_mask=mask, token_type_ids=types), reread(ids, attention_mask=mask, token_type_ids=types)
+    real = mask.bool()
+    assert max_rel_err(out.end_logits[real], ref.end_logits[real]) < 1e-5

@@ -1,5 +1,5 @@
 """BERT's task heads on a BertModel: masked LM, pretraining (MLM + next sentence), sequence and token
-classification. The checkpoint's ``architectures`` picks the class (exact lookup), BertModel for none."""
+classification, extractive question answering. The checkpoint's ``architectures`` picks the class (exact lookup), BertModel for none."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flash_kernels._backend import holds_integers
 
 from ...config import activation_name
 from ...modules import Norm
@@ -181,9 +183,59 @@ class BertForTokenClassification(_BertWithHead):
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 
 
+class BertForQuestionAnswering(_BertWithHead):
+    """Extractive QA (HF's head): per token, the logits that the answer span starts and ends there.
+
+    The loss, as HF's, is a softmax over every position of the row, padding included. Padding rows are what
+    the backend makes of them: the same as HF's on the eager and sdpa paths, zero on the flash path (a padded
+    batch is unpadded), so there a padded batch's loss differs from HF's while its real tokens' logits agree."""
+
+    def head(self, config):
+        if config.num_labels != 2:
+            raise ValueError(f"BertForQuestionAnswering scores a span's start and end: num_labels must be 2, got "
+                             f"{config.num_labels}")
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+
+    @classmethod
+    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None) -> _BertWithHead:
+        """As the other heads', with the two labels (start, end) whatever ``base``'s own count."""
+        return super().on_encoder(base, num_labels=2 if num_labels is None else num_labels)
+
+    @accepts_hf_flags
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
+                end_positions=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen).last_hidden_state
+        start_logits, end_logits = self.qa_outputs(hidden).unbind(-1)  # (B, S) each
+        loss = None
+        if start_positions is not None and end_positions is not None:  # HF: the mean, only when both are given
+            if cu_seqlens is not None:
+                raise ValueError("start_positions/end_positions need a padded batch (B, S), not a packed one "
+                                 "(cu_seqlens): a position counts within its own row")
+            loss = (span_loss(start_logits, start_positions, "start_positions")
+                    + span_loss(end_logits, end_positions, "end_positions")) / 2
+        return HeadOutput(start_logits=start_logits.contiguous(), end_logits=end_logits.contiguous(), loss=loss,
+                          last_hidden_state=hidden)
+
+
+def span_loss(logits: torch.Tensor, positions: torch.Tensor, name: str) -> torch.Tensor:
+    """HF's QA loss for one end of the span: cross-entropy over the row's tokens, a position outside the row
+    (clamped to S) ignored, as an answer truncated out of its window is."""
+    if not holds_integers(positions):
+        raise ValueError(f"{name} must be integer token indices, got a tensor of {positions.dtype}")
+    if positions.dim() > 1:
+        positions = positions.squeeze(-1)
+    if positions.shape != logits.shape[:1]:
+        raise ValueError(f"{name} must hold one token index per row, shape ({logits.shape[0]},), got "
+                         f"{tuple(positions.shape)}")
+    seq_len = logits.shape[1]
+    return F.cross_entropy(logits.float(), positions.clamp(0, seq_len).long(), ignore_index=seq_len)
+
+
 CLASSES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification)
+    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification,
+                BertForQuestionAnswering)
 }
 assert tuple(CLASSES) == ARCHITECTURES
 
