@@ -331,3 +331,26 @@ def test_question_answering_head_on_a_base_checkpoint_saves_for_transformers(tmp
         out, ref = qa.eval()(ids, attention_mask=mask, token_type_ids=types), reread(ids, attention_mask=mask, token_type_ids=types)
     real = mask.bool()
     assert max_rel_err(out.end_logits[real], ref.end_logits[real]) < 1e-5
+
+
+def test_head_from_pretrained_takes_hf_label_arguments(tmp_path):
+    """AutoModelForSequenceClassification.from_pretrained(path, id2label=..., problem_type=...), as in HF; the
+    names and the loss survive save_pretrained, and transformers reads them back."""
+    hf_bert("BertModel", seed=17).save_pretrained(tmp_path / "base")
+    Head = fm.models.bert.BertForSequenceClassification
+    names = {0: "neg", 1: "neutral", 2: "pos", 3: "mixed"}
+    model = Head.from_pretrained(tmp_path / "base", id2label=names, label2id={v: k for k, v in names.items()},
+                                 problem_type="multi_label_classification")
+    assert model.config.num_labels == 4 and model.config.problem_type == "multi_label_classification"
+    ids, mask, _ = padded_batch(17)
+    targets = (torch.rand(3, 4) < 0.5).float()
+    expected = F.binary_cross_entropy_with_logits(model(ids, attention_mask=mask).logits, targets)
+    assert torch.allclose(model(ids, attention_mask=mask, labels=targets).loss, expected)
+    model.save_pretrained(tmp_path / "cls")
+    reread = transformers.AutoConfig.from_pretrained(tmp_path / "cls")
+    assert reread.id2label == names and reread.problem_type == "multi_label_classification"
+    same = Head.from_pretrained(tmp_path / "cls", label2id={"a": 0, "b": 1, "c": 2, "d": 3})  # same count: renamed only
+    assert same.config.typed.labels == ("a", "b", "c", "d")
+    assert torch.equal(same.classifier.weight, model.classifier.weight)
+    with pytest.raises(ValueError, match="num_labels=2 but 4 labels"):
+        Head.from_pretrained(tmp_path / "cls", num_labels=2, id2label=names)

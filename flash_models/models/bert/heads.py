@@ -66,23 +66,33 @@ class _BertWithHead(BertPreTrainedModel):
                 nn.init.zeros_(module.bias)
 
     @classmethod
-    def from_pretrained(cls, path, *, num_labels: int | None = None, **kwargs):
+    def from_pretrained(cls, path, *, num_labels: int | None = None, id2label: dict | None = None,
+                        label2id: dict | None = None, problem_type: str | None = None, **kwargs):
         """HF's ``AutoModelFor<Task>.from_pretrained(path, num_labels=N)``: any BERT checkpoint (a ``BertModel``
-        such as all-MiniLM, or another head) as this head (``on_encoder``). ``kwargs`` as
-        ``flash_models.from_pretrained``."""
+        such as all-MiniLM, or another head) as this head (``on_encoder``). The labels as HF's config takes them:
+        ``num_labels``, or their names ``id2label`` ({id: name}) / ``label2id`` ({name: id}); ``problem_type``
+        picks the loss (None: the checkpoint's). ``kwargs`` as ``flash_models.from_pretrained``."""
         base = BertPreTrainedModel.from_pretrained(path, **kwargs)  # whichever BERT class the checkpoint names
-        return cls.on_encoder(base, num_labels=num_labels)
+        return cls.on_encoder(base, labels=label_names(num_labels, id2label, label2id), problem_type=problem_type)
 
     @classmethod
-    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None) -> _BertWithHead:
+    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None,
+                   labels: tuple[str, ...] | None = None, problem_type: str | None = None) -> _BertWithHead:
         """This head on ``base``'s encoder (and pooler) weights, the head freshly initialised; ``base`` itself when
-        it already is this head with ``num_labels`` labels (its own count when None). A pooler this head lacks is
-        dropped; one it needs and the checkpoint lacks starts from random init (logged), as in HF."""
-        if type(base) is cls and num_labels in (None, base.config.num_labels):
+        it already is this head with as many labels (``num_labels``, or the names in ``labels``; its own when
+        None), then only given the new names and ``problem_type`` (if not None). A pooler this head lacks is dropped;
+        one it needs and the checkpoint lacks starts from random init (logged), as in HF."""
+        if labels is None:  # as HF's config: the checkpoint's names while the count stays
+            own = base.config.typed.labels
+            labels = own if num_labels in (None, len(own)) else tuple(f"LABEL_{i}" for i in range(num_labels))
+        elif num_labels is not None and num_labels != len(labels):
+            raise ValueError(f"num_labels={num_labels} but {len(labels)} label names given; give one of them")
+        config = dataclasses.replace(base.config.typed, architecture=cls.__name__, labels=labels,
+                                     problem_type=problem_type or base.config.typed.problem_type)
+        if type(base) is cls and len(labels) == base.config.num_labels:
+            base.config.replace_typed(config)  # the same head: only its label names or loss change
             return base
         encoder = base if isinstance(base, BertModel) else base.bert
-        labels = base.config.typed.labels if num_labels is None else tuple(f"LABEL_{i}" for i in range(num_labels))
-        config = dataclasses.replace(base.config.typed, architecture=cls.__name__, labels=labels)
         reference = next(encoder.parameters())
         model = cls(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
         state = {k: v for k, v in encoder.state_dict().items() if cls.pooler or not k.startswith("pooler.")}
@@ -197,9 +207,12 @@ class BertForQuestionAnswering(_BertWithHead):
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
 
     @classmethod
-    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None) -> _BertWithHead:
-        """As the other heads', with the two labels (start, end) whatever ``base``'s own count."""
-        return super().on_encoder(base, num_labels=2 if num_labels is None else num_labels)
+    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None,
+                   labels: tuple[str, ...] | None = None, problem_type: str | None = None) -> _BertWithHead:
+        """As the other heads', with two labels (start, end) whatever ``base``'s own count."""
+        if num_labels is None and labels is None:
+            num_labels = 2
+        return super().on_encoder(base, num_labels=num_labels, labels=labels, problem_type=problem_type)
 
     @accepts_hf_flags
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
@@ -230,6 +243,24 @@ def span_loss(logits: torch.Tensor, positions: torch.Tensor, name: str) -> torch
                          f"{tuple(positions.shape)}")
     seq_len = logits.shape[1]
     return F.cross_entropy(logits.float(), positions.clamp(0, seq_len).long(), ignore_index=seq_len)
+
+
+def label_names(num_labels: int | None, id2label: dict | None, label2id: dict | None) -> tuple[str, ...] | None:
+    """The label names, in id order, that HF's ``num_labels`` / ``id2label`` / ``label2id`` describe (None: the
+    checkpoint's own). Ids must run 0..N-1, as HF's heads number their outputs."""
+    if id2label is None and label2id is not None:
+        id2label = {i: name for name, i in label2id.items()}
+    if id2label is None:
+        return None if num_labels is None else tuple(f"LABEL_{i}" for i in range(num_labels))
+    ids = sorted(int(i) for i in id2label)  # a config.json's keys are strings
+    if ids != list(range(len(ids))):
+        raise ValueError(f"id2label/label2id ids must be 0..{len(ids) - 1}, got {ids}")
+    names = {int(i): name for i, name in id2label.items()}
+    if label2id is not None and {name: int(i) for name, i in label2id.items()} != {n: i for i, n in names.items()}:
+        raise ValueError("label2id is not the inverse of id2label; give one of them")
+    if num_labels is not None and num_labels != len(ids):
+        raise ValueError(f"num_labels={num_labels} but {len(ids)} labels in id2label/label2id; give one of them")
+    return tuple(names[i] for i in ids)
 
 
 CLASSES: dict[str, type] = {
