@@ -354,3 +354,38 @@ def test_head_from_pretrained_takes_hf_label_arguments(tmp_path):
     assert torch.equal(same.classifier.weight, model.classifier.weight)
     with pytest.raises(ValueError, match="num_labels=2 but 4 labels"):
         Head.from_pretrained(tmp_path / "cls", num_labels=2, id2label=names)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_resize_token_embeddings_of_a_masked_lm_keeps_old_tokens_and_saves_for_transformers(tied, tmp_path):
+    """HF's method: old ids' logits unchanged, new ids' rows at the old mean, the MLM bias grown with zeros (an
+    untied decoder grown as the table); transformers reads the saved model with the same logits."""
+    ours = ours_from_hf(hf_bert("BertForMaskedLM", seed=18, tie_word_embeddings=tied))
+    ids, mask, types = padded_batch(18)
+    with torch.no_grad():
+        before = ours(ids, attention_mask=mask, token_type_ids=types).logits
+    table = ours.resize_token_embeddings(VOCAB + 20)
+    assert table.weight.shape[0] == VOCAB + 20 and ours.config.vocab_size == VOCAB + 20
+    assert torch.allclose(table.weight[VOCAB + 7], table.weight[:VOCAB].mean(0))
+    new_ids = torch.cat([ids, torch.full((3, 2), VOCAB + 19)], dim=1)
+    new_mask = torch.cat([mask, torch.ones(3, 2, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        after = ours(ids, attention_mask=mask, token_type_ids=types).logits
+        grown = ours(new_ids, attention_mask=new_mask).logits
+    real = mask.bool()
+    assert after.shape[-1] == VOCAB + 20 and torch.equal(after[..., :VOCAB][real], before[real])
+    ours.save_pretrained(tmp_path)
+    reread = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = reread(new_ids, attention_mask=new_mask).logits
+    assert max_rel_err(grown[new_mask.bool()], ref[new_mask.bool()]) < 1e-5
+
+
+def test_resize_token_embeddings_of_a_classifier_grows_the_encoder():
+    ours = ours_from_hf(hf_bert("BertForTokenClassification", seed=19))
+    ours.resize_token_embeddings(VOCAB + 1, pad_to_multiple_of=32)
+    assert ours.config.vocab_size == ours.bert.config.vocab_size == 160
+    ids = torch.tensor([[3, 159, 5]])
+    assert ours(ids).logits.shape == (1, 3, 3)
+    with pytest.raises(ValueError, match="input_ids must lie in \\[0, 160\\)"):
+        ours(ids + 1)

@@ -15,6 +15,7 @@ from flash_kernels._backend import holds_integers
 from ...config import activation_name
 from ...modules import Norm
 from ...modules.mlp import activation
+from ...modules.vocab_padding import resized_table
 from ..hf_protocol import accepts_hf_flags
 from ..losses import classification_loss, cross_entropy
 from ..outputs import HeadOutput
@@ -39,6 +40,16 @@ class MaskedLMHead(nn.Module):
         self.norm = Norm(config.hidden_size, kind="layer_norm", eps=config.layer_norm_eps, kernel_backend=kernel_backend)
         self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def resize(self, old: int, new: int, *, mean_resizing: bool, std: float) -> None:
+        """``resize_token_embeddings``' part here: new bias entries zero, as HF's; an untied decoder as the table."""
+        kept = min(old, new)
+        with torch.no_grad():
+            bias = self.bias.new_zeros(new)
+            bias[:kept] = self.bias[:kept]
+        self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad)
+        if self.decoder is not None:
+            self.decoder = resized_table(self.decoder, old, new, multiple=1, mean_resizing=mean_resizing, std=std)
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(activation(self.dense(hidden), self.activation, backend=self.kernel_backend))
@@ -103,6 +114,10 @@ class _BertWithHead(BertPreTrainedModel):
         if missing:
             log.warning("the checkpoint has no pooler weights: the pooler starts from random init")
         return model.to(device=reference.device, dtype=reference.dtype).train(base.training)
+
+    def resize_head(self, old: int, new: int, *, mean_resizing: bool, std: float) -> None:
+        for head in [m for m in self.modules() if isinstance(m, MaskedLMHead)]:
+            head.resize(old, new, mean_resizing=mean_resizing, std=std)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16):
         """The encoder's ``BertModel.use_cuda_graphs``; the head runs eagerly after it."""

@@ -6,6 +6,8 @@ The other backends keep the (B, S) layout and mask padded keys."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +19,7 @@ from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_at
 from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
+from ...modules.vocab_padding import padded_vocab_size, resized_table
 from ..hf_protocol import accepts_hf_flags
 from ..outputs import EncoderOutput
 from ..pretrained import PretrainedModel
@@ -36,6 +39,33 @@ class BertPreTrainedModel(PretrainedModel):
                 nn.init.zeros_(module.bias)
             if isinstance(module, Norm):
                 module.reset_parameters()
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """HF's method (tokens added to the tokenizer): the vocabulary becomes ``new_num_tokens`` ids (rounded up
+        to ``pad_to_multiple_of``), in place. The first ids keep their rows; new rows start at the old rows' mean
+        (``mean_resizing``) or from the model's init. A masked-LM head follows: its output bias gets zeros, an
+        untied decoder new rows as the table. ``config.vocab_size`` follows. Returns the token table."""
+        old = self.config.vocab_size
+        new = old if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of is not None:
+            new = padded_vocab_size(new, pad_to_multiple_of)
+        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+            raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+        encoder = self if isinstance(self, BertModel) else self.bert
+        if new != old:
+            typed = dataclasses.replace(self.config.typed, vocab_size=new)  # checks the pad_token_id still fits
+            std = typed.initializer_range
+            encoder.embed.tokens = resized_table(encoder.embed.tokens, old, new, multiple=1,
+                                                 mean_resizing=mean_resizing, std=std)
+            encoder.embed.vocab_size = new
+            self.resize_head(old, new, mean_resizing=mean_resizing, std=std)
+            for model in {id(self): self, id(encoder): encoder}.values():
+                model.config.replace_typed(dataclasses.replace(model.config.typed, vocab_size=new))
+        return self.get_input_embeddings()
+
+    def resize_head(self, old: int, new: int, *, mean_resizing: bool, std: float) -> None:
+        """A head's part of ``resize_token_embeddings``: nothing for heads without vocabulary outputs."""
 
 
 class BertModel(BertPreTrainedModel):
