@@ -20,7 +20,8 @@ from ..modules.linear import autocast_like, dense, plain_linear
 from ..modules.varlen import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
-    VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, resized_table, zero_vocab_padding,
+    VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, resized_table, resized_vocab_size,
+    zero_vocab_padding,
 )
 from ..runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
@@ -428,11 +429,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         does, which keeps the old tokens' next-token distribution), or from the model's init. ``config.vocab_size``
         follows. Returns the token table; an optimizer built before holds the old tables, as with HF."""
         old = self.decoder_config.vocab_size
-        new = old if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of is not None:
-            new = padded_vocab_size(new, pad_to_multiple_of)
-        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-            raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+        new = resized_vocab_size(old, new_num_tokens, pad_to_multiple_of)
         if new == old:
             return self.get_input_embeddings()
         typed = dataclasses.replace(self.config.typed, vocab_size=new)

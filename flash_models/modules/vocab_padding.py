@@ -65,6 +65,16 @@ def zero_vocab_padding(module: nn.Module, vocab_size: int) -> None:
         param[vocab_size:].zero_()
 
 
+def resized_vocab_size(old: int, new_num_tokens: int | None, pad_to_multiple_of: int | None) -> int:
+    """The vocabulary HF's ``resize_token_embeddings(new_num_tokens, pad_to_multiple_of)`` asks for."""
+    new = old if new_num_tokens is None else new_num_tokens
+    if pad_to_multiple_of is not None:
+        new = padded_vocab_size(new, pad_to_multiple_of)
+    if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+        raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+    return new
+
+
 def resized_table(table: nn.Module, old: int, new: int, *, multiple: int, mean_resizing: bool, std: float) -> nn.Module:
     """For HF's ``resize_token_embeddings``: a copy of ``table`` (a token nn.Embedding or an LM head's nn.Linear,
     ``old`` real rows padded to ``multiple``) with ``new`` real rows: the first min(old, new) copied, the others

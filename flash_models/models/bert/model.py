@@ -19,7 +19,7 @@ from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_at
 from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
-from ...modules.vocab_padding import padded_vocab_size, resized_table
+from ...modules.vocab_padding import resized_table, resized_vocab_size
 from ..hf_protocol import accepts_hf_flags
 from ..outputs import EncoderOutput
 from ..pretrained import PretrainedModel
@@ -47,11 +47,7 @@ class BertPreTrainedModel(PretrainedModel):
         (``mean_resizing``) or from the model's init. A masked-LM head follows: its output bias gets zeros, an
         untied decoder new rows as the table. ``config.vocab_size`` follows. Returns the token table."""
         old = self.config.vocab_size
-        new = old if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of is not None:
-            new = padded_vocab_size(new, pad_to_multiple_of)
-        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-            raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+        new = resized_vocab_size(old, new_num_tokens, pad_to_multiple_of)
         encoder = self if isinstance(self, BertModel) else self.bert
         if new != old:
             typed = dataclasses.replace(self.config.typed, vocab_size=new)  # checks the pad_token_id still fits
