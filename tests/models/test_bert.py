@@ -4,6 +4,7 @@ import torch.nn.functional as F
 import transformers
 
 import flash_models as fm
+from flash_models.models.bert import BertForQuestionAnswering, BertForSequenceClassification
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_meta_keys_match_hf, assert_round_trip_bit_identical,
     assert_saved_model_read_by_transformers, low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model,
@@ -322,7 +323,7 @@ def test_question_answering_head_on_a_base_checkpoint_saves_for_transformers(tmp
     """From a sequence classifier's checkpoint (3 labels): the QA head takes its two, as HF's does."""
     source = hf_bert("BertForSequenceClassification", seed=16)
     source.save_pretrained(tmp_path / "cls")
-    qa = fm.models.bert.BertForQuestionAnswering.from_pretrained(tmp_path / "cls")
+    qa = BertForQuestionAnswering.from_pretrained(tmp_path / "cls")
     assert qa.config.num_labels == 2 and qa.bert.pooler is None
     qa.save_pretrained(tmp_path / "qa")
     reread = transformers.AutoModelForQuestionAnswering.from_pretrained(tmp_path / "qa").eval()
@@ -337,7 +338,7 @@ def test_head_from_pretrained_takes_hf_label_arguments(tmp_path):
     """AutoModelForSequenceClassification.from_pretrained(path, id2label=..., problem_type=...), as in HF; the
     names and the loss survive save_pretrained, and transformers reads them back."""
     hf_bert("BertModel", seed=17).save_pretrained(tmp_path / "base")
-    Head = fm.models.bert.BertForSequenceClassification
+    Head = BertForSequenceClassification
     names = {0: "neg", 1: "neutral", 2: "pos", 3: "mixed"}
     model = Head.from_pretrained(tmp_path / "base", id2label=names, label2id={v: k for k, v in names.items()},
                                  problem_type="multi_label_classification")
