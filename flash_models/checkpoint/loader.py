@@ -151,6 +151,10 @@ def from_pretrained(
         hf_config = _hf_config(str(name_or_path), transformers.AutoConfig.for_model, model_type, **config_dict)
     else:
         directory = resolve_model_dir(name_or_path, revision=revision)
+        from .timm import from_timm_dir, is_timm_dir  # timm.py builds on this module
+
+        if is_timm_dir(directory):
+            return from_timm_dir(directory, dtype=dtype, device=device, attn_impl=attn_impl, kernel_backend=kernel_backend)
         hf_config = read_hf_config(directory)
         hf_state = load_state_dict(directory)
     if dtype == "auto":

@@ -274,3 +274,21 @@ def test_class_ids_outside_the_classes_are_refused_and_int32_ids_taken(hf_head):
         assert torch.equal(ours(x, labels=labels.int()).loss, ours(x, labels=labels).loss)
     with pytest.raises(ValueError, match=rf"labels must be class ids in \[0, {classes}\)"):
         ours(x, labels=torch.tensor([classes, 0]))
+
+
+@pytest.mark.parametrize("name", ["cls_token_pool", "max_pool_token_head_less"])
+def test_from_pretrained_reads_a_timm_folder(name, tmp_path):
+    """timm's own Hub layout (save_for_hf: config.json with architecture and model_args, model.safetensors)."""
+    import timm
+    from timm.models import save_for_hf
+
+    options = {**TINY, **TIMM_OPTIONS[name]}
+    source = randomize_(timm.create_model("vit_base_patch16_224", pretrained=False, **options), seed=18).eval()
+    save_for_hf(source, tmp_path, model_args=options, safe_serialization=True)
+    ours = fm.from_pretrained(tmp_path, attn_impl="eager")
+    assert type(ours).__name__ == "VisionTransformer" and not ours.training
+    x = images(seed=18)
+    with torch.no_grad():
+        out, ref = ours(x), source(x)
+    assert max_rel_err(out.logits if out.logits is not None else out.pooler_output, ref) < 1e-5
+    assert fm.from_pretrained(tmp_path, dtype=torch.bfloat16).dtype == torch.bfloat16
