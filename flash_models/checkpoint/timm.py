@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..models.vit import ViTConfig, VisionTransformer, timm_vit_rules
-from .loader import resolve_device, resolve_dtype
+from .placement import resolve_device, resolve_dtype
 from .remap import hf_to_ours
 
 
