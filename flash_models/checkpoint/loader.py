@@ -116,7 +116,8 @@ def from_pretrained(
         from .timm import from_timm_dir, is_timm_dir  # timm.py builds on this module
 
         if is_timm_dir(directory):
-            return from_timm_dir(directory, dtype=dtype, device=device, attn_impl=attn_impl, kernel_backend=kernel_backend)
+            return from_timm_dir(directory, dtype=dtype, device=device, attn_impl=attn_impl,
+                                 kernel_backend=kernel_backend)
         hf_config = read_hf_config(directory)
         hf_state = load_state_dict(directory)
     if dtype == "auto":

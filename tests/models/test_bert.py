@@ -329,7 +329,8 @@ def test_question_answering_head_on_a_base_checkpoint_saves_for_transformers(tmp
     reread = transformers.AutoModelForQuestionAnswering.from_pretrained(tmp_path / "qa").eval()
     ids, mask, types = padded_batch(16)
     with torch.no_grad():
-        out, ref = qa.eval()(ids, attention_mask=mask, token_type_ids=types), reread(ids, attention_mask=mask, token_type_ids=types)
+        inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        out, ref = qa.eval()(**inputs), reread(**inputs)
     real = mask.bool()
     assert max_rel_err(out.end_logits[real], ref.end_logits[real]) < 1e-5
 

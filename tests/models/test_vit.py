@@ -244,7 +244,8 @@ def test_another_image_size_without_interpolation_is_refused_naming_the_argument
         ours(torch.randn(1, 3, 4, 32), interpolate_pos_encoding=True)
 
 
-@pytest.mark.parametrize("shape", [(3, 32, 32), (2, 32, 32, 3), (2, 1, 32, 32)], ids=["unbatched", "channels_last", "gray"])
+@pytest.mark.parametrize("shape", [(3, 32, 32), (2, 32, 32, 3), (2, 1, 32, 32)],
+                         ids=["unbatched", "channels_last", "gray"])
 def test_images_not_channels_first_batches_are_refused_naming_the_layout(shape):
     """Not a size problem: the message names the (B, C, H, W) layout, not interpolate_pos_encoding."""
     ours = fm.from_timm(timm_vit(seed=15))

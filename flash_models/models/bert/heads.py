@@ -1,5 +1,6 @@
 """BERT's task heads on a BertModel: masked LM, pretraining (MLM + next sentence), sequence and token
-classification, extractive question answering. The checkpoint's ``architectures`` picks the class (exact lookup), BertModel for none."""
+classification, extractive question answering. The checkpoint's ``architectures`` picks the class (exact
+lookup), BertModel for none."""
 
 from __future__ import annotations
 
@@ -232,14 +233,15 @@ class BertForQuestionAnswering(_BertWithHead):
     @accepts_hf_flags
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
                 end_positions=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        scored = start_positions is not None and end_positions is not None  # HF: a loss only when both are given
+        if scored and cu_seqlens is not None:
+            raise ValueError("start_positions/end_positions need a padded batch (B, S), not a packed one "
+                             "(cu_seqlens): a position counts within its own row")
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
                            max_seqlen=max_seqlen).last_hidden_state
         start_logits, end_logits = self.qa_outputs(hidden).unbind(-1)  # (B, S) each
         loss = None
-        if start_positions is not None and end_positions is not None:  # HF: the mean, only when both are given
-            if cu_seqlens is not None:
-                raise ValueError("start_positions/end_positions need a padded batch (B, S), not a packed one "
-                                 "(cu_seqlens): a position counts within its own row")
+        if scored:  # the mean of the two ends' losses
             loss = (span_loss(start_logits, start_positions, "start_positions")
                     + span_loss(end_logits, end_positions, "end_positions")) / 2
         return HeadOutput(start_logits=start_logits.contiguous(), end_logits=end_logits.contiguous(), loss=loss,
@@ -280,8 +282,8 @@ def label_names(num_labels: int | None, id2label: dict | None, label2id: dict | 
 
 CLASSES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification,
-                BertForQuestionAnswering)
+    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
+                BertForTokenClassification, BertForQuestionAnswering)
 }
 assert tuple(CLASSES) == ARCHITECTURES
 
