@@ -22,49 +22,11 @@ from .files import load_state_dict, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
 from .load_options import attn_impl_from_hf, config_overrides, device_from_map
+from .placement import resolve_device, resolve_dtype
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
 
 log = logging.getLogger(__name__)
 GENERATION_CONFIG = "generation_config.json"
-
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    """A floating torch dtype from a dtype or its name; None is float32. Anything else is a ValueError."""
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str):
-        value = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(value, torch.dtype):
-            auto = " ('auto', the checkpoint's own dtype, is for from_pretrained)" if dtype == "auto" else ""
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype{auto}; use one of {DTYPE_NAMES} or a torch.dtype")
-        dtype = value
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or its name {DTYPE_NAMES}, got {dtype!r}")
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype {dtype} is not a floating-point dtype: model weights need one of {DTYPE_NAMES}")
-    return dtype
-
-
-def resolve_device(device: torch.device | str | int | None) -> torch.device:
-    """A torch device from what ``torch.device`` takes (None is the CPU, an int a CUDA index, as in torch); a
-    CUDA device this machine does not have is a ValueError before anything loads."""
-    if device is None:
-        return torch.device("cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device {device!r} is not a torch device ({err})") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA GPU is available here (torch {torch.__version__}); use 'cpu'")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if resolved.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device {device!r}: Apple's MPS is not available here; use 'cpu'")
-    return resolved
 
 
 def checkpoint_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
@@ -190,6 +152,15 @@ def from_pretrained(
         hf_config = _hf_config(str(name_or_path), transformers.AutoConfig.for_model, model_type, **config_dict)
     else:
         directory = resolve_model_dir(name_or_path, revision=revision, subfolder=subfolder, **download)
+        from .timm import from_timm_dir, is_timm_dir  # timm.py builds on this module
+
+        if is_timm_dir(directory):
+            if config is not None or kwargs:
+                given = ["config"] * (config is not None) + sorted(kwargs)
+                raise ValueError(f"{name_or_path!r} is a timm checkpoint (timm's own config.json): {given} are "
+                                 "transformers config arguments, which it does not take; load it without them")
+            return from_timm_dir(directory, dtype=dtype, device=device, attn_impl=attn_impl,
+                                 kernel_backend=kernel_backend)
         hf_config = read_hf_config(directory) if config is None else None
         hf_state = load_state_dict(directory, use_safetensors=use_safetensors)
     if config is not None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from ..models.vit import ViTConfig, VisionTransformer, timm_vit_rules
-from .loader import resolve_device, resolve_dtype
+from .placement import resolve_device, resolve_dtype
 from .remap import hf_to_ours
 
 
@@ -70,3 +73,26 @@ def from_timm(name_or_model, *, pretrained: bool = False, dtype=None, device=Non
     state = hf_to_ours(source.state_dict(), timm_vit_rules(config))
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
+
+
+def is_timm_dir(directory: Path) -> bool:
+    """A folder in timm's Hub layout (``timm.models.save_for_hf``, ``push_to_hf_hub``): its config.json names a timm
+    ``architecture`` and no transformers ``model_type``."""
+    try:
+        fields = json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False  # the HF reader names the problem
+    return isinstance(fields, dict) and "model_type" not in fields and isinstance(fields.get("architecture"), str)
+
+
+def from_timm_dir(directory: Path, *, dtype=None, device=None, attn_impl: str = "auto",
+                  kernel_backend: str = "auto") -> VisionTransformer:
+    """``from_pretrained`` of a timm folder: timm builds the model its config.json describes (``model_args``:
+    classes, pooling, sizes) with the folder's weights (``timm.create_model("local-dir:...")``), then ``from_timm``.
+    ``dtype="auto"`` keeps the weights' dtype as timm loads them (float32)."""
+    import timm
+
+    source = timm.create_model(f"local-dir:{directory}", pretrained=True)
+    if dtype == "auto":
+        dtype = next(source.parameters()).dtype
+    return from_timm(source, dtype=dtype, device=device, attn_impl=attn_impl, kernel_backend=kernel_backend)

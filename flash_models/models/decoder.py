@@ -20,7 +20,8 @@ from ..modules.linear import autocast_like, dense, plain_linear
 from ..modules.varlen import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
-    VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, zero_vocab_padding,
+    VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, resized_table, resized_vocab_size,
+    zero_vocab_padding,
 )
 from ..runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
@@ -428,47 +429,21 @@ class DecoderLM(HFModelProtocol, nn.Module):
         does, which keeps the old tokens' next-token distribution), or from the model's init. ``config.vocab_size``
         follows. Returns the token table; an optimizer built before holds the old tables, as with HF."""
         old = self.decoder_config.vocab_size
-        new = old if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of is not None:
-            new = padded_vocab_size(new, pad_to_multiple_of)
-        if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-            raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+        new = resized_vocab_size(old, new_num_tokens, pad_to_multiple_of)
         if new == old:
             return self.get_input_embeddings()
         typed = dataclasses.replace(self.config.typed, vocab_size=new)
         decoder_config = typed.decoder()  # checked before anything changes (a pad_token_id the new size leaves out)
         self.config.replace_typed(typed)
         self.decoder_config = decoder_config
-        self.embed.tokens = self._resized_table(self.embed.tokens, old, new, mean_resizing)
+        std = self.decoder_config.initializer_range
+        self.embed.tokens = resized_table(self.embed.tokens, old, new, multiple=self.vocab_multiple,
+                                          mean_resizing=mean_resizing, std=std)
         self.embed.vocab_size = new
         if self.lm_head is not None:
-            self.lm_head = self._resized_table(self.lm_head, old, new, mean_resizing)
+            self.lm_head = resized_table(self.lm_head, old, new, multiple=self.vocab_multiple,
+                                         mean_resizing=mean_resizing, std=std)
         return self.get_input_embeddings()
-
-    def _resized_table(self, table: nn.Module, old: int, new: int, mean_resizing: bool) -> nn.Module:
-        """A copy of ``table`` (the token nn.Embedding or the LM head's nn.Linear, padded to ``vocab_multiple``)
-        with ``new`` real rows: the first min(old, new) copied, the others initialized, the padding zero."""
-        rows, weight = padded_vocab_size(new, self.vocab_multiple), table.weight
-        if isinstance(table, nn.Embedding):  # the pad row keeps getting no gradient, as HF's resized table
-            resized = nn.Embedding(rows, weight.shape[1], padding_idx=table.padding_idx, device=weight.device,
-                                   dtype=weight.dtype)
-        else:
-            resized = nn.Linear(weight.shape[1], rows, bias=table.bias is not None, device=weight.device, dtype=weight.dtype)
-        kept = min(old, new)
-        with torch.no_grad():
-            for name, param in resized.named_parameters():
-                source = getattr(table, name)[:old]
-                if mean_resizing:
-                    param[kept:new] = source.mean(dim=0)
-                elif param.dim() > 1:
-                    nn.init.normal_(param[kept:new], mean=0.0, std=self.decoder_config.initializer_range)
-                else:
-                    param[kept:new] = 0
-                param[:kept] = source[:kept]
-            zero_vocab_padding(resized, new)
-        if rows != new:
-            hide_vocab_padding(resized, new)
-        return resized.train(table.training)
 
     # ----------------------------------------------------------------------------------------------------
     # Generation and saving live in higher layers (generation/, checkpoint/); these methods are the HF-style

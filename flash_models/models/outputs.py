@@ -117,6 +117,8 @@ class HeadOutput(ModelOutput):
     logits: torch.Tensor | None = None  # MLM (B, S, vocab); sequence (B, labels); token (B, S, labels)
     prediction_logits: torch.Tensor | None = None  # BertForPreTraining: MLM logits
     seq_relationship_logits: torch.Tensor | None = None  # BertForPreTraining: next-sentence logits (B, 2)
+    start_logits: torch.Tensor | None = None  # question answering: the span's first token (B, S)
+    end_logits: torch.Tensor | None = None  # question answering: the span's last token (B, S)
     last_hidden_state: torch.Tensor | None = None
 
 

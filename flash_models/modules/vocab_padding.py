@@ -65,6 +65,43 @@ def zero_vocab_padding(module: nn.Module, vocab_size: int) -> None:
         param[vocab_size:].zero_()
 
 
+def resized_vocab_size(old: int, new_num_tokens: int | None, pad_to_multiple_of: int | None) -> int:
+    """The vocabulary HF's ``resize_token_embeddings(new_num_tokens, pad_to_multiple_of)`` asks for."""
+    new = old if new_num_tokens is None else new_num_tokens
+    if pad_to_multiple_of is not None:
+        new = padded_vocab_size(new, pad_to_multiple_of)
+    if isinstance(new, bool) or not isinstance(new, int) or new < 1:
+        raise ValueError(f"new_num_tokens must be an int >= 1, got {new_num_tokens!r}")
+    return new
+
+
+def resized_table(table: nn.Module, old: int, new: int, *, multiple: int, mean_resizing: bool, std: float) -> nn.Module:
+    """For HF's ``resize_token_embeddings``: a copy of ``table`` (a token nn.Embedding or an LM head's nn.Linear,
+    ``old`` real rows padded to ``multiple``) with ``new`` real rows: the first min(old, new) copied, the others
+    at the old rows' mean (``mean_resizing``) or N(0, std) (zero for a bias), the padding zero."""
+    rows, weight = padded_vocab_size(new, multiple), table.weight
+    if isinstance(table, nn.Embedding):  # the pad row keeps getting no gradient, as HF's resized table
+        resized = nn.Embedding(rows, weight.shape[1], padding_idx=table.padding_idx, device=weight.device,
+                               dtype=weight.dtype)
+    else:
+        resized = nn.Linear(weight.shape[1], rows, bias=table.bias is not None, device=weight.device, dtype=weight.dtype)
+    kept = min(old, new)
+    with torch.no_grad():
+        for name, param in resized.named_parameters():
+            source = getattr(table, name)[:old]
+            if mean_resizing:
+                param[kept:new] = source.mean(dim=0)
+            elif param.dim() > 1:
+                nn.init.normal_(param[kept:new], mean=0.0, std=std)
+            else:
+                param[kept:new] = 0
+            param[:kept] = source[:kept]
+        zero_vocab_padding(resized, new)
+    if rows != new:
+        hide_vocab_padding(resized, new)
+    return resized.train(table.training)
+
+
 class RealVocabHead(nn.Module):
     """An LM head as callers outside the model see it (HF's ``get_output_embeddings``: TRL's fused loss reads its
     ``weight`` and ``bias``): views of the padded head's first ``vocab_size`` rows, so that gradients reach the

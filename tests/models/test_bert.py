@@ -4,9 +4,11 @@ import torch.nn.functional as F
 import transformers
 
 import flash_models as fm
+from flash_models.models.bert import BertForQuestionAnswering, BertForSequenceClassification
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_meta_keys_match_hf, assert_round_trip_bit_identical,
     assert_saved_model_read_by_transformers, low_precision_bound_ok, max_rel_err, ours_from_hf, random_hf_model,
+    random_input_ids,
 )
 
 VOCAB = 151
@@ -16,13 +18,14 @@ AUTO = {
     "BertForMaskedLM": "AutoModelForMaskedLM",
     "BertForSequenceClassification": "AutoModelForSequenceClassification",
     "BertForTokenClassification": "AutoModelForTokenClassification",
+    "BertForQuestionAnswering": "AutoModelForQuestionAnswering",
 }
 
 
 def bert_config(architecture="BertModel", **overrides):
     base = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=112,
                 max_position_embeddings=40, type_vocab_size=3, hidden_act="gelu_new", layer_norm_eps=1e-6,
-                architectures=[architecture], num_labels=3)
+                architectures=[architecture], num_labels=2 if architecture == "BertForQuestionAnswering" else 3)
     return transformers.BertConfig(**{**base, **overrides})
 
 
@@ -47,6 +50,8 @@ def padded_inputs(seed=0):
 def main_output(out, architecture):
     if architecture == "BertModel":
         return out.last_hidden_state
+    if architecture == "BertForQuestionAnswering":
+        return torch.stack((out.start_logits, out.end_logits), -1)
     return out.prediction_logits if architecture == "BertForPreTraining" else out.logits
 
 
@@ -171,11 +176,12 @@ def test_old_checkpoint_names_and_pretraining_weights_load_as_masked_lm(tmp_path
     assert max_rel_err(out[mask.bool()], ref[mask.bool()]) < 1e-5
 
 
-@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification"])
+@pytest.mark.parametrize("architecture", ["BertModel", "BertForMaskedLM", "BertForSequenceClassification",
+                                          "BertForQuestionAnswering"])
 def test_save_pretrained_is_read_by_transformers_with_same_outputs(architecture, tmp_path):
     hf = hf_bert(architecture, seed=9)
     assert type(hf).__name__ == architecture  # and the helper checks transformers reads back the same class
-    output = "last_hidden_state" if architecture == "BertModel" else "logits"  # main_output of these three
+    output = {"BertModel": "last_hidden_state", "BertForQuestionAnswering": "start_logits"}.get(architecture, "logits")
     assert_saved_model_read_by_transformers(hf, tmp_path, padded_inputs(9), auto_class=AUTO[architecture],
                                             output=output, tol=1e-6)
 
@@ -197,7 +203,8 @@ def test_config_without_architectures_builds_bert_model():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(is_decoder=True), "decoder"),
-    (dict(architectures=["BertForQuestionAnswering"]), "BertForQuestionAnswering"),
+    (dict(architectures=["BertForMultipleChoice"]), "BertForMultipleChoice"),
+    (dict(architectures=["BertForQuestionAnswering"], num_labels=3), "num_labels must be 2"),
     (dict(position_embedding_type="relative_key"), "position_embedding_type"),
 ])
 def test_unsupported_configs_raise(overrides, match):
@@ -258,3 +265,129 @@ def test_pad_token_id_outside_the_vocabulary_is_refused_naming_it():
     """HF builds word_embeddings with padding_idx=pad_token_id, which torch refuses with a bare assertion."""
     with pytest.raises(ValueError, match=f"pad_token_id {VOCAB} is outside the vocabulary of {VOCAB} tokens"):
         fm.checkpoint.build_model(bert_config(pad_token_id=VOCAB))
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([0, 2, 1], dtype=torch.int32), torch.tensor([[0], [2], [1]])],
+                         ids=["int32", "column"])
+def test_sequence_labels_of_another_int_dtype_or_a_column_give_hf_loss(labels):
+    """HF flattens the labels (labels.view(-1)); int32 ids are class ids too."""
+    hf = hf_bert("BertForSequenceClassification", seed=12)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(12)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels.long()).loss
+        out = ours(ids, attention_mask=mask, token_type_ids=types, labels=labels).loss
+    assert torch.allclose(out, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("architecture, bad_labels", [
+    ("BertForSequenceClassification", lambda ids: torch.tensor([0, 3, 1])),
+    ("BertForTokenClassification", lambda ids: torch.full_like(ids, -1)),
+    ("BertForMaskedLM", lambda ids: torch.full_like(ids, VOCAB)),
+])
+def test_labels_outside_the_classes_are_refused_naming_them(architecture, bad_labels):
+    """torch's own error is an IndexError ('Target 3 is out of bounds'), a device assert on CUDA."""
+    ours = ours_from_hf(hf_bert(architecture, seed=13))
+    ids, mask, _ = padded_batch(13)
+    with pytest.raises(ValueError, match=r"labels must be class ids in \[0, \d+\) .* or -100"):
+        ours(ids, attention_mask=mask, labels=bad_labels(ids))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_position_ids_past_the_table_are_refused_naming_them(packed):
+    ours = ours_from_hf(hf_bert(seed=14))
+    ids = random_input_ids(VOCAB, (1, 6))
+    positions = torch.arange(36, 42).unsqueeze(0)  # the table has 40 rows
+    extra = dict(cu_seqlens=torch.tensor([0, 6], dtype=torch.int32)) if packed else {}
+    with pytest.raises(ValueError, match=r"position_ids must lie in \[0, 40\)"):
+        ours(ids, position_ids=positions, **extra)
+
+
+def test_question_answering_loss_matches_hf_with_positions_outside_the_window():
+    """HF clamps a position outside the row to S and ignores it; a padded batch is scored over every position."""
+    hf = hf_bert("BertForQuestionAnswering", seed=15)
+    ours = ours_from_hf(hf)
+    ids, mask, types = padded_batch(15)
+    starts, ends = torch.tensor([[2], [40], [7]]), torch.tensor([5, 9, -3])  # (B, 1) as HF takes too
+    with torch.no_grad():
+        ref = hf(input_ids=ids, attention_mask=mask, token_type_ids=types, start_positions=starts, end_positions=ends)
+        out = ours(ids, attention_mask=mask, token_type_ids=types, start_positions=starts, end_positions=ends)
+    assert torch.allclose(out.loss, ref.loss, rtol=1e-5)
+    assert max_rel_err(out.start_logits, ref.start_logits) < 1e-5 and max_rel_err(out.end_logits, ref.end_logits) < 1e-5
+    assert out[1] is out.start_logits and out[2] is out.end_logits  # HF's order: loss, start, end
+    with pytest.raises(ValueError, match="start_positions must be integer token indices"):
+        ours(ids, start_positions=starts.float(), end_positions=ends)
+
+
+def test_question_answering_head_on_a_base_checkpoint_saves_for_transformers(tmp_path):
+    """From a sequence classifier's checkpoint (3 labels): the QA head takes its two, as HF's does."""
+    source = hf_bert("BertForSequenceClassification", seed=16)
+    source.save_pretrained(tmp_path / "cls")
+    qa = BertForQuestionAnswering.from_pretrained(tmp_path / "cls")
+    assert qa.config.num_labels == 2 and qa.bert.pooler is None
+    qa.save_pretrained(tmp_path / "qa")
+    reread = transformers.AutoModelForQuestionAnswering.from_pretrained(tmp_path / "qa").eval()
+    ids, mask, types = padded_batch(16)
+    with torch.no_grad():
+        inputs = dict(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        out, ref = qa.eval()(**inputs), reread(**inputs)
+    real = mask.bool()
+    assert max_rel_err(out.end_logits[real], ref.end_logits[real]) < 1e-5
+
+
+def test_head_from_pretrained_takes_hf_label_arguments(tmp_path):
+    """AutoModelForSequenceClassification.from_pretrained(path, id2label=..., problem_type=...), as in HF; the
+    names and the loss survive save_pretrained, and transformers reads them back."""
+    hf_bert("BertModel", seed=17).save_pretrained(tmp_path / "base")
+    Head = BertForSequenceClassification
+    names = {0: "neg", 1: "neutral", 2: "pos", 3: "mixed"}
+    model = Head.from_pretrained(tmp_path / "base", id2label=names, label2id={v: k for k, v in names.items()},
+                                 problem_type="multi_label_classification")
+    assert model.config.num_labels == 4 and model.config.problem_type == "multi_label_classification"
+    ids, mask, _ = padded_batch(17)
+    targets = (torch.rand(3, 4) < 0.5).float()
+    expected = F.binary_cross_entropy_with_logits(model(ids, attention_mask=mask).logits, targets)
+    assert torch.allclose(model(ids, attention_mask=mask, labels=targets).loss, expected)
+    model.save_pretrained(tmp_path / "cls")
+    reread = transformers.AutoConfig.from_pretrained(tmp_path / "cls")
+    assert reread.id2label == names and reread.problem_type == "multi_label_classification"
+    same = Head.from_pretrained(tmp_path / "cls", label2id={"a": 0, "b": 1, "c": 2, "d": 3})  # same count: renamed only
+    assert same.config.typed.labels == ("a", "b", "c", "d")
+    assert torch.equal(same.classifier.weight, model.classifier.weight)
+    with pytest.raises(ValueError, match="num_labels=2 but 4 labels"):
+        Head.from_pretrained(tmp_path / "cls", num_labels=2, id2label=names)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_resize_token_embeddings_of_a_masked_lm_keeps_old_tokens_and_saves_for_transformers(tied, tmp_path):
+    """HF's method: old ids' logits unchanged, new ids' rows at the old mean, the MLM bias grown with zeros (an
+    untied decoder grown as the table); transformers reads the saved model with the same logits."""
+    ours = ours_from_hf(hf_bert("BertForMaskedLM", seed=18, tie_word_embeddings=tied))
+    ids, mask, types = padded_batch(18)
+    with torch.no_grad():
+        before = ours(ids, attention_mask=mask, token_type_ids=types).logits
+    table = ours.resize_token_embeddings(VOCAB + 20)
+    assert table.weight.shape[0] == VOCAB + 20 and ours.config.vocab_size == VOCAB + 20
+    assert torch.allclose(table.weight[VOCAB + 7], table.weight[:VOCAB].mean(0))
+    new_ids = torch.cat([ids, torch.full((3, 2), VOCAB + 19)], dim=1)
+    new_mask = torch.cat([mask, torch.ones(3, 2, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        after = ours(ids, attention_mask=mask, token_type_ids=types).logits
+        grown = ours(new_ids, attention_mask=new_mask).logits
+    real = mask.bool()
+    assert after.shape[-1] == VOCAB + 20 and torch.equal(after[..., :VOCAB][real], before[real])
+    ours.save_pretrained(tmp_path)
+    reread = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ref = reread(new_ids, attention_mask=new_mask).logits
+    assert max_rel_err(grown[new_mask.bool()], ref[new_mask.bool()]) < 1e-5
+
+
+def test_resize_token_embeddings_of_a_classifier_grows_the_encoder():
+    ours = ours_from_hf(hf_bert("BertForTokenClassification", seed=19))
+    ours.resize_token_embeddings(VOCAB + 1, pad_to_multiple_of=32)
+    assert ours.config.vocab_size == ours.bert.config.vocab_size == 160
+    ids = torch.tensor([[3, 159, 5]])
+    assert ours(ids).logits.shape == (1, 3, 3)
+    with pytest.raises(ValueError, match="input_ids must lie in \\[0, 160\\)"):
+        ours(ids + 1)

@@ -242,3 +242,54 @@ def test_another_image_size_without_interpolation_is_refused_naming_the_argument
         ours(torch.randn(1, 3, 48, 48))
     with pytest.raises(ValueError, match=r"at least one 8-pixel patch"):
         ours(torch.randn(1, 3, 4, 32), interpolate_pos_encoding=True)
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32), (2, 32, 32, 3), (2, 1, 32, 32)],
+                         ids=["unbatched", "channels_last", "gray"])
+def test_images_not_channels_first_batches_are_refused_naming_the_layout(shape):
+    """Not a size problem: the message names the (B, C, H, W) layout, not interpolate_pos_encoding."""
+    ours = fm.from_timm(timm_vit(seed=15))
+    with pytest.raises(ValueError, match=r"channels-first images \(B, 3, H, W\)") as error:
+        ours(torch.randn(shape))
+    assert "interpolate_pos_encoding" not in str(error.value)
+
+
+def test_hf_call_flags_are_taken_or_refused_as_bert_does():
+    ours = fm.from_timm(timm_vit(seed=16))
+    x = images(seed=16)
+    with torch.no_grad():
+        assert torch.equal(ours(x, output_hidden_states=None, return_dict=True).logits, ours(x).logits)
+    with pytest.raises(ValueError, match="output_hidden_states=True is not supported"):
+        ours(x, output_hidden_states=True)
+
+
+@pytest.mark.parametrize("hf_head", [True, False], ids=["hf", "timm"])
+def test_class_ids_outside_the_classes_are_refused_and_int32_ids_taken(hf_head):
+    if hf_head:
+        hf = random_hf_model(vit_config(), seed=17, auto_class="AutoModelForImageClassification")
+        ours, classes = ours_from_hf(hf), 5
+    else:
+        ours, classes = fm.from_timm(timm_vit(seed=17)), TINY["num_classes"]
+    x, labels = images(seed=17), torch.tensor([classes - 1, 0])
+    with torch.no_grad():
+        assert torch.equal(ours(x, labels=labels.int()).loss, ours(x, labels=labels).loss)
+    with pytest.raises(ValueError, match=rf"labels must be class ids in \[0, {classes}\)"):
+        ours(x, labels=torch.tensor([classes, 0]))
+
+
+@pytest.mark.parametrize("name", ["cls_token_pool", "max_pool_token_head_less"])
+def test_from_pretrained_reads_a_timm_folder(name, tmp_path):
+    """timm's own Hub layout (save_for_hf: config.json with architecture and model_args, model.safetensors)."""
+    import timm
+    from timm.models import save_for_hf
+
+    options = {**TINY, **TIMM_OPTIONS[name]}
+    source = randomize_(timm.create_model("vit_base_patch16_224", pretrained=False, **options), seed=18).eval()
+    save_for_hf(source, tmp_path, model_args=options, safe_serialization=True)
+    ours = fm.from_pretrained(tmp_path, attn_impl="eager")
+    assert type(ours).__name__ == "VisionTransformer" and not ours.training
+    x = images(seed=18)
+    with torch.no_grad():
+        out, ref = ours(x), source(x)
+    assert max_rel_err(out.logits if out.logits is not None else out.pooler_output, ref) < 1e-5
+    assert fm.from_pretrained(tmp_path, dtype=torch.bfloat16).dtype == torch.bfloat16

@@ -1,18 +1,20 @@
 """BERT (HF ``model_type`` "bert"): the encoder (model.py), its task heads (heads.py), config and checkpoint
 rules. The checkpoint's ``architectures`` picks the class (exact lookup): BertModel (also for none),
-BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification."""
+BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification,
+BertForQuestionAnswering."""
 
 from ..family import Family, Preset
 from .config import BertConfig
 from .heads import (
-    BertForMaskedLM, BertForPreTraining, BertForSequenceClassification, BertForTokenClassification, build_bert,
+    BertForMaskedLM, BertForPreTraining, BertForQuestionAnswering, BertForSequenceClassification,
+    BertForTokenClassification, build_bert,
 )
 from .model import BertModel
 from .rules import bert_rules
 
 __all__ = [
-    "BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForSequenceClassification", "BertForTokenClassification",
-    "BertModel",
+    "BertConfig", "BertForMaskedLM", "BertForPreTraining", "BertForQuestionAnswering", "BertForSequenceClassification",
+    "BertForTokenClassification", "BertModel",
 ]
 
 

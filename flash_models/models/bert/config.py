@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 # HF ``architectures[0]`` names we build (heads.py holds the classes).
 ARCHITECTURES = ("BertModel", "BertForPreTraining", "BertForMaskedLM", "BertForSequenceClassification",
-                 "BertForTokenClassification")
+                 "BertForTokenClassification", "BertForQuestionAnswering")
 
 
 @dataclass(frozen=True)

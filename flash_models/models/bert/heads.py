@@ -1,5 +1,6 @@
 """BERT's task heads on a BertModel: masked LM, pretraining (MLM + next sentence), sequence and token
-classification. The checkpoint's ``architectures`` picks the class (exact lookup), BertModel for none."""
+classification, extractive question answering. The checkpoint's ``architectures`` picks the class (exact
+lookup), BertModel for none."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flash_kernels._backend import holds_integers
+
 from ...config import activation_name
 from ...modules import Norm
 from ...modules.mlp import activation
+from ...modules.vocab_padding import resized_table
 from ..hf_protocol import accepts_hf_flags
 from ..losses import classification_loss, cross_entropy
 from ..outputs import HeadOutput
@@ -37,6 +41,16 @@ class MaskedLMHead(nn.Module):
         self.norm = Norm(config.hidden_size, kind="layer_norm", eps=config.layer_norm_eps, kernel_backend=kernel_backend)
         self.decoder = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def resize(self, old: int, new: int, *, mean_resizing: bool, std: float) -> None:
+        """``resize_token_embeddings``' part here: new bias entries zero, as HF's; an untied decoder as the table."""
+        kept = min(old, new)
+        with torch.no_grad():
+            bias = self.bias.new_zeros(new)
+            bias[:kept] = self.bias[:kept]
+        self.bias = nn.Parameter(bias, requires_grad=self.bias.requires_grad)
+        if self.decoder is not None:
+            self.decoder = resized_table(self.decoder, old, new, multiple=1, mean_resizing=mean_resizing, std=std)
 
     def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
         hidden = self.norm(activation(self.dense(hidden), self.activation, backend=self.kernel_backend))
@@ -64,25 +78,33 @@ class _BertWithHead(BertPreTrainedModel):
                 nn.init.zeros_(module.bias)
 
     @classmethod
-    def from_pretrained(cls, path, *, num_labels: int | None = None, **kwargs):
+    def from_pretrained(cls, path, *, num_labels: int | None = None, id2label: dict | None = None,
+                        label2id: dict | None = None, problem_type: str | None = None, **kwargs):
         """HF's ``AutoModelFor<Task>.from_pretrained(path, num_labels=N)``: any BERT checkpoint (a ``BertModel``
-        such as all-MiniLM, or another head) as this head (``on_encoder``). ``kwargs`` as
-        ``flash_models.from_pretrained``."""
+        such as all-MiniLM, or another head) as this head (``on_encoder``). The labels as HF's config takes them:
+        ``num_labels``, or their names ``id2label`` ({id: name}) / ``label2id`` ({name: id}); ``problem_type``
+        picks the loss (None: the checkpoint's). ``kwargs`` as ``flash_models.from_pretrained``."""
         base = BertPreTrainedModel.from_pretrained(path, **kwargs)  # whichever BERT class the checkpoint names
-        return cls.on_encoder(base, num_labels=num_labels)
+        return cls.on_encoder(base, labels=label_names(num_labels, id2label, label2id), problem_type=problem_type)
 
     @classmethod
-    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None) -> _BertWithHead:
+    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None,
+                   labels: tuple[str, ...] | None = None, problem_type: str | None = None) -> _BertWithHead:
         """This head on ``base``'s encoder (and pooler) weights, the head freshly initialised; ``base`` itself when
-        it already is this head with ``num_labels`` labels (its own count when None). A pooler this head lacks is
-        dropped; one it needs and the checkpoint lacks starts from random init (logged), as in HF."""
-        if type(base) is cls and num_labels in (None, base.config.num_labels):
+        it already is this head with as many labels (``num_labels``, or the names in ``labels``; its own when
+        None), then only given the new names and ``problem_type`` (if not None). A pooler this head lacks is dropped;
+        one it needs and the checkpoint lacks starts from random init (logged), as in HF."""
+        if labels is None:  # as HF's config: the checkpoint's names while the count stays
+            own = base.config.typed.labels
+            labels = own if num_labels in (None, len(own)) else tuple(f"LABEL_{i}" for i in range(num_labels))
+        elif num_labels is not None and num_labels != len(labels):
+            raise ValueError(f"num_labels={num_labels} but {len(labels)} label names given; give one of them")
+        config = dataclasses.replace(base.config.typed, architecture=cls.__name__, labels=labels,
+                                     problem_type=problem_type or base.config.typed.problem_type)
+        if type(base) is cls and len(labels) == base.config.num_labels:
+            base.config.replace_typed(config)  # the same head: only its label names or loss change
             return base
         encoder = base if isinstance(base, BertModel) else base.bert
-        labels = base.config.typed.labels  # names given with num_labels (id2label=) are on the base config already
-        if num_labels is not None and num_labels != len(labels):
-            labels = tuple(f"LABEL_{i}" for i in range(num_labels))
-        config = dataclasses.replace(base.config.typed, architecture=cls.__name__, labels=labels)
         reference = next(encoder.parameters())
         model = cls(config, attn_impl=encoder.attn_impl, kernel_backend=encoder.kernel_backend)
         state = {k: v for k, v in encoder.state_dict().items() if cls.pooler or not k.startswith("pooler.")}
@@ -93,6 +115,10 @@ class _BertWithHead(BertPreTrainedModel):
         if missing:
             log.warning("the checkpoint has no pooler weights: the pooler starts from random init")
         return model.to(device=reference.device, dtype=reference.dtype).train(base.training)
+
+    def resize_head(self, old: int, new: int, *, mean_resizing: bool, std: float) -> None:
+        for head in [m for m in self.modules() if isinstance(m, MaskedLMHead)]:
+            head.resize(old, new, mean_resizing=mean_resizing, std=std)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 16):
         """The encoder's ``BertModel.use_cuda_graphs``; the head runs eagerly after it."""
@@ -183,9 +209,81 @@ class BertForTokenClassification(_BertWithHead):
         return HeadOutput(logits=logits, loss=loss, last_hidden_state=hidden)
 
 
+class BertForQuestionAnswering(_BertWithHead):
+    """Extractive QA (HF's head): per token, the logits that the answer span starts and ends there.
+
+    The loss, as HF's, is a softmax over every position of the row, padding included. Padding rows are what
+    the backend makes of them: the same as HF's on the eager and sdpa paths, zero on the flash path (a padded
+    batch is unpadded), so there a padded batch's loss differs from HF's while its real tokens' logits agree."""
+
+    def head(self, config):
+        if config.num_labels != 2:
+            raise ValueError(f"BertForQuestionAnswering scores a span's start and end: num_labels must be 2, got "
+                             f"{config.num_labels}")
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+
+    @classmethod
+    def on_encoder(cls, base: BertPreTrainedModel, *, num_labels: int | None = None,
+                   labels: tuple[str, ...] | None = None, problem_type: str | None = None) -> _BertWithHead:
+        """As the other heads', with two labels (start, end) whatever ``base``'s own count."""
+        if num_labels is None and labels is None:
+            num_labels = 2
+        return super().on_encoder(base, num_labels=num_labels, labels=labels, problem_type=problem_type)
+
+    @accepts_hf_flags
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
+                end_positions=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
+        scored = start_positions is not None and end_positions is not None  # HF: a loss only when both are given
+        if scored and cu_seqlens is not None:
+            raise ValueError("start_positions/end_positions need a padded batch (B, S), not a packed one "
+                             "(cu_seqlens): a position counts within its own row")
+        hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
+                           max_seqlen=max_seqlen).last_hidden_state
+        start_logits, end_logits = self.qa_outputs(hidden).unbind(-1)  # (B, S) each
+        loss = None
+        if scored:  # the mean of the two ends' losses
+            loss = (span_loss(start_logits, start_positions, "start_positions")
+                    + span_loss(end_logits, end_positions, "end_positions")) / 2
+        return HeadOutput(start_logits=start_logits.contiguous(), end_logits=end_logits.contiguous(), loss=loss,
+                          last_hidden_state=hidden)
+
+
+def span_loss(logits: torch.Tensor, positions: torch.Tensor, name: str) -> torch.Tensor:
+    """HF's QA loss for one end of the span: cross-entropy over the row's tokens, a position outside the row
+    (clamped to S) ignored, as an answer truncated out of its window is."""
+    if not holds_integers(positions):
+        raise ValueError(f"{name} must be integer token indices, got a tensor of {positions.dtype}")
+    if positions.dim() > 1:
+        positions = positions.squeeze(-1)
+    if positions.shape != logits.shape[:1]:
+        raise ValueError(f"{name} must hold one token index per row, shape ({logits.shape[0]},), got "
+                         f"{tuple(positions.shape)}")
+    seq_len = logits.shape[1]
+    return F.cross_entropy(logits.float(), positions.clamp(0, seq_len).long(), ignore_index=seq_len)
+
+
+def label_names(num_labels: int | None, id2label: dict | None, label2id: dict | None) -> tuple[str, ...] | None:
+    """The label names, in id order, that HF's ``num_labels`` / ``id2label`` / ``label2id`` describe (None: the
+    checkpoint's own). Ids must run 0..N-1, as HF's heads number their outputs."""
+    if id2label is None and label2id is not None:
+        id2label = {i: name for name, i in label2id.items()}
+    if id2label is None:
+        return None if num_labels is None else tuple(f"LABEL_{i}" for i in range(num_labels))
+    ids = sorted(int(i) for i in id2label)  # a config.json's keys are strings
+    if ids != list(range(len(ids))):
+        raise ValueError(f"id2label/label2id ids must be 0..{len(ids) - 1}, got {ids}")
+    names = {int(i): name for i, name in id2label.items()}
+    if label2id is not None and {name: int(i) for name, i in label2id.items()} != {n: i for i, n in names.items()}:
+        raise ValueError("label2id is not the inverse of id2label; give one of them")
+    if num_labels is not None and num_labels != len(ids):
+        raise ValueError(f"num_labels={num_labels} but {len(ids)} labels in id2label/label2id; give one of them")
+    return tuple(names[i] for i in ids)
+
+
 CLASSES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification, BertForTokenClassification)
+    for cls in (BertModel, BertForPreTraining, BertForMaskedLM, BertForSequenceClassification,
+                BertForTokenClassification, BertForQuestionAnswering)
 }
 assert tuple(CLASSES) == ARCHITECTURES
 

@@ -6,15 +6,20 @@ The other backends keep the (B, S) layout and mask padded keys."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flash_kernels._backend import check_ids_in_range
 
 from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
+from ...modules.vocab_padding import resized_table, resized_vocab_size
 from ..hf_protocol import accepts_hf_flags
 from ..outputs import EncoderOutput
 from ..pretrained import PretrainedModel
@@ -34,6 +39,29 @@ class BertPreTrainedModel(PretrainedModel):
                 nn.init.zeros_(module.bias)
             if isinstance(module, Norm):
                 module.reset_parameters()
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """HF's method (tokens added to the tokenizer): the vocabulary becomes ``new_num_tokens`` ids (rounded up
+        to ``pad_to_multiple_of``), in place. The first ids keep their rows; new rows start at the old rows' mean
+        (``mean_resizing``) or from the model's init. A masked-LM head follows: its output bias gets zeros, an
+        untied decoder new rows as the table. ``config.vocab_size`` follows. Returns the token table."""
+        old = self.config.vocab_size
+        new = resized_vocab_size(old, new_num_tokens, pad_to_multiple_of)
+        encoder = self if isinstance(self, BertModel) else self.bert
+        if new != old:
+            typed = dataclasses.replace(self.config.typed, vocab_size=new)  # checks the pad_token_id still fits
+            std = typed.initializer_range
+            encoder.embed.tokens = resized_table(encoder.embed.tokens, old, new, multiple=1,
+                                                 mean_resizing=mean_resizing, std=std)
+            encoder.embed.vocab_size = new
+            self.resize_head(old, new, mean_resizing=mean_resizing, std=std)
+            for model in {id(self): self, id(encoder): encoder}.values():
+                model.config.replace_typed(dataclasses.replace(model.config.typed, vocab_size=new))
+        return self.get_input_embeddings()
+
+    def resize_head(self, old: int, new: int, *, mean_resizing: bool, std: float) -> None:
+        """A head's part of ``resize_token_embeddings``: nothing for heads without vocabulary outputs."""
 
 
 class BertModel(BertPreTrainedModel):
@@ -75,6 +103,10 @@ class BertModel(BertPreTrainedModel):
         Then last_hidden_state is (1, total, hidden) and pooler_output (N, hidden), from each sequence's first
         token (an empty sequence gets an arbitrary row: leave it out of any loss).
         """
+        if position_ids is not None:  # the embedding checks ids and types; given positions would index unchecked
+            limit = self.config.max_position_embeddings
+            check_ids_in_range(position_ids, limit, message=f"position_ids must lie in [0, {limit}) (BERT's "
+                               "max_position_embeddings); leave them out to count from 0 in each sequence")
         if cu_seqlens is not None:
             return self._forward_packed(input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen)
         if input_ids.dim() != 2:

@@ -46,4 +46,6 @@ def bert_rules(config: BertConfig) -> RuleSet:
         ignore.append(r"cls\.seq_relationship\..*")  # the NSP head of a pretraining checkpoint
     if config.architecture in ("BertForSequenceClassification", "BertForTokenClassification"):
         rules += pairs("classifier", "classifier")
+    if config.architecture == "BertForQuestionAnswering":
+        rules += pairs("qa_outputs", "qa_outputs")
     return RuleSet(tuple(rules), ignore=tuple(ignore), legacy_keys=_BERT_LEGACY)

@@ -14,7 +14,8 @@ from torch import nn
 from ...config import AttentionConfig, MLPConfig, head_dim_of
 from ...modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
 from ...runtime.cuda_graphs import GraphedInference, replays_graph
-from ..losses import classification_loss
+from ..hf_protocol import accepts_hf_flags
+from ..losses import classification_loss, cross_entropy
 from ..outputs import VisionOutput
 from ..pretrained import PretrainedModel
 from .config import ViTConfig
@@ -75,6 +76,7 @@ class VisionTransformer(PretrainedModel):
             if param is not None:
                 nn.init.trunc_normal_(param, std=std)
 
+    @accepts_hf_flags
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, *,
                 interpolate_pos_encoding: bool = False) -> VisionOutput:
         """pixel_values (B, C, H, W) at the config's image size; labels for ``loss``.
@@ -83,9 +85,12 @@ class VisionTransformer(PretrainedModel):
         the learned position table is resized to the image's grid of whole patches, bicubic as HF's ViT does
         (an image with the config's grid keeps the table as is)."""
         c = self.config
-        size = tuple(pixel_values.shape[2:]) if interpolate_pos_encoding and pixel_values.dim() == 4 else (c.image_size,) * 2
-        if (pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c.num_channels, *size)
-                or min(size) < c.patch_size):
+        if pixel_values.dim() != 4 or pixel_values.shape[1] != c.num_channels:
+            raise ValueError(f"pixel_values must be a batch of channels-first images (B, {c.num_channels}, H, W), got "
+                             f"{tuple(pixel_values.shape)}: add the batch dimension, or move channels first "
+                             "(images.permute(0, 3, 1, 2)), as the model's image processor does")
+        size = tuple(pixel_values.shape[2:]) if interpolate_pos_encoding else (c.image_size,) * 2
+        if tuple(pixel_values.shape[2:]) != size or min(size) < c.patch_size:
             raise ValueError(f"pixel_values must be (B, {c.num_channels}, {c.image_size}, {c.image_size}), got "
                              f"{tuple(pixel_values.shape)}; another size of at least one {c.patch_size}-pixel patch "
                              "needs interpolate_pos_encoding=True")
@@ -106,7 +111,9 @@ class VisionTransformer(PretrainedModel):
         single-label for integer labels, multi-label for float ones). A timm model takes class ids (B,) or
         class probabilities (B, classes), as timm's training recipes (mixup) give: cross-entropy either way."""
         if self.config.architecture is None:
-            return F.cross_entropy(logits.float(), labels)
+            if labels.is_floating_point():
+                return F.cross_entropy(logits.float(), labels)
+            return cross_entropy(logits, labels)
         return classification_loss(logits, labels, problem_type=self.config.problem_type)
 
     def use_cuda_graphs(self, enabled: bool = True, *, max_graphs: int = 8) -> VisionTransformer:
