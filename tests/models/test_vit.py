@@ -293,3 +293,5 @@ def test_from_pretrained_reads_a_timm_folder(name, tmp_path):
         out, ref = ours(x), source(x)
     assert max_rel_err(out.logits if out.logits is not None else out.pooler_output, ref) < 1e-5
     assert fm.from_pretrained(tmp_path, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"timm checkpoint .*\['num_labels'\] are transformers config arguments"):
+        fm.from_pretrained(tmp_path, num_labels=3)
