@@ -1,7 +1,13 @@
 """GGUF files (llama.cpp): metadata -> an HF config, tensors dequantized -> an HF-named state dict.
 
-llama.cpp's converter permutes the rows of the Q and K projections (it pairs rotary channels as
-interleaved, where HF pairs them half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
+Three architectures, which share llama.cpp's tensor names and HF's LLaMA module names:
+- ``llama`` (LLaMA, and Mistral and SmolLM2, which llama.cpp writes as llama). llama.cpp's converter permutes
+  the rows of the Q and K projections (it pairs rotary channels as interleaved, where HF pairs them
+  half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
+- ``qwen2``: the LLaMA block with q/k/v biases. Its rows are written as HF has them (llama.cpp runs Qwen's
+  rotary half-split), so nothing is permuted.
+- ``qwen3``: Qwen2's block with an RMSNorm over each q and k head and a head dim of its own
+  (``attention.key_length``), biases optional; rows as HF has them.
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from tqdm.auto import tqdm
 
 from .gguf_reader import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_PERMUTED_ROTARY = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter interleaves
 
 # GGUF tensor name -> HF (LLaMA layout) name.
-_LLAMA_NAMES = {
+_NAMES = {
     r"token_embd\.weight": "model.embed_tokens.weight",
     r"output_norm\.weight": "model.norm.weight",
     r"output\.weight": "lm_head.weight",
@@ -27,6 +34,12 @@ _LLAMA_NAMES = {
     r"blk\.(\d+)\.attn_q\.weight": "model.layers.{}.self_attn.q_proj.weight",
     r"blk\.(\d+)\.attn_k\.weight": "model.layers.{}.self_attn.k_proj.weight",
     r"blk\.(\d+)\.attn_v\.weight": "model.layers.{}.self_attn.v_proj.weight",
+    r"blk\.(\d+)\.attn_q\.bias": "model.layers.{}.self_attn.q_proj.bias",
+    r"blk\.(\d+)\.attn_k\.bias": "model.layers.{}.self_attn.k_proj.bias",
+    r"blk\.(\d+)\.attn_v\.bias": "model.layers.{}.self_attn.v_proj.bias",
+    r"blk\.(\d+)\.attn_output\.bias": "model.layers.{}.self_attn.o_proj.bias",
+    r"blk\.(\d+)\.attn_q_norm\.weight": "model.layers.{}.self_attn.q_norm.weight",
+    r"blk\.(\d+)\.attn_k_norm\.weight": "model.layers.{}.self_attn.k_norm.weight",
     r"blk\.(\d+)\.attn_output\.weight": "model.layers.{}.self_attn.o_proj.weight",
     r"blk\.(\d+)\.ffn_gate\.weight": "model.layers.{}.mlp.gate_proj.weight",
     r"blk\.(\d+)\.ffn_up\.weight": "model.layers.{}.mlp.up_proj.weight",
@@ -88,15 +101,16 @@ def hf_config_dict(reader) -> dict:
         if original is not None and scaling == "yarn":  # linear scaling has no such parameter in transformers
             rope["original_max_position_embeddings"] = original
     tensor_names = {t.name for t in reader.tensors}
-    return {
-        "model_type": "llama",
+    rotary_dims = a("rope.dimension_count", int, hidden // heads if heads else 0)
+    config = {
+        "model_type": arch,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": a("feed_forward_length", int),
         "num_hidden_layers": a("block_count", int),
         "num_attention_heads": heads,
         "num_key_value_heads": a("attention.head_count_kv", int, heads),
-        "head_dim": a("rope.dimension_count", int, hidden // heads if heads else 0),
+        "head_dim": a("attention.key_length", int, rotary_dims),  # llama.cpp writes it where it is not hidden / heads
         "max_position_embeddings": a("context_length", int, 2048),
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_parameters": rope,
@@ -105,10 +119,13 @@ def hf_config_dict(reader) -> dict:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", int, None),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", int, None),  # as transformers reads it
     }
+    if arch != "qwen2":  # Qwen2's q/k/v biases are part of its architecture; the others' are an option
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    return config
 
 
 def _hf_name(name: str) -> str | None:
-    for pattern, template in _LLAMA_NAMES.items():
+    for pattern, template in _NAMES.items():
         m = re.fullmatch(pattern, name)
         if m:
             return template.format(*m.groups())
@@ -156,16 +173,17 @@ def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     reader = GGUFFile(path)
     config = hf_config_dict(reader)
     check_tensor_types(reader)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    if config["model_type"] not in _PERMUTED_ROTARY:
+        permuted = {}
     state = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", disable=len(reader.tensors) < 64, leave=False):
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             continue
         weight = _dequantize(tensor)
-        if hf_name.endswith("q_proj.weight"):
-            weight = unpermute_rotary(weight, heads)
-        elif hf_name.endswith("k_proj.weight"):
-            weight = unpermute_rotary(weight, kv_heads)
+        projection = hf_name.split(".")[-2]
+        if projection in permuted:  # its weight rows and bias entries alike
+            weight = unpermute_rotary(weight, permuted[projection])
         state[hf_name] = weight
     return config, state

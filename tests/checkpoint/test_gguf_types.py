@@ -1,5 +1,5 @@
-"""GGUF files of several tensor types, written from a random HF LLaMA: ours equals transformers' own GGUF
-load of the same file (logits and config), tied and untied heads."""
+"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3), written from random HF models:
+ours equals transformers' own GGUF load of the same file (logits and config), tied and untied heads."""
 
 import numpy as np
 import pytest
@@ -14,14 +14,16 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def write_gguf(path, hf, matrix_type):
-    """``hf`` as llama.cpp's converter writes it: Q/K rows permuted, 2-D weights stored as ``matrix_type``, rope
-    scaling (linear, yarn) in the metadata."""
+    """``hf`` as llama.cpp's converter writes it: a LLaMA's Q/K rows permuted, 2-D weights stored as
+    ``matrix_type``, rope scaling (linear, yarn) and the head dim in the metadata."""
     c = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = c.model_type
+    w = gguf.GGUFWriter(str(path), arch)
     rope = c.rope_parameters
     if rope["rope_type"] != "default":
         w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"])), w.add_rope_scaling_factor(rope["factor"])
@@ -31,18 +33,19 @@ def write_gguf(path, hf, matrix_type):
     w.add_embedding_length(c.hidden_size), w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_rope_dimension_count(head_dim), w.add_key_length(head_dim), w.add_value_length(head_dim)
     w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
     w.add_token_types([1] * c.vocab_size), w.add_token_merges([])
     w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(5)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
-    names.update({f"model.layers.{i}.{hf_name}.weight": f"blk.{i}.{name}.weight"
+    names.update({f"model.layers.{i}.{hf_name}.{kind}": f"blk.{i}.{name}.{kind}" for kind in ("weight", "bias")
                   for i in range(c.num_hidden_layers) for hf_name, name in LAYER_NAMES.items()})
     for key, tensor in hf.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if "q_proj" in key or "k_proj" in key:
+        if arch == "llama" and ("q_proj" in key or "k_proj" in key):
             tensor = permute_rotary(tensor, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
         array = tensor.float().numpy()
         if array.ndim == 1 or matrix_type == Q.F32:
@@ -110,3 +113,42 @@ def test_gguf_rope_scaling_is_applied(tmp_path, rope):
     ids = torch.randint(0, 64, (1, 40))
     with torch.no_grad():
         assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_gguf_architectures_with_biases_and_head_norms(tmp_path, arch, tied):
+    """Qwen2 (q/k/v biases) and Qwen3 (q/k head norms, a head dim that is not hidden / heads): llama.cpp keeps
+    their Q/K rows in HF's order, so a LLaMA's un-permuting would scramble them; ours equals the source model
+    and transformers' GGUF load. A LLaMA with biases: its q/k bias entries are permuted as its rows; ours
+    equals the source model (transformers' GGUF load drops a LLaMA's biases, so it is no reference there)."""
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=tied)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, attention_bias=True)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    else:  # transformers' GGUF loader keeps Qwen3Config's default head dim (128), as real Qwen3 files have it
+        config = transformers.Qwen3Config(**common, head_dim=128)
+    hf = random_hf_model(config, seed=7)
+    write_gguf(tmp_path / "m.gguf", hf, Q.F32)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    assert ours.config.model_type == arch
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+    expected = hf.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    assert torch.equal(ours.generate(ids[:1], max_new_tokens=5, do_sample=False), expected)
+    if arch != "llama":
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+        with torch.no_grad():
+            assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+
+
+def test_an_unsupported_gguf_architecture_is_named(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "phi3")
+    w.add_block_count(1), w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: .*qwen2.*qwen3"):
+        fm.from_pretrained(tmp_path / "m.gguf")
