@@ -28,6 +28,7 @@ from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
 from .linear import linear
 from .norm import Norm
+from .recompute import NormedInput, projection_of
 from .varlen import UnpaddedBatch
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -230,9 +231,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, *, mask: AttentionMask, position_ids: torch.Tensor,
         rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None, kv_cache: KVCache | None = None,
+        normed: NormedInput | None = None,
     ) -> torch.Tensor:
-        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position."""
-        qkv = linear(x, self.qkv, backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
+        """x (B, S, hidden); position_ids (B, S); rope_tables the model's (cos, sin) covering every position;
+        ``normed``: x as a pre-norm block's norm made it, recomputed in the backward (modules/recompute.py)."""
+        qkv = projection_of(x, self.qkv, normed=normed, backend=self.kernel_backend,
+                            recompute_weight_cast=self.recompute_weight_casts)
         out = self.attend_qkv(qkv, mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache)
         return linear(out, self.out_proj, backend=self.kernel_backend, recompute_weight_cast=self.recompute_weight_casts)
 

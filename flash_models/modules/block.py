@@ -7,14 +7,13 @@ one fused kernel: ``hidden, residual = norm(dropout(hidden) + residual)``.
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .norm import dual_norm
-from .recompute import norm_output_recomputed
+from .recompute import NormedInput, normed_input
 
 
 class PreNormBlock(nn.Module):
@@ -37,16 +36,15 @@ class PreNormBlock(nn.Module):
         hidden, residual = self.norm1(
             hidden, residual, prenorm=True, dropout_p=self.input_dropout_p, residual_in_fp32=self.residual_in_fp32
         )
-        with self._recomputed(hidden, self.norm1, residual):
-            hidden = self.attn(hidden, **attn_kwargs)
+        hidden = self.attn(hidden, normed=self._normed(hidden, self.norm1, residual), **attn_kwargs)
         hidden, residual = self.norm2(
             hidden, residual, prenorm=True, dropout_p=self.residual_dropout_p, residual_in_fp32=self.residual_in_fp32
         )
-        with self._recomputed(hidden, self.norm2, residual):
-            return self.mlp(hidden), residual
+        return self.mlp(hidden, normed=self._normed(hidden, self.norm2, residual)), residual
 
-    def _recomputed(self, normed, norm, stream):
-        return norm_output_recomputed(normed, norm, stream) if self.recompute_norm_outputs else contextlib.nullcontext()
+    def _normed(self, normed, norm, stream) -> NormedInput | None:
+        """The sublayer's input as its first projection recomputes it (``recompute_norm_outputs``), or None."""
+        return normed_input(normed, norm, stream) if self.recompute_norm_outputs else None
 
 
 class ParallelBlock(nn.Module):

@@ -17,8 +17,8 @@ import flash_kernels
 from flash_kernels.linear_act import kernel_can_run as linear_act_can_run
 
 from ..config import MLPConfig
-from .linear import autocast_like, compute_dtype, linear, plain_linear, routed_projection
-from .recompute import activation_then_linear
+from .linear import autocast_like, compute_dtype, plain_linear, routed_projection
+from .recompute import NormedInput, activation_then_linear, projection_of
 
 # HF activation name -> GELU approximation used by flash_kernels.
 _GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -54,14 +54,15 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.bias)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fc2(act(fc1(x))), on the fused kernels where they apply (see the module's docstring)."""
+    def forward(self, x: torch.Tensor, *, normed: NormedInput | None = None) -> torch.Tensor:
+        """fc2(act(fc1(x))), on the fused kernels where they apply (see the module's docstring). ``normed``: x as
+        a pre-norm block's norm made it, recomputed in the backward by fc1 (the cuBLASLt path keeps it)."""
         if self._inference_fusable(x):
             return self._inference_fused(x)
         if self._cublaslt_trainable(x):
             return self._cublaslt_fused(x)
         backend, recompute_weight_cast = self.kernel_backend, self.recompute_weight_casts
-        pre = linear(x, self.fc1, backend=backend, recompute_weight_cast=recompute_weight_cast)
+        pre = projection_of(x, self.fc1, normed=normed, backend=backend, recompute_weight_cast=recompute_weight_cast)
         return activation_then_linear(pre, self.act, self.fc2, backend=backend, recompute=self.recompute_activation,
                                       recompute_weight_cast=recompute_weight_cast)
 
@@ -132,9 +133,10 @@ class GatedMLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.bias)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up, backend=self.kernel_backend,
-                         recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
+    def forward(self, x: torch.Tensor, *, normed: NormedInput | None = None) -> torch.Tensor:
+        """``normed``: x as a pre-norm block's norm made it, recomputed in the backward (modules/recompute.py)."""
+        gate_up = projection_of(x, self.gate_up, normed=normed, backend=self.kernel_backend,
+                                recompute_weight_cast=self.recompute_weight_casts)  # (..., 2 * intermediate)
         return activation_then_linear(gate_up, self.act, self.down, backend=self.kernel_backend,
                                       recompute=self.recompute_activation, recompute_weight_cast=self.recompute_weight_casts,
                                       act_grad=self.act_grad)

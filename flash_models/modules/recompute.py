@@ -10,22 +10,22 @@ The backward does what autograd does for ``linear(act(pre))`` under autocast: th
 activation's dtype and its gradient cast back, so the gradients match the plain path (the bias gradient is
 ``modules.linear``'s GEMV).
 
-``norm_output_recomputed``: a pre-norm block's normalized input (N, hidden), saved by the projection that
-reads it, is recomputed from the residual stream the norm keeps anyway (one norm kernel in the backward):
-for LLaMA-1.1B at 4 x 2048 tokens, 64 MB a layer.
+``NormedInput`` / ``projection_of``: a pre-norm block's normalized input (N, hidden), which the projection
+reading it would save, is recomputed from the residual stream the norm keeps anyway (one norm kernel in the
+backward): for LLaMA-1.1B at 4 x 2048 tokens, 64 MB a layer. A plain nn.Linear projection saves the stream in
+place of its input (``_NormedLinear``). Any other projection (a PEFT adapter's, a hooked layer) runs its own
+forward, which keeps its input (its GEMM saves a 2-D view of it).
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import bias_grad, linear, linear_grads, mm_as, plain_linear
+from .linear import autocast_like, bias_grad, linear, linear_grads, mm_as, plain_linear
 
 
 class _ActivationThenLinear(torch.autograd.Function):
@@ -79,34 +79,59 @@ def activation_then_linear(pre: torch.Tensor, act: Callable[[torch.Tensor], torc
     return linear(act(pre), layer, backend=backend, recompute_weight_cast=recompute_weight_cast)
 
 
-class _NormOutput:
-    """What a saved norm output is packed into: how to recompute it."""
-
-    def __init__(self, norm, stream: torch.Tensor, dtype: torch.dtype):
-        self.norm, self.stream, self.dtype = norm, stream, dtype
-
-    def recompute(self) -> torch.Tensor:
-        with torch.no_grad():
-            return self.norm.normalize_stream(self.stream, self.dtype)
+def _normalized(norm, stream: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``norm``'s output for the residual ``stream`` again, as the forward gave it (the fused norm normalizes the
+    stream as stored, so the bits are the same)."""
+    with torch.no_grad():
+        return norm.normalize_stream(stream, dtype)
 
 
-def norm_output_recomputed(normed: torch.Tensor, norm, stream: torch.Tensor):
-    """A context in which autograd saves ``normed`` (``norm``'s output for the residual ``stream``) as a recipe,
-    recomputed when the backward needs it. Other saved tensors are kept as usual. Without autograd recording,
-    or under torch.compile (which makes its own recompute choices), it does nothing."""
+class NormedInput:
+    """A pre-norm block's normalized input ``normed`` = ``norm``(``stream``), for the projection that reads it.
+    Made only while autograd records (``normed_input``); it lives for one sublayer's forward."""
+
+    __slots__ = ("normed", "norm", "stream")
+
+    def __init__(self, normed: torch.Tensor, norm, stream: torch.Tensor):
+        self.normed, self.norm, self.stream = normed, norm, stream
+
+
+def normed_input(normed: torch.Tensor, norm, stream: torch.Tensor) -> NormedInput | None:
+    """``normed`` (``norm``'s output for the residual ``stream``) to be recomputed in the backward; None without
+    autograd recording, or under torch.compile (which makes its own recompute choices)."""
     if not (torch.is_grad_enabled() and normed.requires_grad) or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
+        return None
+    return NormedInput(normed, norm, stream)
 
-    # Autograd keeps the pack hook as long as the graph: a strong reference here would keep ``normed`` alive.
-    target, dtype = weakref.ref(normed), normed.dtype
 
-    def pack(t):
-        return _NormOutput(norm, stream, dtype) if t is target() else t
+class _NormedLinear(torch.autograd.Function):
+    """``modules.linear``'s _Linear for an input that a norm made from a residual stream: the stream is saved in
+    place of the input, which the backward normalizes again."""
 
-    def unpack(saved):
-        return saved.recompute() if isinstance(saved, _NormOutput) else saved
+    @staticmethod
+    def forward(ctx, x, weight, bias, stream, norm, recompute_weight_cast):
+        h, w, b = autocast_like(x, weight, bias)
+        keep_cast = w is not weight and not recompute_weight_cast
+        ctx.save_for_backward(stream, weight, bias, w if keep_cast else None)
+        ctx.norm, ctx.x_dtype, ctx.h_dtype = norm, x.dtype, h.dtype
+        return F.linear(h, w, b)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    @staticmethod
+    def backward(ctx, dy):
+        stream, weight, bias, cast_weight = ctx.saved_tensors
+        h = _normalized(ctx.norm, stream, ctx.x_dtype)
+        h = h if h.dtype == ctx.h_dtype else h.to(ctx.h_dtype)  # as autocast_like cast it
+        dh, dweight, dbias = linear_grads(ctx, dy, h, weight, bias, cast_weight)
+        return dh, dweight, dbias, None, None, None
+
+
+def projection_of(x: torch.Tensor, layer: nn.Module, *, normed: NormedInput | None, backend: str,
+                  recompute_weight_cast: bool = False) -> torch.Tensor:
+    """``linear(x, layer)`` (see modules/linear.py) that recomputes ``x`` in the backward where ``normed`` says
+    it is a norm's output (see the module docstring); ``normed`` None is ``linear`` itself."""
+    if normed is None or normed.normed is not x or torch.compiler.is_compiling() or not plain_linear(layer):
+        return linear(x, layer, backend=backend, recompute_weight_cast=recompute_weight_cast)
+    return _NormedLinear.apply(x, layer.weight, layer.bias, normed.stream, normed.norm, recompute_weight_cast)
 
 
 def checkpoint_blocks(blocks: nn.ModuleList, *, every: int = 1, use_reentrant: bool = False, **checkpoint_kwargs) -> None:

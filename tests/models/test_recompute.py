@@ -180,3 +180,32 @@ def test_only_gated_decoders_recompute_and_checkpointing_turns_norm_recompute_of
                for b in model.blocks)
     apply_activation_checkpointing(model, 1)
     assert not any(block.recompute_norm_outputs for block in model.modules() if hasattr(block, "recompute_norm_outputs"))
+
+
+def test_plain_projections_recompute_without_saved_tensor_hooks(monkeypatch):
+    """A saved-tensor hook is Python called for every tensor saved under it: plain projections save the residual
+    stream in place of their input instead, so a training forward enters no such hook."""
+    entered = []
+    original = torch.autograd.graph.saved_tensors_hooks
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks",
+                        lambda *args: entered.append(1) or original(*args))
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 11))
+    model(ids, labels=ids).loss.backward()
+    assert entered == []
+
+
+def test_a_hooked_projection_runs_its_own_forward_with_the_same_gradients():
+    """A projection that is not a plain nn.Linear (here: one with a forward hook, as adapters and profilers add)
+    runs its own forward, which keeps its input (module docstring): the same gradients, bit for bit, and its
+    hook runs."""
+    model = tiny_llama()
+    ids = torch.randint(0, 97, (2, 11))
+    want = loss_and_grads(model, ids, recompute=False)
+    calls = []
+    for block in model.blocks:
+        block.attn.qkv.register_forward_hook(lambda module, args, out: calls.append(1))
+        block.mlp.gate_up.register_forward_hook(lambda module, args, out: calls.append(1))
+    for got, expected in zip(loss_and_grads(model, ids, recompute=True), want, strict=True):
+        assert torch.equal(got, expected)
+    assert len(calls) == 2 * len(model.blocks)
