@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp): metadata -> an HF config, tensors dequantized -> an HF-named state dict.
 
-Three architectures, which share llama.cpp's tensor names and HF's LLaMA module names:
+Four architectures. Three share llama.cpp's tensor names and HF's LLaMA module names:
 - ``llama`` (LLaMA, and Mistral and SmolLM2, which llama.cpp writes as llama). llama.cpp's converter permutes
   the rows of the Q and K projections (it pairs rotary channels as interleaved, where HF pairs them
   half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
@@ -8,11 +8,14 @@ Three architectures, which share llama.cpp's tensor names and HF's LLaMA module 
   rotary half-split), so nothing is permuted.
 - ``qwen3``: Qwen2's block with an RMSNorm over each q and k head and a head dim of its own
   (``attention.key_length``), biases optional; rows as HF has them.
+And ``gpt2``, whose projections llama.cpp stores as (out, in) matrices where HF's Conv1D layers hold
+(in, out): they are transposed back.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +24,52 @@ from tqdm.auto import tqdm
 
 from .gguf_reader import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_PERMUTED_ROTARY = ("llama",)  # the architectures whose Q/K rows llama.cpp's converter interleaves
-
 # GGUF tensor name -> HF (LLaMA layout) name.
-_NAMES = {
+_LLAMA_NAMES = {
     r"token_embd\.weight": "model.embed_tokens.weight",
     r"output_norm\.weight": "model.norm.weight",
     r"output\.weight": "lm_head.weight",
     r"blk\.(\d+)\.attn_norm\.weight": "model.layers.{}.input_layernorm.weight",
     r"blk\.(\d+)\.ffn_norm\.weight": "model.layers.{}.post_attention_layernorm.weight",
-    r"blk\.(\d+)\.attn_q\.weight": "model.layers.{}.self_attn.q_proj.weight",
-    r"blk\.(\d+)\.attn_k\.weight": "model.layers.{}.self_attn.k_proj.weight",
-    r"blk\.(\d+)\.attn_v\.weight": "model.layers.{}.self_attn.v_proj.weight",
-    r"blk\.(\d+)\.attn_q\.bias": "model.layers.{}.self_attn.q_proj.bias",
-    r"blk\.(\d+)\.attn_k\.bias": "model.layers.{}.self_attn.k_proj.bias",
-    r"blk\.(\d+)\.attn_v\.bias": "model.layers.{}.self_attn.v_proj.bias",
-    r"blk\.(\d+)\.attn_output\.bias": "model.layers.{}.self_attn.o_proj.bias",
+    r"blk\.(\d+)\.attn_q\.(weight|bias)": "model.layers.{}.self_attn.q_proj.{}",
+    r"blk\.(\d+)\.attn_k\.(weight|bias)": "model.layers.{}.self_attn.k_proj.{}",
+    r"blk\.(\d+)\.attn_v\.(weight|bias)": "model.layers.{}.self_attn.v_proj.{}",
+    r"blk\.(\d+)\.attn_output\.(weight|bias)": "model.layers.{}.self_attn.o_proj.{}",
     r"blk\.(\d+)\.attn_q_norm\.weight": "model.layers.{}.self_attn.q_norm.weight",
     r"blk\.(\d+)\.attn_k_norm\.weight": "model.layers.{}.self_attn.k_norm.weight",
-    r"blk\.(\d+)\.attn_output\.weight": "model.layers.{}.self_attn.o_proj.weight",
     r"blk\.(\d+)\.ffn_gate\.weight": "model.layers.{}.mlp.gate_proj.weight",
     r"blk\.(\d+)\.ffn_up\.weight": "model.layers.{}.mlp.up_proj.weight",
     r"blk\.(\d+)\.ffn_down\.weight": "model.layers.{}.mlp.down_proj.weight",
 }
+# GGUF tensor name -> HF GPT2LMHeadModel name.
+_GPT2_NAMES = {
+    r"token_embd\.weight": "transformer.wte.weight",
+    r"position_embd\.weight": "transformer.wpe.weight",
+    r"output_norm\.(weight|bias)": "transformer.ln_f.{}",
+    r"output\.weight": "lm_head.weight",
+    r"blk\.(\d+)\.attn_norm\.(weight|bias)": "transformer.h.{}.ln_1.{}",
+    r"blk\.(\d+)\.attn_qkv\.(weight|bias)": "transformer.h.{}.attn.c_attn.{}",
+    r"blk\.(\d+)\.attn_output\.(weight|bias)": "transformer.h.{}.attn.c_proj.{}",
+    r"blk\.(\d+)\.ffn_norm\.(weight|bias)": "transformer.h.{}.ln_2.{}",
+    r"blk\.(\d+)\.ffn_up\.(weight|bias)": "transformer.h.{}.mlp.c_fc.{}",
+    r"blk\.(\d+)\.ffn_down\.(weight|bias)": "transformer.h.{}.mlp.c_proj.{}",
+}
+
+
+@dataclass(frozen=True)
+class _Architecture:
+    names: dict[str, str]  # GGUF tensor name pattern -> HF name template
+    permuted_rotary: bool = False  # llama.cpp interleaved the Q/K rows (see the module docstring)
+    conv1d_transposed: bool = False  # 2-D projection weights stored (out, in) for HF's (in, out) Conv1D
+
+
+_ARCHITECTURES = {
+    "llama": _Architecture(_LLAMA_NAMES, permuted_rotary=True),
+    "qwen2": _Architecture(_LLAMA_NAMES),
+    "qwen3": _Architecture(_LLAMA_NAMES),
+    "gpt2": _Architecture(_GPT2_NAMES, conv1d_transposed=True),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 _IGNORED = (r"rope_freqs\.weight",)  # llama.cpp's precomputed Llama-3 frequencies; we compute our own
 
 
@@ -85,12 +110,30 @@ def hf_config_dict(reader) -> dict:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
     a = lambda key, kind, default=_REQUIRED: _field(reader, f"{arch}.{key}", kind, default)  # noqa: E731
-    heads = a("attention.head_count", int)
-    hidden = a("embedding_length", int)
     vocab = a("vocab_size", int, None)
     if vocab is None:
-        tokens = _field(reader, "tokenizer.ggml.tokens", list)
-        vocab = len(tokens)
+        vocab = len(_field(reader, "tokenizer.ggml.tokens", list))
+    tensor_names = {t.name for t in reader.tensors}
+    common = {
+        "model_type": arch,
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", int, None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", int, None),
+        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", int, None),  # as transformers reads it
+    }
+    if arch == "gpt2":
+        hidden = a("embedding_length", int)
+        return {**common, "n_embd": hidden, "n_layer": a("block_count", int), "n_head": a("attention.head_count", int),
+                "n_positions": a("context_length", int), "n_inner": a("feed_forward_length", int, 4 * hidden),
+                "layer_norm_epsilon": a("attention.layer_norm_epsilon", float, 1e-5)}
+    return {**common, **_llama_style_config(a, tensor_names, arch)}
+
+
+def _llama_style_config(a, tensor_names: set[str], arch: str) -> dict:
+    """The config fields of the LLaMA-style architectures; ``a(key, kind, default)`` reads ``{arch}.key``."""
+    heads = a("attention.head_count", int)
+    hidden = a("embedding_length", int)
     rope = {"rope_type": "default", "rope_theta": a("rope.freq_base", float, 10000.0)}
     scaling = a("rope.scaling.type", str, None)
     if scaling not in (None, "none"):
@@ -100,11 +143,8 @@ def hf_config_dict(reader) -> dict:
         original = a("rope.scaling.original_context_length", int, None)
         if original is not None and scaling == "yarn":  # linear scaling has no such parameter in transformers
             rope["original_max_position_embeddings"] = original
-    tensor_names = {t.name for t in reader.tensors}
     rotary_dims = a("rope.dimension_count", int, hidden // heads if heads else 0)
     config = {
-        "model_type": arch,
-        "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": a("feed_forward_length", int),
         "num_hidden_layers": a("block_count", int),
@@ -114,18 +154,14 @@ def hf_config_dict(reader) -> dict:
         "max_position_embeddings": a("context_length", int, 2048),
         "rms_norm_eps": a("attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_parameters": rope,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", int, None),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", int, None),
-        "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id", int, None),  # as transformers reads it
     }
     if arch != "qwen2":  # Qwen2's q/k/v biases are part of its architecture; the others' are an option
         config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     return config
 
 
-def _hf_name(name: str) -> str | None:
-    for pattern, template in _NAMES.items():
+def _hf_name(name: str, arch: _Architecture) -> str | None:
+    for pattern, template in arch.names.items():
         m = re.fullmatch(pattern, name)
         if m:
             return template.format(*m.groups())
@@ -166,24 +202,28 @@ def check_tensor_types(reader: GGUFFile) -> None:
 
 
 def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a GGUF file: (HF config dict, HF-named float32 state dict with Q/K rows un-permuted)."""
+    """Read a GGUF file: (HF config dict, float32 state dict with HF's names and layouts: a LLaMA's Q/K rows
+    un-permuted, GPT-2's projections transposed back to Conv1D's)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     reader = GGUFFile(path)
     config = hf_config_dict(reader)
     check_tensor_types(reader)
-    permuted = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    if config["model_type"] not in _PERMUTED_ROTARY:
-        permuted = {}
+    arch = _ARCHITECTURES[config["model_type"]]
+    permuted = {}
+    if arch.permuted_rotary:
+        permuted = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     state = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing GGUF", disable=len(reader.tensors) < 64, leave=False):
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, arch)
         if hf_name is None:
             continue
         weight = _dequantize(tensor)
         projection = hf_name.split(".")[-2]
         if projection in permuted:  # its weight rows and bias entries alike
             weight = unpermute_rotary(weight, permuted[projection])
+        if arch.conv1d_transposed and weight.dim() == 2 and projection in ("c_attn", "c_proj", "c_fc"):
+            weight = weight.t().contiguous()
         state[hf_name] = weight
     return config, state

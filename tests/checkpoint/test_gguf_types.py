@@ -1,4 +1,4 @@
-"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3), written from random HF models:
+"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, gpt2), written from random HF models:
 ours equals transformers' own GGUF load of the same file (logits and config), tied and untied heads."""
 
 import numpy as np
@@ -145,10 +145,68 @@ def test_gguf_architectures_with_biases_and_head_norms(tmp_path, arch, tied):
             assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
 
 
+GPT2_NAMES = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+
+
+def write_gpt2_gguf(path, hf, matrix_type):
+    """A GPT-2 as llama.cpp's converter writes it: the Conv1D weights transposed to (out, in)."""
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(c.n_layer), w.add_context_length(c.n_positions), w.add_embedding_length(c.n_embd)
+    w.add_feed_forward_length(c.n_inner or 4 * c.n_embd), w.add_head_count(c.n_head)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size), w.add_token_merges([]), w.add_bos_token_id(1), w.add_eos_token_id(2)
+    names = {"transformer.wte.weight": "token_embd.weight", "transformer.wpe.weight": "position_embd.weight",
+             "transformer.ln_f.weight": "output_norm.weight", "transformer.ln_f.bias": "output_norm.bias",
+             "lm_head.weight": "output.weight"}
+    names.update({f"transformer.h.{i}.{hf_name}.{kind}": f"blk.{i}.{name}.{kind}" for kind in ("weight", "bias")
+                  for i in range(c.n_layer) for hf_name, name in GPT2_NAMES.items()})
+    for key, tensor in hf.state_dict().items():
+        if key not in names or (key == "lm_head.weight" and c.tie_word_embeddings):
+            continue  # (the causal-mask buffers)
+        array = tensor.float().numpy()
+        if array.ndim == 2 and key.startswith("transformer.h."):
+            array = np.ascontiguousarray(array.T)
+        if array.ndim == 1 or matrix_type == Q.F32:
+            w.add_tensor(names[key], array)
+        else:
+            raw = gguf.quants.quantize(array, matrix_type)
+            w.add_tensor(names[key], raw, raw_shape=raw.shape, raw_dtype=matrix_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("shape", ["default", "odd"])
+def test_gpt2_gguf_matches_the_source_and_transformers_gguf_load(tmp_path, tied, shape):
+    """GPT-2's default context and MLP width, and odd ones: transformers' GGUF load reads neither from the file
+    (it keeps GPT2Config's 1024 and 4 * n_embd), so it is a reference only for the default ones."""
+    sizes = dict(n_positions=1024, n_inner=None) if shape == "default" else dict(n_positions=32, n_inner=96)
+    config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, tie_word_embeddings=tied, **sizes)
+    hf = random_hf_model(config, seed=3)
+    write_gpt2_gguf(tmp_path / "m.gguf", hf, Q.F32)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    assert ours.config.model_type == "gpt2" and ours.config.tie_word_embeddings == tied
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+    assert torch.equal(ours.generate(ids[:1], max_new_tokens=5, do_sample=False),
+                       hf.generate(ids[:1], max_new_tokens=5, do_sample=False))
+    if shape == "default":
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+        with torch.no_grad():
+            assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+    write_gpt2_gguf(tmp_path / "q.gguf", hf, Q.Q8_0)
+    with torch.no_grad():  # quantized projections, transposed as the F32 ones
+        assert (fm.from_pretrained(tmp_path / "q.gguf")(ids).logits - hf(ids).logits).abs().max().item() < 0.05
+
+
 def test_an_unsupported_gguf_architecture_is_named(tmp_path):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "phi3")
     w.add_block_count(1), w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: .*qwen2.*qwen3"):
+    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: .*qwen3.*gpt2"):
         fm.from_pretrained(tmp_path / "m.gguf")
