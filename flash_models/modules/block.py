@@ -7,7 +7,6 @@ one fused kernel: ``hidden, residual = norm(dropout(hidden) + residual)``.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
