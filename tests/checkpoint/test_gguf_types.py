@@ -47,16 +47,20 @@ def write_gguf(path, hf, matrix_type):
             continue
         if arch == "llama" and ("q_proj" in key or "k_proj" in key):
             tensor = permute_rotary(tensor, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
-        array = tensor.float().numpy()
-        if array.ndim == 1 or matrix_type == Q.F32:
-            w.add_tensor(names[key], array)
-        elif matrix_type == Q.F16:
-            w.add_tensor(names[key], array.astype(np.float16))
-        else:
-            raw = gguf.quants.quantize(array, matrix_type)
-            w.add_tensor(names[key], raw, raw_shape=raw.shape, raw_dtype=matrix_type)
+        add_tensor(w, names[key], tensor.float().numpy(), matrix_type)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
+
+
+def add_tensor(w, name, array, matrix_type):
+    """A vector as float32; a matrix as ``matrix_type``."""
+    if array.ndim == 1 or matrix_type == Q.F32:
+        w.add_tensor(name, array)
+    elif matrix_type == Q.F16:
+        w.add_tensor(name, array.astype(np.float16))
+    else:
+        raw = gguf.quants.quantize(array, matrix_type)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=matrix_type)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -169,11 +173,7 @@ def write_gpt2_gguf(path, hf, matrix_type):
         array = tensor.float().numpy()
         if array.ndim == 2 and key.startswith("transformer.h."):
             array = np.ascontiguousarray(array.T)
-        if array.ndim == 1 or matrix_type == Q.F32:
-            w.add_tensor(names[key], array)
-        else:
-            raw = gguf.quants.quantize(array, matrix_type)
-            w.add_tensor(names[key], raw, raw_shape=raw.shape, raw_dtype=matrix_type)
+        add_tensor(w, names[key], array, matrix_type)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
 
