@@ -179,7 +179,7 @@ def from_pretrained(
     ruleset = rules_for(model.config)
     expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
     try:
-        check_keys(set(hf_state), set(expected), ruleset)
+        fresh = check_keys(set(hf_state), set(expected), ruleset)
     except CheckpointKeyError as err:
         named = hf_config.architectures or []
         if named and type(model).__name__ not in named:
@@ -196,7 +196,14 @@ def from_pretrained(
         raise ValueError(f"{err}\n  the keyword overrides {sorted(overrides)} changed the checkpoint's config{head}") from None
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
-    model.load_state_dict(state, strict=True, assign=True)
+    if fresh:
+        log.warning("%s holds no %s: %s randomly initialised, as transformers does (train them, or load a "
+                    "checkpoint that has them)", name_or_path, ", ".join(sorted(fresh)),
+                    "it is" if len(fresh) == 1 else "they are")
+        # Built on the device, the model's own init gives the weights the checkpoint lacks; loading replaces the rest.
+        model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device).to(dtype)
+    loaded = model.load_state_dict(state, strict=not fresh, assign=True)
+    assert not loaded.unexpected_keys and len(loaded.missing_keys) <= len(fresh), loaded
     if not gguf and (directory / GENERATION_CONFIG).is_file() and is_causal_decoder(model):
         # The checkpoint's own generation defaults, as transformers reads them: an instruct model's end-of-turn
         # ids are often listed there only (Llama-3: <|eot_id|>), and generate stops at them.
