@@ -24,6 +24,7 @@ from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
 from .load_options import attn_impl_from_hf, config_overrides, device_from_map
 from .placement import resolve_device, resolve_dtype
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
+from .save_options import check_save_options, checked_state_dict
 
 log = logging.getLogger(__name__)
 GENERATION_CONFIG = "generation_config.json"
@@ -276,21 +277,31 @@ def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:
         raise ValueError("checkpoint tensor shapes do not fit the config:\n  " + "\n  ".join(wrong[:20]))
 
 
-def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB",
-                    safe_serialization: bool = True) -> None:
+def save_pretrained(model, save_directory: str | Path, *, is_main_process: bool = True, state_dict: dict | None = None,
+                    push_to_hub: bool = False, max_shard_size: int | str = "5GB", variant: str | None = None,
+                    save_peft_format: bool = True, save_original_format: bool = True,
+                    distributed_checkpoint: bool = False, safe_serialization: bool = True, **hub_kwargs) -> None:
     """Write config.json and safetensors in HF's canonical layout (fused parameters split back), so that
     ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per folder: a
     reader sees the old checkpoint or the new one, whole; the folder's other files (a tokenizer) are kept.
-    ``max_shard_size`` and ``safe_serialization`` are HF's; only safetensors are written."""
-    if safe_serialization is not True:
-        raise ValueError(f"safe_serialization={safe_serialization!r}: flash-models writes safetensors only (a pickled "
-                         ".bin can run code when it is loaded, and transformers reads safetensors)")
-    if any(p.is_meta for p in model.parameters()):
+
+    transformers' arguments keep their meaning: ``max_shard_size`` ("5GB", "500MB", bytes), ``state_dict`` (saved
+    in place of the model's own, as ``model.state_dict()`` gives it), ``is_main_process`` (False: this process
+    writes nothing), ``safe_serialization`` (True: only safetensors are written), ``save_peft_format`` (no effect:
+    it concerns transformers' own PEFT integration). ``push_to_hub`` and its hub arguments, ``variant``,
+    ``save_original_format=False`` and ``distributed_checkpoint=True`` are refused by name (``save_options``)."""
+    check_save_options(push_to_hub=push_to_hub, variant=variant, safe_serialization=safe_serialization,
+                       save_original_format=save_original_format, distributed_checkpoint=distributed_checkpoint,
+                       is_main_process=is_main_process, hub=hub_kwargs)
+    if not is_main_process:
+        return
+    if any(p.is_meta for p in model.parameters()) and state_dict is None:
         raise ValueError("the model is on the meta device: it has no weights to save (load it with device='cpu')")
     hf_config = model.config.to_hf()  # first: it raises for a model HF's layout cannot express
-    hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
+    own = model.state_dict()
+    hf_state = ours_to_hf(own if state_dict is None else checked_state_dict(state_dict, own), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class
-    hf_config.dtype = model.dtype
+    hf_config.dtype = model.dtype if state_dict is None else checkpoint_dtype(hf_state)  # what the files hold
     files = {"config.json": hf_config.to_json_string()}
     generation = _generation_config_json(model)
     if generation is not None:
