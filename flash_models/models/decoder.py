@@ -30,9 +30,13 @@ from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, accepts_hf_flags
 from .outputs import CausalLMOutput, EncoderOutput
 
 
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each token = number of real tokens before it, so padding never shifts positions."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+def positions_from_mask(attention_mask: torch.Tensor, *, pad_position: int | None = None) -> torch.Tensor:
+    """Position of each token = number of real tokens before it, so padding never shifts positions. Padding
+    takes ``pad_position`` when given (HF's OPT: -1, a row its offset table holds), else its neighbours' count."""
+    counted = attention_mask.long().cumsum(-1) - 1
+    if pad_position is None:
+        return counted.clamp(min=0)
+    return counted.masked_fill(attention_mask == 0, pad_position)
 
 
 class DecoderLM(HFModelProtocol, nn.Module):
@@ -310,6 +314,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=True, sliding_window=window,
                                         cu_seqlens=cu_seqlens)
             needed = S
+            # The family's own HF rule (OPT's) also numbers the padding as HF does: its logits there match too.
+            pad_position = -1 if mask_positions is None and dc.positions_from_mask else None
+            assert pad_position is None or dc.position_offset >= 1, "position -1 needs a table row before 0"
             if mask_positions is None:
                 mask_positions = dc.positions_from_mask
             if cu_seqlens is not None:
@@ -317,7 +324,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
                 if S > dc.max_position_embeddings:  # positions restart per document: the longest one counts
                     needed = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             elif attention_mask is not None and mask_positions:
-                derived = positions_from_mask(attention_mask)
+                derived = positions_from_mask(attention_mask, pad_position=pad_position)
             else:
                 derived = torch.arange(S, device=input_ids.device).expand(B, S)
         if position_ids is None:
