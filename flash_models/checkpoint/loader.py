@@ -167,6 +167,7 @@ def from_pretrained(
     if config is not None:
         hf_config = _given_config(config, checkpoint_type=hf_config.model_type if gguf else None)
     overrides = config_overrides(type(hf_config), dict(kwargs))
+    checkpoint_config = hf_config
     if overrides:
         fields = hf_config.to_dict()
         if "num_labels" in overrides:  # the checkpoint's label names are for its own count
@@ -179,6 +180,8 @@ def from_pretrained(
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)
     expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
+    if overrides:
+        _drop_weights_the_overrides_remove(hf_state, checkpoint_config, set(expected), ruleset, overrides)
     try:
         fresh = check_keys(set(hf_state), set(expected), ruleset)
     except CheckpointKeyError as err:
@@ -229,6 +232,29 @@ def _given_config(config, *, checkpoint_type: str | None):
     if checkpoint_type is not None and config.model_type != checkpoint_type:
         raise ValueError(f"config is a {config.model_type} config, but the GGUF file holds a {checkpoint_type} model")
     return copy.deepcopy(config)  # the overrides and the tie check below change it; the caller's stays as given
+
+
+def _drop_weights_the_overrides_remove(hf_state: dict, checkpoint_config, expected: set[str], ruleset, overrides) -> None:
+    """Checkpoint weights that the checkpoint's own config has a place for and the keyword overrides remove
+    (``num_hidden_layers=2`` of a deeper checkpoint: the first two layers) are dropped with a warning, as
+    transformers drops them (in place)."""
+    unplaced = [k for k in hf_state if ruleset.normalize_hf_key(k) not in expected
+                and not ruleset.is_ignored(ruleset.normalize_hf_key(k))]
+    if not unplaced:
+        return
+    try:
+        own = build_model(checkpoint_config)
+    except ValueError:  # a config flash-models loads only as the overrides change it: nothing to compare with
+        return
+    own_rules = rules_for(own.config)
+    placed = set(ours_to_hf(own.state_dict(), own_rules))
+    dropped = [k for k in unplaced if own_rules.normalize_hf_key(k) in placed]
+    if dropped:
+        log.warning("the keyword overrides %s leave %d checkpoint weights without a place; they are not loaded, as in "
+                    "transformers: %s", sorted(overrides), len(dropped), ", ".join(sorted(dropped)[:10])
+                    + (", ..." if len(dropped) > 10 else ""))
+        for key in dropped:
+            del hf_state[key]
 
 
 def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> None:
