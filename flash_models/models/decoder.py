@@ -81,8 +81,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
     def _block(self, dc: DecoderConfig, i: int) -> nn.Module:
         """Block ``i`` of the kind the config names (see modules/block.py for each residual stream)."""
-        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl,
-                         kernel_backend=self.kernel_backend)
+        attention = dataclasses.replace(dc.attention, sliding_window=None) if i in dc.full_attention_layers else dc.attention
+        attn = Attention(attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl, kernel_backend=self.kernel_backend)
         mlp = build_mlp(dc.mlp, kernel_backend=self.kernel_backend)
         input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
         if dc.block == "pre_norm":
@@ -252,11 +252,15 @@ class DecoderLM(HFModelProtocol, nn.Module):
         hidden = self.embed(input_ids, position_ids, check_ids=check_ids)  # (B, S, hidden)
         residual = None
         attn_kwargs = dict(mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache)
-        for block in self.blocks:
+        # The same mask without its window, for the layers that attend to every earlier key (Qwen2's lower ones).
+        full = (dict(attn_kwargs, mask=dataclasses.replace(mask, sliding_window=None, _dense=None))
+                if dc.full_attention_layers and mask.sliding_window is not None else attn_kwargs)
+        for i, block in enumerate(self.blocks):
+            kwargs = full if i in dc.full_attention_layers else attn_kwargs
             if residual is None and chains(block, hidden):  # a decode step in a chain of programmatic launches
-                hidden = chained_block_step(block, hidden, **attn_kwargs)  # the whole stream, nothing pending
+                hidden = chained_block_step(block, hidden, **kwargs)  # the whole stream, nothing pending
             else:
-                hidden, residual = block(hidden, residual, **attn_kwargs)
+                hidden, residual = block(hidden, residual, **kwargs)
         if self.norm_f is not None:
             hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
         if self.project_out is not None:
