@@ -305,6 +305,9 @@ class DecoderConfig:
     # (and is zero in a fresh model); negative counts from the end of the vocabulary, as in torch.
     padding_idx: int | None = None
     final_norm: bool = True  # False for post-norm stacks, whose blocks end normalized
+    # Layers that attend to every earlier key although ``attention`` has a sliding window (Qwen2's layers below
+    # max_window_layers); empty: the window, if any, applies to every layer.
+    full_attention_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_choice("norm", self.norm, ("layer_norm", "rms_norm"))

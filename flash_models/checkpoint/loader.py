@@ -24,6 +24,7 @@ from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
 from .load_options import attn_impl_from_hf, config_overrides, device_from_map
 from .placement import resolve_device, resolve_dtype
 from .remap import CheckpointKeyError, check_hf_shapes, check_keys, hf_to_ours, ours_to_hf
+from .save_options import check_save_options, checked_state_dict
 
 log = logging.getLogger(__name__)
 GENERATION_CONFIG = "generation_config.json"
@@ -166,6 +167,7 @@ def from_pretrained(
     if config is not None:
         hf_config = _given_config(config, checkpoint_type=hf_config.model_type if gguf else None)
     overrides = config_overrides(type(hf_config), dict(kwargs))
+    checkpoint_config = hf_config
     if overrides:
         fields = hf_config.to_dict()
         if "num_labels" in overrides:  # the checkpoint's label names are for its own count
@@ -178,8 +180,10 @@ def from_pretrained(
     model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device="meta")
     ruleset = rules_for(model.config)
     expected = ours_to_hf(model.state_dict(), ruleset)  # meta tensors: HF's keys and shapes for this config
+    if overrides:
+        _drop_weights_the_overrides_remove(hf_state, checkpoint_config, set(expected), ruleset, overrides)
     try:
-        check_keys(set(hf_state), set(expected), ruleset)
+        fresh = check_keys(set(hf_state), set(expected), ruleset)
     except CheckpointKeyError as err:
         named = hf_config.architectures or []
         if named and type(model).__name__ not in named:
@@ -196,7 +200,14 @@ def from_pretrained(
         raise ValueError(f"{err}\n  the keyword overrides {sorted(overrides)} changed the checkpoint's config{head}") from None
     state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in hf_to_ours(hf_state, ruleset).items()}
     _check_shapes(model, state)
-    model.load_state_dict(state, strict=True, assign=True)
+    if fresh:
+        log.warning("%s holds no %s: %s randomly initialised, as transformers does (train them, or load a "
+                    "checkpoint that has them)", name_or_path, ", ".join(sorted(fresh)),
+                    "it is" if len(fresh) == 1 else "they are")
+        # Built on the device, the model's own init gives the weights the checkpoint lacks; loading replaces the rest.
+        model = build_model(hf_config, attn_impl=attn_impl, kernel_backend=kernel_backend, device=device).to(dtype)
+    loaded = model.load_state_dict(state, strict=not fresh, assign=True)
+    assert not loaded.unexpected_keys and len(loaded.missing_keys) <= len(fresh), loaded
     if not gguf and (directory / GENERATION_CONFIG).is_file() and is_causal_decoder(model):
         # The checkpoint's own generation defaults, as transformers reads them: an instruct model's end-of-turn
         # ids are often listed there only (Llama-3: <|eot_id|>), and generate stops at them.
@@ -221,6 +232,29 @@ def _given_config(config, *, checkpoint_type: str | None):
     if checkpoint_type is not None and config.model_type != checkpoint_type:
         raise ValueError(f"config is a {config.model_type} config, but the GGUF file holds a {checkpoint_type} model")
     return copy.deepcopy(config)  # the overrides and the tie check below change it; the caller's stays as given
+
+
+def _drop_weights_the_overrides_remove(hf_state: dict, checkpoint_config, expected: set[str], ruleset, overrides) -> None:
+    """Checkpoint weights that the checkpoint's own config has a place for and the keyword overrides remove
+    (``num_hidden_layers=2`` of a deeper checkpoint: the first two layers) are dropped with a warning, as
+    transformers drops them (in place)."""
+    unplaced = [k for k in hf_state if ruleset.normalize_hf_key(k) not in expected
+                and not ruleset.is_ignored(ruleset.normalize_hf_key(k))]
+    if not unplaced:
+        return
+    try:
+        own = build_model(checkpoint_config)
+    except ValueError:  # a config flash-models loads only as the overrides change it: nothing to compare with
+        return
+    own_rules = rules_for(own.config)
+    placed = set(ours_to_hf(own.state_dict(), own_rules))
+    dropped = [k for k in unplaced if own_rules.normalize_hf_key(k) in placed]
+    if dropped:
+        log.warning("the keyword overrides %s leave %d checkpoint weights without a place; they are not loaded, as in "
+                    "transformers: %s", sorted(overrides), len(dropped), ", ".join(sorted(dropped)[:10])
+                    + (", ..." if len(dropped) > 10 else ""))
+        for key in dropped:
+            del hf_state[key]
 
 
 def _tie_as_transformers_does(hf_config, hf_state: dict[str, torch.Tensor]) -> None:
@@ -269,21 +303,31 @@ def _check_shapes(model, state: dict[str, torch.Tensor]) -> None:
         raise ValueError("checkpoint tensor shapes do not fit the config:\n  " + "\n  ".join(wrong[:20]))
 
 
-def save_pretrained(model, save_directory: str | Path, *, max_shard_size: int | str = "5GB",
-                    safe_serialization: bool = True) -> None:
+def save_pretrained(model, save_directory: str | Path, *, is_main_process: bool = True, state_dict: dict | None = None,
+                    push_to_hub: bool = False, max_shard_size: int | str = "5GB", variant: str | None = None,
+                    save_peft_format: bool = True, save_original_format: bool = True,
+                    distributed_checkpoint: bool = False, safe_serialization: bool = True, **hub_kwargs) -> None:
     """Write config.json and safetensors in HF's canonical layout (fused parameters split back), so that
     ``transformers.AutoModelForCausalLM.from_pretrained(save_directory)`` reads it. Atomic per folder: a
     reader sees the old checkpoint or the new one, whole; the folder's other files (a tokenizer) are kept.
-    ``max_shard_size`` and ``safe_serialization`` are HF's; only safetensors are written."""
-    if safe_serialization is not True:
-        raise ValueError(f"safe_serialization={safe_serialization!r}: flash-models writes safetensors only (a pickled "
-                         ".bin can run code when it is loaded, and transformers reads safetensors)")
-    if any(p.is_meta for p in model.parameters()):
+
+    transformers' arguments keep their meaning: ``max_shard_size`` ("5GB", "500MB", bytes), ``state_dict`` (saved
+    in place of the model's own, as ``model.state_dict()`` gives it), ``is_main_process`` (False: this process
+    writes nothing), ``safe_serialization`` (True: only safetensors are written), ``save_peft_format`` (no effect:
+    it concerns transformers' own PEFT integration). ``push_to_hub`` and its hub arguments, ``variant``,
+    ``save_original_format=False`` and ``distributed_checkpoint=True`` are refused by name (``save_options``)."""
+    check_save_options(push_to_hub=push_to_hub, variant=variant, safe_serialization=safe_serialization,
+                       save_original_format=save_original_format, distributed_checkpoint=distributed_checkpoint,
+                       is_main_process=is_main_process, hub=hub_kwargs)
+    if not is_main_process:
+        return
+    if any(p.is_meta for p in model.parameters()) and state_dict is None:
         raise ValueError("the model is on the meta device: it has no weights to save (load it with device='cpu')")
     hf_config = model.config.to_hf()  # first: it raises for a model HF's layout cannot express
-    hf_state = ours_to_hf(model.state_dict(), rules_for(model.config))
+    own = model.state_dict()
+    hf_state = ours_to_hf(own if state_dict is None else checked_state_dict(state_dict, own), rules_for(model.config))
     hf_config.architectures = hf_config.architectures or [type(model).__name__]  # to_hf may name HF's class
-    hf_config.dtype = model.dtype
+    hf_config.dtype = model.dtype if state_dict is None else checkpoint_dtype(hf_state)  # what the files hold
     files = {"config.json": hf_config.to_json_string()}
     generation = _generation_config_json(model)
     if generation is not None:

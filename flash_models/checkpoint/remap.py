@@ -112,12 +112,15 @@ def ours_to_hf(state_dict: dict[str, torch.Tensor], ruleset: RuleSet) -> dict[st
     return out
 
 
-def check_keys(given: set[str], expected: set[str], ruleset: RuleSet) -> None:
-    """Compare a checkpoint's HF keys with what the model needs, before any tensor is converted."""
+def check_keys(given: set[str], expected: set[str], ruleset: RuleSet) -> set[str]:
+    """Compare a checkpoint's HF keys with what the model needs, before any tensor is converted. Returns the
+    missing keys the model may initialise itself (``RuleSet.fresh``); any other missing key raises."""
     given = {ruleset.normalize_hf_key(k) for k in given if not ruleset.is_ignored(ruleset.normalize_hf_key(k))}
     missing, unexpected = expected - given, given - expected
-    if missing or unexpected:
+    fresh = {k for k in missing if ruleset.is_fresh(k)}
+    if missing - fresh or unexpected:
         raise CheckpointKeyError(_key_report(missing=missing, unexpected=unexpected))
+    return fresh
 
 
 def _key_report(*, missing, unexpected) -> str:

@@ -67,6 +67,9 @@ class RuleSet:
 
     rules: tuple[Rule, ...]
     ignore: tuple[str, ...] = ()  # regexes of HF keys that carry nothing we need (buffers, tied copies)
+    # Regexes of HF keys a checkpoint may lack: the model's own init gives them then, with a warning, as
+    # transformers does (BERT's pooler, which transformers' BertModel(add_pooling_layer=False) does not save).
+    fresh: tuple[str, ...] = ()
     base_prefix: str = ""
     head_prefixes: tuple[str, ...] = ()
     # (regex, replacement) renames, applied in order with re.sub, for key names of older transformers versions
@@ -81,6 +84,9 @@ class RuleSet:
 
     def is_ignored(self, key: str) -> bool:
         return any(re.fullmatch(pattern, key) for pattern in self.ignore)
+
+    def is_fresh(self, key: str) -> bool:
+        return any(re.fullmatch(pattern, key) for pattern in self.fresh)
 
 
 # ------------------------------------------------------------------------------------------------------------

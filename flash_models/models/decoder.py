@@ -30,9 +30,13 @@ from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, accepts_hf_flags
 from .outputs import CausalLMOutput, EncoderOutput
 
 
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position of each token = number of real tokens before it, so padding never shifts positions."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+def positions_from_mask(attention_mask: torch.Tensor, *, pad_position: int | None = None) -> torch.Tensor:
+    """Position of each token = number of real tokens before it, so padding never shifts positions. Padding
+    takes ``pad_position`` when given (HF's OPT: -1, a row its offset table holds), else its neighbours' count."""
+    counted = attention_mask.long().cumsum(-1) - 1
+    if pad_position is None:
+        return counted.clamp(min=0)
+    return counted.masked_fill(attention_mask == 0, pad_position)
 
 
 class DecoderLM(HFModelProtocol, nn.Module):
@@ -77,8 +81,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
     def _block(self, dc: DecoderConfig, i: int) -> nn.Module:
         """Block ``i`` of the kind the config names (see modules/block.py for each residual stream)."""
-        attn = Attention(dc.attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl,
-                         kernel_backend=self.kernel_backend)
+        attention = dataclasses.replace(dc.attention, sliding_window=None) if i in dc.full_attention_layers else dc.attention
+        attn = Attention(attention, layer_idx=i, rope=dc.rope, attn_impl=self.attn_impl, kernel_backend=self.kernel_backend)
         mlp = build_mlp(dc.mlp, kernel_backend=self.kernel_backend)
         input_dropout_p = dc.embed_dropout_p if i == 0 else dc.residual_dropout_p
         if dc.block == "pre_norm":
@@ -248,11 +252,15 @@ class DecoderLM(HFModelProtocol, nn.Module):
         hidden = self.embed(input_ids, position_ids, check_ids=check_ids)  # (B, S, hidden)
         residual = None
         attn_kwargs = dict(mask=mask, position_ids=position_ids, rope_tables=rope_tables, kv_cache=kv_cache)
-        for block in self.blocks:
+        # The same mask without its window, for the layers that attend to every earlier key (Qwen2's lower ones).
+        full = (dict(attn_kwargs, mask=dataclasses.replace(mask, sliding_window=None, _dense=None))
+                if dc.full_attention_layers and mask.sliding_window is not None else attn_kwargs)
+        for i, block in enumerate(self.blocks):
+            kwargs = full if i in dc.full_attention_layers else attn_kwargs
             if residual is None and chains(block, hidden):  # a decode step in a chain of programmatic launches
-                hidden = chained_block_step(block, hidden, **attn_kwargs)  # the whole stream, nothing pending
+                hidden = chained_block_step(block, hidden, **kwargs)  # the whole stream, nothing pending
             else:
-                hidden, residual = block(hidden, residual, **attn_kwargs)
+                hidden, residual = block(hidden, residual, **kwargs)
         if self.norm_f is not None:
             hidden = self.norm_f(hidden, residual, dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
         if self.project_out is not None:
@@ -310,6 +318,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=True, sliding_window=window,
                                         cu_seqlens=cu_seqlens)
             needed = S
+            # The family's own HF rule (OPT's) also numbers the padding as HF does: its logits there match too.
+            pad_position = -1 if mask_positions is None and dc.positions_from_mask else None
+            assert pad_position is None or dc.position_offset >= 1, "position -1 needs a table row before 0"
             if mask_positions is None:
                 mask_positions = dc.positions_from_mask
             if cu_seqlens is not None:
@@ -317,7 +328,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
                 if S > dc.max_position_embeddings:  # positions restart per document: the longest one counts
                     needed = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             elif attention_mask is not None and mask_positions:
-                derived = positions_from_mask(attention_mask)
+                derived = positions_from_mask(attention_mask, pad_position=pad_position)
             else:
                 derived = torch.arange(S, device=input_ids.device).expand(B, S)
         if position_ids is None:

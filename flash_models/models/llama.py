@@ -78,6 +78,10 @@ class LlamaConfig:
     def sliding_window_size(self) -> int | None:
         return None
 
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Layers without the sliding window (Qwen2's below max_window_layers); empty: it applies to all."""
+        return ()
+
     def qk_norm_eps(self) -> float | None:
         """The epsilon of a per-head RMSNorm on q and k (Qwen3); None: no such norm."""
         return None
@@ -109,6 +113,7 @@ class LlamaConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             initializer_range=self.initializer_range,
             padding_idx=self.pad_token_id,
+            full_attention_layers=self.full_attention_layers(),
         )
 
 

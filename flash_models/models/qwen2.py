@@ -1,8 +1,8 @@
 """Qwen2 (HF ``model_type`` "qwen2"): LLaMA's block with a bias on the q/k/v projections (none on o_proj).
 
-Qwen2's optional sliding window applies only to layers from ``max_window_layers`` on; released checkpoints
-keep ``use_sliding_window=False``. A window on every layer (``max_window_layers`` <= 0) is Mistral's and is
-supported; a window on some layers only is not (loading one raises)."""
+Qwen2's optional sliding window applies only to layers from ``max_window_layers`` on (the layers below attend
+to every earlier key); released checkpoints keep ``use_sliding_window=False``. ``layer_types`` other than the
+ones those fields imply are refused."""
 
 from __future__ import annotations
 
@@ -39,17 +39,16 @@ class Qwen2Config(LlamaConfig):
                 f"sliding_window={hf.sliding_window} and max_window_layers={hf.max_window_layers} imply; "
                 "flash-models supports only the latter"
             )
-        if windowed and len(windowed) != layers:
-            raise ValueError(
-                f"{name} with a sliding window on layers {windowed} only (max_window_layers={hf.max_window_layers} "
-                f"of {layers} layers) is not supported: flash-models applies one window to every layer or to none; "
-                "max_window_layers <= 0 windows every layer"
-            )
         return super().from_hf(hf)
 
     def sliding_window_size(self) -> int | None:
-        every_layer = self.use_sliding_window and self.sliding_window is not None and self.max_window_layers <= 0
-        return self.sliding_window if every_layer else None
+        windowed = self.use_sliding_window and self.sliding_window is not None
+        return self.sliding_window if windowed and self.max_window_layers < self.num_hidden_layers else None
+
+    def full_attention_layers(self) -> tuple[int, ...]:
+        if self.sliding_window_size() is None:
+            return ()
+        return tuple(range(min(max(self.max_window_layers, 0), self.num_hidden_layers)))
 
     @classmethod
     def hf_head_dim(cls, hf) -> int:

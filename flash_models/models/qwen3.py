@@ -1,6 +1,6 @@
 """Qwen3 (HF ``model_type`` "qwen3"): Qwen2's block with an RMSNorm over each head's channels of q and k before
 rotary (``q_norm`` / ``k_norm``), an explicit ``head_dim``, and one ``attention_bias`` switch for all four
-projections (off in released checkpoints). Per-layer sliding windows are refused, as for Qwen2."""
+projections (off in released checkpoints). A sliding window from ``max_window_layers`` on, as for Qwen2."""
 
 from __future__ import annotations
 

@@ -77,6 +77,8 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
         return "not float32"
     if dc.block != "pre_norm":
         return f"{dc.block} blocks"
+    if dc.full_attention_layers:
+        return "a sliding window on some layers only"
     dropout = (dc.embed_dropout_p, dc.residual_dropout_p, dc.attention.dropout_p, dc.mlp.dropout_p)
     if model.training and any(dropout):
         return "dropout in training mode"

@@ -183,3 +183,24 @@ def test_fresh_head_takes_the_label_names_given_with_num_labels(tmp_path):
         assert ours.config.id2label == theirs.config.id2label == names
         assert ours.classifier.weight.shape == theirs.classifier.weight.shape
     assert BertForSequenceClassification.from_pretrained(tmp_path, num_labels=4).config.id2label[3] == "LABEL_3"
+
+
+@pytest.mark.parametrize("kind, kwargs", [("llama", {"num_hidden_layers": 1}), ("gpt2", {"n_layer": 1}),
+                                          ("gpt2", {"num_hidden_layers": 2})])
+def test_fewer_layers_as_a_keyword_load_the_first_layers_as_in_transformers(tmp_path, caplog, kind, kwargs):
+    """transformers loads the first layers of a deeper checkpoint and leaves the others out, with a warning."""
+    config = CONFIG if kind == "llama" else transformers.GPT2Config(vocab_size=61, n_embd=32, n_layer=3, n_head=4,
+                                                                    n_positions=32)
+    hf = random_hf_model(config, seed=6)
+    hf.save_pretrained(tmp_path)
+    layers = next(iter(kwargs.values()))
+    with caplog.at_level(logging.WARNING, logger="flash_models.checkpoint.loader"):
+        ours = fm.from_pretrained(tmp_path, **kwargs)
+    first_left_out = {"llama": f"model.layers.{layers}.", "gpt2": f"transformer.h.{layers}."}[kind]
+    assert "without a place; they are not loaded" in caplog.text and first_left_out in caplog.text
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs).eval()
+    assert ref.config.num_hidden_layers == layers == len(ours.blocks)
+    assert _logits_err(ours, ref) < 1e-5
+    # More layers than the checkpoint holds are not invented: the missing weights are named.
+    with pytest.raises(ValueError, match=rf"missing keys .*(layers|h)\.{config.num_hidden_layers}\."):
+        fm.from_pretrained(tmp_path, num_hidden_layers=config.num_hidden_layers + 1)

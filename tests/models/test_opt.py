@@ -47,6 +47,22 @@ def test_left_padded_batch_matches_hf_positions_with_offset(name):
 
 
 @pytest.mark.parametrize("name", ["pre_norm", "post_norm_projected"])
+def test_padded_batch_logits_and_loss_match_hf_at_every_position(name):
+    """HF's OPT numbers padding -1 (row 1 of its offset table), left or right: its logits there, and so a loss
+    whose labels do not mask the padding, are HF's too (HF's default SDPA attention)."""
+    hf = random_hf_model(opt_config(**CONFIGS[name]), seed=5, attn_implementation="sdpa")
+    ours = ours_from_hf(hf, attn_impl="sdpa")
+    ids = torch.randint(3, VOCAB, (3, 13))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[1, 9:] = 0  # right padding
+    with torch.no_grad():
+        ref, out = hf(ids, attention_mask=mask, labels=ids), ours(ids, attention_mask=mask, labels=ids)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["pre_norm", "post_norm_projected"])
 def test_bf16_error_bounded_by_hf_own_bf16_error(name):
     assert_bf16_error_bounded(opt_config(**CONFIGS[name]), random_input_ids(VOCAB, (2, 27)), seed=3)
 

@@ -4,7 +4,8 @@ import transformers
 
 import flash_models as fm
 from flash_models.testing import (
-    assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf, assert_meta_keys_match_hf,
+    assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf, assert_kv_cache_decode_equals_full_forward,
+    assert_meta_keys_match_hf,
     assert_padded_rows_equal_alone, assert_saved_model_read_by_transformers,
     assert_round_trip_bit_identical, max_rel_err, ours_from_hf, random_hf_model, random_input_ids,
 )
@@ -50,12 +51,26 @@ def test_sliding_window_fields_without_use_sliding_window_load_as_full_attention
         assert max_rel_err(ours(ids).logits, hf(ids).logits) < 1e-5
 
 
-def test_per_layer_sliding_window_is_refused():
-    with pytest.raises(ValueError, match=r"sliding window on layers \[1, 2\] only \(max_window_layers=1"):
-        fm.checkpoint.build_model(qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=1))
-    with pytest.raises(ValueError, match="layer_types"):  # explicit layer_types that the other fields contradict
+def test_layer_types_that_contradict_the_window_fields_are_refused():
+    with pytest.raises(ValueError, match="layer_types"):
         fm.checkpoint.build_model(qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=0,
                                                layer_types=["full_attention", "sliding_attention", "full_attention"]))
+
+
+@pytest.mark.parametrize("attn_impl", ["eager", "sdpa"])
+def test_sliding_window_from_max_window_layers_on_matches_hf(attn_impl, tmp_path):
+    """use_sliding_window with max_window_layers=1 of 3: layer 0 attends to every earlier key, layers 1 and 2
+    through the window (4, shorter than the sequences). Logits, loss, KV-cache decoding and a left-padded greedy
+    generation as HF's; transformers reads what save_pretrained writes."""
+    hf = random_hf_model(qwen2_config(use_sliding_window=True, sliding_window=4, max_window_layers=1), seed=10,
+                         attn_implementation=attn_impl)
+    ours = ours_from_hf(hf, attn_impl=attn_impl)
+    assert ours.decoder_config.full_attention_layers == (0,) and ours.decoder_config.attention.sliding_window == 4
+    ids = torch.randint(0, VOCAB, (2, 17))
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
+    assert_kv_cache_decode_equals_full_forward(ours, ids, prefill=7, cache_len=24, tol=1e-5)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=VOCAB, shape=(2, 9), left_pad=(1, 3), max_new_tokens=10)
+    assert_saved_model_read_by_transformers(hf, tmp_path, {"input_ids": ids})
 
 
 def test_sliding_window_on_every_layer_matches_hf(tmp_path):

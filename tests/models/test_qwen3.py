@@ -2,7 +2,6 @@ import pytest
 import torch
 import transformers
 
-import flash_models as fm
 from flash_models.testing import (
     assert_bf16_error_bounded, assert_fp32_parity, assert_greedy_generation_equals_hf,
     assert_kv_cache_decode_equals_full_forward, assert_padded_rows_equal_alone, max_rel_err, ours_from_hf,
@@ -68,9 +67,14 @@ def test_padded_batch_equals_each_sequence_alone(side):
     assert_padded_rows_equal_alone(ours_from_hf(random_hf_model(qwen3_config(), seed=6)), VOCAB, side=side)
 
 
-def test_per_layer_sliding_window_is_refused():
-    with pytest.raises(ValueError, match="sliding window on layers .* only"):
-        fm.checkpoint.build_model(qwen3_config(use_sliding_window=True, sliding_window=4, max_window_layers=1))
+def test_sliding_window_from_max_window_layers_on_matches_hf():
+    """Layers 0 and 1 of 3 attend to every earlier key, layer 2 through the window (5): as HF's Qwen3."""
+    hf = random_hf_model(qwen3_config(use_sliding_window=True, sliding_window=5, max_window_layers=2), seed=7)
+    ours = ours_from_hf(hf)
+    assert ours.decoder_config.full_attention_layers == (0, 1)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    assert_fp32_parity(hf, ours, ids, labels=ids, tol=1e-5)
+    assert_greedy_generation_equals_hf(hf, ours, vocab_size=VOCAB, shape=(2, 8), left_pad=(0, 2), max_new_tokens=10)
 
 
 def test_our_kernels_on_a_padded_batch_stay_within_hf_bf16_error():

@@ -28,8 +28,10 @@ def bert_rules(config: BertConfig) -> RuleSet:
     ]
     ignore = [(r"bert\." if p else "") + r"embeddings\.(position_ids|token_type_ids)"]  # buffers of older versions
     with_pooler = config.architecture in ("BertModel", "BertForPreTraining", "BertForSequenceClassification")
+    fresh = []
     if with_pooler:
         rules += pairs(f"{o}pooler", f"{p}pooler.dense")
+        fresh.append((r"bert\." if p else "") + r"pooler\.dense\.(weight|bias)")  # BertModel(add_pooling_layer=False)'s
     else:
         ignore.append(r"bert\.pooler\..*")  # pretraining checkpoints loaded for MLM or tagging carry one
     if config.architecture in ("BertForPreTraining", "BertForMaskedLM"):
@@ -48,4 +50,4 @@ def bert_rules(config: BertConfig) -> RuleSet:
         rules += pairs("classifier", "classifier")
     if config.architecture == "BertForQuestionAnswering":
         rules += pairs("qa_outputs", "qa_outputs")
-    return RuleSet(tuple(rules), ignore=tuple(ignore), legacy_keys=_BERT_LEGACY)
+    return RuleSet(tuple(rules), ignore=tuple(ignore), fresh=tuple(fresh), legacy_keys=_BERT_LEGACY)
