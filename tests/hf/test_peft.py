@@ -8,6 +8,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainingArguments
 
+import flash_models as fm
 from flash_models.testing import ours_from_hf, random_hf_model
 from test_hf_trainer import lm_dataset, tiny_llama_config
 
@@ -108,3 +109,20 @@ def test_checkpointing_gives_adapters_gradients(reentrant):
     assert len(lora) == 8 and all(p.grad is not None for p in lora)
     adapted.gradient_checkpointing_disable()
     assert not ours.get_input_embeddings()._forward_hooks  # the hook goes with the checkpointing
+
+
+def test_adapter_of_a_loaded_checkpoint_saves_and_reloads(tmp_path):
+    """An adapter on a model from fm.from_pretrained(folder): PEFT's save_pretrained reads the base checkpoint's
+    config through type(model.config).from_pretrained (to see whether the vocabulary was resized), and the adapter
+    it writes loads back onto the same checkpoint with PeftModel.from_pretrained."""
+    ours_from_hf(random_hf_model(tiny_llama_config(), seed=6)).save_pretrained(tmp_path / "base")
+    adapted = peft.get_peft_model(fm.from_pretrained(tmp_path / "base"),
+                                  peft.LoraConfig(r=4, target_modules=["qkv", "down"], init_lora_weights=False))
+    assert type(adapted.base_model.model.config).from_pretrained(tmp_path / "base").vocab_size == 97
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        expected = adapted.eval()(input_ids=ids).logits
+    adapted.save_pretrained(tmp_path / "adapter")
+    again = peft.PeftModel.from_pretrained(fm.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, expected, atol=0, rtol=0)
