@@ -148,3 +148,13 @@ def test_a_checkpoint_saved_without_the_callback_says_how_to_load_it(tmp_path):
     again.load_state_dict(load_file(checkpoint / "model.safetensors"))
     for (name, trained), (_, loaded) in zip(ours.state_dict().items(), again.state_dict().items()):
         assert torch.equal(trained, loaded), name
+
+
+def test_callback_refuses_a_transformers_model_before_training(tmp_path):
+    """The callback is for our models; given HF's, it says so before the first step (not at the first save),
+    naming the class by its module, since ours carry HF's class names."""
+    trainer = Trainer(model=random_hf_model(tiny_llama_config(), seed=15), args=args(tmp_path, save_steps=1),
+                      train_dataset=lm_dataset(8, seed=16), callbacks=[SavePretrainedCallback()])
+    with pytest.raises(ValueError, match=r"is transformers\.models\.llama\.modeling_llama\.LlamaForCausalLM.*leave the callback out"):
+        trainer.train()
+    assert trainer.state.global_step == 0
