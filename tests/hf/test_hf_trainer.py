@@ -144,6 +144,9 @@ def test_a_checkpoint_saved_without_the_callback_says_how_to_load_it(tmp_path):
     checkpoint = tmp_path / "checkpoint-2"
     with pytest.raises(FileNotFoundError, match=r"Trainer checkpoint saved without .*SavePretrainedCallback.*load_state_dict"):
         fm.from_pretrained(checkpoint)
+    trainer.save_model(tmp_path / "final")  # the Trainer's export: the same bare state dict, no callback involved
+    with pytest.raises(FileNotFoundError, match=r"Trainer\.save_model\(\) writes .*model\.save_pretrained\(folder\)"):
+        fm.from_pretrained(tmp_path / "final")
     again = ours_from_hf(random_hf_model(tiny_llama_config(), seed=14))
     again.load_state_dict(load_file(checkpoint / "model.safetensors"))
     for (name, trained), (_, loaded) in zip(ours.state_dict().items(), again.state_dict().items()):
