@@ -40,6 +40,7 @@ UPWARD_ENTRY_POINTS = {
     ("flash_models.models.pretrained", "flash_models.checkpoint"): "PretrainedModel.save_pretrained",
     ("flash_models.models.hf_protocol", "flash_models.checkpoint"): "Model.from_pretrained, load_state_dict of HF's layout",
     ("flash_models.models.hf_protocol", "flash_models.registry"): "load_state_dict of HF's layout (the family's rules)",
+    ("flash_models.models.hf_config", "flash_models.checkpoint"): "ModelConfig.from_pretrained (PEFT reads a base config)",
 }
 
 

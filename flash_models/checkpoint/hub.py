@@ -22,7 +22,8 @@ def require_tokenizer(folder: Path) -> None:
 def no_config_error(folder: Path) -> FileNotFoundError:
     """A folder without config.json; the error says what the folder is instead where it can tell: one holding
     .gguf files (a GGUF file is loaded by its own path), or a transformers.Trainer checkpoint of our model saved
-    without ``SavePretrainedCallback`` (its weights are the model's bare state dict)."""
+    without ``SavePretrainedCallback`` or the folder of ``Trainer.save_model()`` (both hold the model's bare state
+    dict)."""
     ggufs = sorted(p.name for p in folder.glob("*.gguf")) if folder.is_dir() else []
     hint = f"; it holds {', '.join(ggufs[:3])}: give the .gguf file's path instead" if ggufs else ""
     if not ggufs and (folder / "trainer_state.json").is_file():
@@ -30,6 +31,10 @@ def no_config_error(folder: Path) -> FileNotFoundError:
                 "which holds the model's bare state dict: build the same model and call model.load_state_dict("
                 "safetensors.torch.load_file(folder / 'model.safetensors')), or train with "
                 "callbacks=[SavePretrainedCallback()] so that every checkpoint loads with from_pretrained")
+    elif not ggufs and (folder / "training_args.bin").is_file():
+        hint = ("; it is what transformers.Trainer.save_model() writes for a flash-models model (the bare state dict, "
+                "in our own layout): export the trained model with model.save_pretrained(folder) instead, or build the "
+                "same model and call model.load_state_dict(safetensors.torch.load_file(folder / 'model.safetensors'))")
     return FileNotFoundError(f"{folder} has no config.json: not an HF model folder{hint}")
 
 

@@ -80,6 +80,10 @@ def flash_models_attention(
                          f"{tuple(attention_mask.shape)}: a 4D (custom) attention mask is not supported (use 'sdpa' "
                          "or 'eager' for it), and a model loaded before register() was called gets HF's masks")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
+    if attention_mask is not None and attention_mask.shape[1] < k.shape[1]:
+        # A static cache: its keys are all its slots, the mask covers the ones written so far (the tokens seen and
+        # these queries); the rest are unwritten, and are cut off as in HF's FlashAttention integration.
+        k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]
     B, Sq, Sk = q.shape[0], q.shape[1], k.shape[1]
     window = (sliding_window - 1, sliding_window - 1) if sliding_window is not None and Sk > sliding_window else (-1, -1)
     options = dict(causal=module.is_causal if is_causal is None else is_causal, softmax_scale=scaling, window_size=window,

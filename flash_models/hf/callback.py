@@ -22,12 +22,13 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 
 
 class SavePretrainedCallback(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _check_model(model)  # before the first step, not at the first save
+
     def on_save(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        if model is None or not hasattr(model, "save_pretrained") or not hasattr(model.config, "typed"):
-            raise ValueError("SavePretrainedCallback writes flash-models models; the Trainer's model is "
-                             f"{type(model).__name__}")
+        _check_model(model)
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         # Written beside the checkpoint, then moved in file by file: the Trainer's other files (optimizer,
         # scheduler, RNG and trainer state) stay where they are.
@@ -42,3 +43,11 @@ class SavePretrainedCallback(TrainerCallback):
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         log.info("wrote %s as a pretrained model folder", folder)
+
+
+def _check_model(model) -> None:
+    if model is None or not hasattr(model, "save_pretrained") or not hasattr(model.config, "typed"):
+        kind = type(model)
+        raise ValueError(f"SavePretrainedCallback writes flash-models models; the Trainer's model is "
+                         f"{kind.__module__}.{kind.__qualname__}. A transformers model saves its checkpoints as model "
+                         "folders itself: leave the callback out")

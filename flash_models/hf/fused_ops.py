@@ -116,11 +116,19 @@ def use_fused_ops(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     norms and, for a causal LM, our cross-entropy; returns the same model. ``backend`` as in
     ``flash_models.hf.register``: "auto" (our Triton kernels on CUDA, else the PyTorch reference), "triton" or
     "reference". Calling it again re-applies with the new backend. Combine with
-    ``attn_implementation="fm_attention"`` for our attention."""
+    ``attn_implementation="fm_attention"`` for our attention. A PEFT model (``get_peft_model``) is accepted: its
+    base model is swapped, and the adapters run on it as before."""
     flash_kernels._backend.check_backend_name(backend)
-    if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"use_fused_ops takes a transformers PreTrainedModel, got {type(model).__name__}; "
-                         "flash-models' own models (fm.from_pretrained) already run on the fused ops")
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper, or the model
+    if not isinstance(hf_model, PreTrainedModel):
+        raise ValueError(f"use_fused_ops takes a transformers PreTrainedModel, got {type(hf_model).__module__}."
+                         f"{type(hf_model).__qualname__}; flash-models' own models (fm.from_pretrained) already run on "
+                         "the fused ops")
+    _swap(hf_model, backend)
+    return model
+
+
+def _swap(model: PreTrainedModel, backend: str) -> None:
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"use_fused_ops does not support model_type {model_type!r} (supported: "
@@ -135,4 +143,3 @@ def use_fused_ops(model: nn.Module, *, backend: str = "auto") -> nn.Module:
                 setattr(parent, name, fused)
     if _is_causal_lm_loss(model.loss_function):
         model.loss_function = functools.partial(causal_lm_loss, backend=backend)
-    return model

@@ -126,6 +126,17 @@ class ModelConfig:
         object.__setattr__(self, "typed", typed)
         object.__setattr__(self, "_hf", None)
 
+    @classmethod
+    def from_pretrained(cls, name_or_path, **kwargs) -> ModelConfig:
+        """The config a model loaded from ``name_or_path`` (a folder with config.json, or a Hub id) holds, as HF's
+        ``PretrainedConfig.from_pretrained``: PEFT reads the base model's ``vocab_size`` this way when it saves
+        an adapter (to tell whether the embeddings were resized). ``kwargs`` go to ``AutoConfig.from_pretrained``."""
+        import transformers
+
+        from ..checkpoint.loader import build_model  # a higher layer: imported on use
+
+        return build_model(transformers.AutoConfig.from_pretrained(name_or_path, **kwargs), device="meta").config
+
     def get_text_config(self, *args, **kwargs) -> ModelConfig:
         """HF's accessor for a multimodal model's text part; our models are one part: the config itself."""
         return self

@@ -11,10 +11,10 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ..modules import Embeddings
-from ..modules.recompute import checkpoint_blocks, is_checkpointed, uncheckpoint_blocks
 
 
 class HFModelProtocol:
@@ -47,16 +47,19 @@ class HFModelProtocol:
 
     def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None, *,
                                         every_n_layers: int = 1, offload: bool = False) -> None:
-        """Recompute every ``every_n_layers``-th block in the backward instead of keeping its activations
-        (``modules.recompute.checkpoint_blocks``); ``activation_checkpointing_kwargs`` go to
+        """Recompute every ``every_n_layers``-th block in the backward instead of keeping its activations, while
+        the model trains (``CheckpointedForward``); ``activation_checkpointing_kwargs`` go to
         torch.utils.checkpoint (``use_reentrant`` defaults to False). Called by ``transformers.Trainer`` for
         ``TrainingArguments(gradient_checkpointing=True)``."""
         if offload:
             raise ValueError("activation checkpointing with offload=True (saved activations on the CPU) is not "
                              "supported by flash-models models; leave offload off")
-        blocks = self._transformer_blocks()
-        uncheckpoint_blocks(blocks)  # a second call with other settings replaces the first
-        checkpoint_blocks(blocks, every=every_n_layers, **dict(activation_checkpointing_kwargs or {}))
+        if every_n_layers < 1:
+            raise ValueError(f"checkpoint every n-th block needs every_n_layers >= 1, got {every_n_layers}")
+        self.activation_checkpointing_disable()  # a second call with other settings replaces the first
+        options = {"use_reentrant": False, **dict(activation_checkpointing_kwargs or {})}
+        for block in list(self._transformer_blocks())[::every_n_layers]:
+            CheckpointedForward.attach(block, options)
         if self.get_input_embeddings() is not None:
             # As HF's models do: with frozen embeddings (PEFT adapters), reentrant checkpointing would find no
             # input that requires grad and give the adapters inside the blocks no gradient at all.
@@ -68,14 +71,15 @@ class HFModelProtocol:
         self.activation_checkpointing_enable(gradient_checkpointing_kwargs, every_n_layers=every_n_layers, offload=offload)
 
     def activation_checkpointing_disable(self) -> None:
-        uncheckpoint_blocks(self._transformer_blocks())
+        for block in self._transformer_blocks():
+            CheckpointedForward.detach(block)
         self.disable_input_require_grads()
 
     gradient_checkpointing_disable = activation_checkpointing_disable
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return any(is_checkpointed(block) for block in self._transformer_blocks())
+        return any(isinstance(block.__dict__.get("forward"), CheckpointedForward) for block in self._transformer_blocks())
 
     is_activation_checkpointing = is_gradient_checkpointing
 
@@ -121,6 +125,45 @@ class HFModelProtocol:
 
             state_dict = hf_to_ours(dict(state_dict), rules_for(self.config))
         return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+
+class CheckpointedForward:
+    """A block's forward run through ``torch.utils.checkpoint`` while the block trains with autograd recording
+    (HF's rule for its checkpointed layers), set on the block itself as its ``forward``. Not a wrapper module
+    (``modules.recompute.checkpoint_blocks``, which flash-models' own trainer uses): module names stay the plain
+    model's, and PEFT, which matches the names of ``named_modules()`` against the keys of ``state_dict()``, would
+    otherwise save and load no adapter weights at all for a checkpointed model. Keyword arguments travel as
+    positional ones, which reentrant checkpointing requires."""
+
+    def __init__(self, block: nn.Module, options: dict, recompute_norm_outputs: bool | None):
+        self.block, self.options, self.recompute_norm_outputs = block, options, recompute_norm_outputs
+
+    @classmethod
+    def attach(cls, block: nn.Module, options: dict) -> None:
+        # The whole block is recomputed: its own recompute of saved norm outputs would only add work.
+        recompute_norms = getattr(block, "recompute_norm_outputs", None)  # pre-norm blocks only
+        if recompute_norms:
+            block.recompute_norm_outputs = False
+        block.forward = cls(block, options, recompute_norms)
+
+    @staticmethod
+    def detach(block: nn.Module) -> None:
+        attached = block.__dict__.get("forward")
+        if isinstance(attached, CheckpointedForward):
+            del block.forward
+            if attached.recompute_norm_outputs is not None:
+                block.recompute_norm_outputs = attached.recompute_norm_outputs
+
+    def __call__(self, *args, **kwargs):
+        block = self.block
+        if not (block.training and torch.is_grad_enabled()):
+            return type(block).forward(block, *args, **kwargs)
+        names = list(kwargs)
+
+        def run(*flat):
+            return type(block).forward(block, *flat[:len(args)], **dict(zip(names, flat[len(args):])))
+
+        return torch.utils.checkpoint.checkpoint(run, *args, *kwargs.values(), **self.options)
 
 
 class TiedOutputEmbeddings(nn.Module):

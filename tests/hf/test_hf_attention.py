@@ -95,6 +95,19 @@ def test_generation_with_cache_equals_sdpa():
     assert torch.equal(ours.generate(ids, **kw), sdpa.generate(ids, **kw))
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_static_cache_generation_equals_sdpa(name):
+    """A static cache's keys are all its slots, unwritten ones included; the mask covers the written ones (each
+    step's scores equal the reference's, in a left-padded batch and a full row)."""
+    sdpa, ours = pair(name, seed=8)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    kw = dict(attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), max_new_tokens=5, do_sample=False,
+              pad_token_id=0, cache_implementation="static", output_scores=True, return_dict_in_generate=True)
+    want, got = sdpa.generate(ids, **kw), ours.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=2e-5, rtol=1e-4)
+
+
 def test_triton_path_through_the_interpreter():
     """The Triton kernels (the interpreter on the CPU) in HF's Llama, bf16, against sdpa in fp32."""
     flash_models.hf.register(backend="triton")

@@ -1,6 +1,8 @@
 """flash_models.hf.use_fused_ops(model) on HF's own models: the same logits, loss and gradients as the model it
 swapped, HF's state-dict keys and save_pretrained untouched, our attention on top, the Triton path."""
 
+import functools
+
 import pytest
 import torch
 import transformers
@@ -47,7 +49,7 @@ def loss_logits_grads(model, **inputs):
     model.zero_grad()
     out = model(**inputs)
     (out.loss + (out.logits * torch.linspace(-1, 1, out.logits.shape[-1])).mean()).backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return out.loss.detach(), out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def assert_same(a, b, atol=1e-5):
@@ -160,3 +162,20 @@ def test_refuses_what_it_cannot_do():
         use_fused_ops(torch.nn.Sequential(torch.nn.LayerNorm(4)))
     with pytest.raises(ValueError, match="backend"):
         use_fused_ops(random_hf_model(CONFIGS["llama"](), seed=13), backend="cuda")
+
+
+def test_a_peft_model_gets_the_fused_ops_under_its_adapters():
+    """use_fused_ops(get_peft_model(hf, ...)): the base model is swapped, the wrapper returned, and the adapted
+    model computes what it computed before (loss, logits, the adapters' gradients)."""
+    import peft
+
+    plain, fused = (peft.get_peft_model(random_hf_model(CONFIGS["llama"](), seed=14),
+                                        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+                    for _ in range(2))
+    fused.load_state_dict(plain.state_dict())  # the same adapter weights
+    assert use_fused_ops(fused, backend="reference") is fused
+    assert norm_count(fused) == 2 * 2 + 1
+    assert isinstance(fused.get_base_model().loss_function, functools.partial)
+    ids, labels = batch(15)
+    want, got = loss_logits_grads(plain, input_ids=ids, labels=labels), loss_logits_grads(fused, input_ids=ids, labels=labels)
+    assert_same(got, want)

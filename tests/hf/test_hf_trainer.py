@@ -93,9 +93,9 @@ def test_gradient_accumulation_normalizes_by_tokens():
 
 
 def test_gradient_checkpointing_switches_and_same_gradients():
-    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=6))
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=6)).train()  # HF's rule: checkpointed while training
     batch = {k: torch.stack([row[k] for row in lm_dataset(2, seed=7)]) for k in ("input_ids", "attention_mask", "labels")}
-    keys = set(ours.state_dict())
+    keys, names = set(ours.state_dict()), [name for name, _ in ours.named_modules()]
 
     def grads():
         ours.zero_grad()
@@ -105,12 +105,13 @@ def test_gradient_checkpointing_switches_and_same_gradients():
     plain = grads()
     ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert ours.is_gradient_checkpointing and set(ours.state_dict()) == keys
+    assert [name for name, _ in ours.named_modules()] == names  # no wrapper module: PEFT's adapter keys stay
     for a, b in zip(grads(), plain):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     ours.gradient_checkpointing_disable()
     assert not ours.is_gradient_checkpointing
     ours.activation_checkpointing_enable(every_n_layers=2)
-    assert [type(b).__name__ for b in ours.blocks] == ["CheckpointWrapper", "PreNormBlock"]
+    assert ["forward" in vars(b) for b in ours.blocks] == [True, False]  # the first block only
     with pytest.raises(ValueError, match="offload"):
         ours.gradient_checkpointing_enable(offload=True)
 
@@ -143,7 +144,20 @@ def test_a_checkpoint_saved_without_the_callback_says_how_to_load_it(tmp_path):
     checkpoint = tmp_path / "checkpoint-2"
     with pytest.raises(FileNotFoundError, match=r"Trainer checkpoint saved without .*SavePretrainedCallback.*load_state_dict"):
         fm.from_pretrained(checkpoint)
+    trainer.save_model(tmp_path / "final")  # the Trainer's export: the same bare state dict, no callback involved
+    with pytest.raises(FileNotFoundError, match=r"Trainer\.save_model\(\) writes .*model\.save_pretrained\(folder\)"):
+        fm.from_pretrained(tmp_path / "final")
     again = ours_from_hf(random_hf_model(tiny_llama_config(), seed=14))
     again.load_state_dict(load_file(checkpoint / "model.safetensors"))
     for (name, trained), (_, loaded) in zip(ours.state_dict().items(), again.state_dict().items()):
         assert torch.equal(trained, loaded), name
+
+
+def test_callback_refuses_a_transformers_model_before_training(tmp_path):
+    """The callback is for our models; given HF's, it says so before the first step (not at the first save),
+    naming the class by its module, since ours carry HF's class names."""
+    trainer = Trainer(model=random_hf_model(tiny_llama_config(), seed=15), args=args(tmp_path, save_steps=1),
+                      train_dataset=lm_dataset(8, seed=16), callbacks=[SavePretrainedCallback()])
+    with pytest.raises(ValueError, match=r"is transformers\.models\.llama\.modeling_llama\.LlamaForCausalLM.*leave the callback out"):
+        trainer.train()
+    assert trainer.state.global_step == 0

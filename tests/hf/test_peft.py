@@ -8,6 +8,7 @@ import torch
 import transformers
 from transformers import Trainer, TrainingArguments
 
+import flash_models as fm
 from flash_models.testing import ours_from_hf, random_hf_model
 from test_hf_trainer import lm_dataset, tiny_llama_config
 
@@ -108,3 +109,49 @@ def test_checkpointing_gives_adapters_gradients(reentrant):
     assert len(lora) == 8 and all(p.grad is not None for p in lora)
     adapted.gradient_checkpointing_disable()
     assert not ours.get_input_embeddings()._forward_hooks  # the hook goes with the checkpointing
+
+
+def test_adapter_of_a_loaded_checkpoint_saves_and_reloads(tmp_path):
+    """An adapter on a model from fm.from_pretrained(folder): PEFT's save_pretrained reads the base checkpoint's
+    config through type(model.config).from_pretrained (to see whether the vocabulary was resized), and the adapter
+    it writes loads back onto the same checkpoint with PeftModel.from_pretrained."""
+    ours_from_hf(random_hf_model(tiny_llama_config(), seed=6)).save_pretrained(tmp_path / "base")
+    adapted = peft.get_peft_model(fm.from_pretrained(tmp_path / "base"),
+                                  peft.LoraConfig(r=4, target_modules=["qkv", "down"], init_lora_weights=False))
+    assert type(adapted.base_model.model.config).from_pretrained(tmp_path / "base").vocab_size == 97
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        expected = adapted.eval()(input_ids=ids).logits
+    adapted.save_pretrained(tmp_path / "adapter")
+    again = peft.PeftModel.from_pretrained(fm.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, expected, atol=0, rtol=0)
+
+
+def test_checkpointed_model_saves_and_loads_its_adapters(tmp_path):
+    """gradient_checkpointing=True (the Trainer's, before or after PEFT wraps the model) keeps the module names:
+    PEFT saves every adapter weight, loads them back, and a resumed Trainer run continues the same losses."""
+    base = lambda: ours_from_hf(random_hf_model(tiny_llama_config(), seed=7))  # noqa: E731
+    adapted = peft.get_peft_model(base(), peft.LoraConfig(r=4, target_modules=["qkv", "down"], init_lora_weights=False))
+    adapted.gradient_checkpointing_enable()
+    assert len(peft.get_peft_model_state_dict(adapted)) == 8  # A and B of two projections in two blocks
+    adapted.save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, 97, (2, 7))
+    checkpointed = base()
+    checkpointed.gradient_checkpointing_enable()
+    again = peft.PeftModel.from_pretrained(checkpointed, tmp_path / "adapter", is_trainable=True)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=0, rtol=0)
+
+    def run(resume: bool) -> list[float]:
+        torch.manual_seed(0)  # the same LoRA init in both runs
+        model = peft.get_peft_model(base(), peft.LoraConfig(r=4, target_modules=["qkv"]))
+        args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
+                                 learning_rate=1e-2, logging_steps=1, save_strategy="steps", save_steps=2, report_to=[],
+                                 use_cpu=True, seed=0, disable_tqdm=True, gradient_checkpointing=True)
+        trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(8, seed=8))
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2") if resume else None)
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    whole = run(resume=False)
+    assert run(resume=True)[2:] == pytest.approx(whole[2:], abs=1e-6, rel=0)

@@ -55,3 +55,28 @@ def test_sft_matches_hf(tmp_path, tokenizer, packing):
         assert mine["mean_token_accuracy"] == pytest.approx(theirs["mean_token_accuracy"], abs=1e-6)
     assert ours.config.eos_token_id == tokenizer.eos_token_id  # TRL aligned the config with its tokenizer
     assert "sft" in ours.model_tags
+
+
+def test_sft_with_a_peft_config_saves_the_trained_adapter(tmp_path, tokenizer):
+    """SFTTrainer(peft_config=...) on a model loaded from a folder, with SFTConfig's default gradient
+    checkpointing: save_model writes every adapter weight, and they load back onto the base model."""
+    import peft
+    import torch
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    ours_from_hf(random_hf_model(config, seed=2)).save_pretrained(tmp_path / "base")
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                     report_to=[], use_cpu=True, save_strategy="no", max_length=64, seed=0, disable_tqdm=True, bf16=False)
+    assert args.gradient_checkpointing
+    trainer = SFTTrainer(model=fm.from_pretrained(tmp_path / "base"), args=args, train_dataset=chat_dataset(seed=1),
+                         processing_class=tokenizer,
+                         peft_config=peft.LoraConfig(r=4, target_modules=["qkv", "gate_up"], task_type="CAUSAL_LM"))
+    trainer.train()
+    trainer.save_model(tmp_path / "adapter")
+    assert len(load_file(tmp_path / "adapter" / "adapter_model.safetensors")) == 8  # A and B, two projections, two blocks
+    again = peft.PeftModel.from_pretrained(fm.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    ids = torch.randint(0, len(tokenizer), (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, trainer.model.eval()(input_ids=ids).logits, atol=0, rtol=0)
