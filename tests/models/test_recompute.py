@@ -46,11 +46,13 @@ def test_same_gradients_as_keeping_the_activation(name, bias):
 
 @pytest.mark.parametrize("name", ["swiglu", "geglu"])
 def test_gated_backward_on_the_kernels_matches_keeping_the_activation(name):
-    """The Triton path (the interpreter here): the activation's output and gradient come from one kernel."""
+    """The Triton path (on the CPU, the interpreter): the activation's output and gradient come from one kernel."""
     cls, act = CASES[name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton takes CUDA tensors where a GPU is present
     torch.manual_seed(0)
-    mlp = cls(MLPConfig(hidden_size=HIDDEN, intermediate_size=INTER, activation=act, bias=True), kernel_backend="triton")
-    x = torch.randn(3, N, HIDDEN, requires_grad=True)
+    mlp = cls(MLPConfig(hidden_size=HIDDEN, intermediate_size=INTER, activation=act, bias=True),
+              kernel_backend="triton").to(device)
+    x = torch.randn(3, N, HIDDEN, device=device, requires_grad=True)
     for got, want in zip(grads(mlp, x, plain=False), grads(mlp, x, plain=True), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
