@@ -99,14 +99,11 @@ class HFModelProtocol:
     def enable_input_require_grads(self) -> None:
         """Make the embeddings' output require grad, so that checkpointed blocks of a model whose embeddings are
         frozen (PEFT adapters) still get a backward (HF's method of the same name)."""
-        def hook(module, args, output):
-            output.requires_grad_(True)
-
         table = self.get_input_embeddings()
         if table is None:
             raise ValueError(f"{type(self).__name__} has no token embedding table to hook; freeze fewer layers instead")
         self.disable_input_require_grads()  # one hook, however often this is called
-        self._require_grads_hook = table.register_forward_hook(hook)
+        self._require_grads_hook = table.register_forward_hook(_output_requires_grad)
 
     def disable_input_require_grads(self) -> None:
         hook = self.__dict__.pop("_require_grads_hook", None)
@@ -125,6 +122,11 @@ class HFModelProtocol:
 
             state_dict = hf_to_ours(dict(state_dict), rules_for(self.config))
         return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+
+def _output_requires_grad(module, args, output) -> None:
+    """``enable_input_require_grads``' hook (a module-level function: a hooked model still pickles)."""
+    output.requires_grad_(True)
 
 
 class CheckpointedForward:

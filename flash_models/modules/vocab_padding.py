@@ -35,27 +35,42 @@ def hide_vocab_padding(module: nn.Module, vocab_size: int) -> None:
     look like ``vocab_size`` rows to ``state_dict`` and ``load_state_dict``: saving strips the pad rows, loading
     takes real-vocabulary tensors and pads them with zeros (tensors of any other shape are left for the usual
     shape check to refuse)."""
-    names = [name for name, _ in module.named_parameters(recurse=False)]
+    names = tuple(name for name, _ in module.named_parameters(recurse=False))
+    module.register_state_dict_post_hook(_StripVocabPadding(names, vocab_size))
+    module.register_load_state_dict_pre_hook(_PadVocab(names, vocab_size))
 
-    def strip(mod, state_dict, prefix, local_metadata) -> None:
-        for name in names:
+
+class _StripVocabPadding:
+    """The state-dict hook that keeps the real rows. A class, not a closure: a model with its hooks pickles
+    (``torch.save(model)``, ``copy.deepcopy``)."""
+
+    def __init__(self, names: tuple[str, ...], vocab_size: int):
+        self.names, self.vocab_size = names, vocab_size
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        for name in self.names:
             key = prefix + name
             if key in state_dict:
-                state_dict[key] = state_dict[key][:vocab_size]  # rows of a row-major tensor: still contiguous
+                state_dict[key] = state_dict[key][:self.vocab_size]  # rows of a row-major tensor: still contiguous
 
-    def pad(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-        for name in names:
-            key, param = prefix + name, getattr(mod, name)
+
+class _PadVocab:
+    """The load hook that pads real-vocabulary tensors with zero rows (a class for the same reason)."""
+
+    def __init__(self, names: tuple[str, ...], vocab_size: int):
+        self.names, self.vocab_size = names, vocab_size
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+        for name in self.names:
+            key, param = prefix + name, getattr(module, name)
             value = state_dict.get(key)
-            if value is None or value.shape[0] != vocab_size or param.shape[0] == vocab_size:
+            if value is None or value.shape[0] != self.vocab_size or param.shape[0] == self.vocab_size:
                 continue
             if value.shape[1:] != param.shape[1:]:
                 continue
-            extra = value.new_zeros((param.shape[0] - vocab_size, *value.shape[1:]))
+            extra = value.new_zeros((param.shape[0] - self.vocab_size, *value.shape[1:]))
             state_dict[key] = torch.cat([value, extra])
-
-    module.register_state_dict_post_hook(strip)
-    module.register_load_state_dict_pre_hook(pad)
 
 
 @torch.no_grad()
