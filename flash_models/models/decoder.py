@@ -26,7 +26,7 @@ from ..modules.vocab_padding import (
 from ..runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
 from .hf_config import ModelConfig
-from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, accepts_hf_flags, packed_documents
+from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, accepts_hf_flags, cache_argument, packed_documents
 from .outputs import CausalLMOutput, EncoderOutput
 
 
@@ -211,6 +211,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}")
         if logits_to_keep and labels is not None:
             raise ValueError("logits_to_keep computes only the last positions' logits: it cannot go with labels")
+        kv_cache = cache_argument(hf_kwargs.pop("past_key_values", None), kv_cache)
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs)
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")

@@ -15,6 +15,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..modules import Embeddings
+from ..modules.kv_cache import KVCache
+from .outputs import NO_CACHE
 
 
 class HFModelProtocol:
@@ -194,7 +196,8 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
     - Otherwise one row (1, S) without an attention mask or cache whose ``position_ids`` restart: each restart
       begins a document (HF's rule for packed rows: a position that does not follow its predecessor), as HF's
       own models read them. This reads the positions on the host.
-    - ``use_cache`` is accepted and has no effect: the forward keeps a cache only when given a ``kv_cache``.
+    - ``use_cache`` is accepted and has no effect: the forward keeps a cache only when given one (``kv_cache`` or
+      ``past_key_values``, see ``cache_argument``).
     Unknown names raise (HF's call flags are dropped before, by ``accepts_hf_flags`` on the forward)."""
     kwargs = dict(hf_kwargs)
     kwargs.pop("use_cache", None)
@@ -214,6 +217,19 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
             and input_ids.shape[0] == 1):
         return offsets_from_positions(position_ids)
     return cu_seqlens
+
+
+def cache_argument(past_key_values, kv_cache):
+    """The KV cache of a causal LM call given HF's ``past_key_values`` (ours: the KVCache a previous call returned
+    as ``out.past_key_values``) and/or our ``kv_cache``. HF's own cache objects and tuples are refused."""
+    if past_key_values is None:
+        return kv_cache
+    if not isinstance(past_key_values, KVCache):
+        raise ValueError(f"past_key_values must be a flash-models KVCache, got {type(past_key_values).__name__}: "
+                         f"{NO_CACHE}")
+    if kv_cache is not None and kv_cache is not past_key_values:
+        raise ValueError("pass the cache once: past_key_values or kv_cache, not two different caches")
+    return past_key_values
 
 
 def accepts_hf_flags(forward):

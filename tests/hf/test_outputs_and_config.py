@@ -130,3 +130,30 @@ def test_resize_token_embeddings_as_hf(tied, tmp_path):
         ours.resize_token_embeddings(40, pad_to_multiple_of=16)
         assert ours(torch.tensor([[0, 47]])).logits.shape == (1, 2, 48)
         torch.testing.assert_close(ours(ids % 40).logits[..., :40], hf(ids % 40).logits[..., :40], atol=1e-4, rtol=0)
+
+
+def test_an_hf_style_decode_loop_with_past_key_values():
+    """HF's manual loop: the cache given as ``past_key_values`` comes back as ``out.past_key_values`` and takes
+    the next token alone (with HF's growing attention mask), as HF's own model does; without a cache given, the
+    attribute names how to keep one, and HF's cache objects are refused by name. (Row 0 is left-padded: our cached
+    positions count its real tokens, HF's forward counts the padding too, so only row 1 is compared.)"""
+    hf = random_hf_model(tiny_llama_config(), seed=3)
+    ours = ours_from_hf(hf).eval()
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        out = ours(ids, attention_mask=mask, past_key_values=ours.new_kv_cache(batch_size=2, max_len=16))
+        theirs = hf(ids, attention_mask=mask, use_cache=True)
+        for _ in range(3):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            out = ours(token, attention_mask=mask, past_key_values=out.past_key_values)
+            theirs = hf(token, attention_mask=mask, past_key_values=theirs.past_key_values, use_cache=True)
+            torch.testing.assert_close(out.logits[1], theirs.logits[1], rtol=1e-4, atol=1e-4)
+        plain = ours(ids, use_cache=True)
+        assert getattr(plain, "past_key_values", None) is None
+        with pytest.raises(AttributeError, match="new_kv_cache"):
+            plain.past_key_values
+        with pytest.raises(ValueError, match="past_key_values must be a flash-models KVCache, got DynamicCache"):
+            ours(ids, past_key_values=theirs.past_key_values)
