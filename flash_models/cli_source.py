@@ -34,6 +34,7 @@ def locate_model(name: str, *, need_tokenizer: bool) -> ModelSource:
     if is_gguf(path):
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
+        _check_gguf(path, need_tokenizer=need_tokenizer)
         return ModelSource(path, is_gguf=True)
     if path.is_file():
         raise ValueError(f"{path} is a file: give an HF model folder (with config.json) or a .gguf file")
@@ -44,3 +45,14 @@ def locate_model(name: str, *, need_tokenizer: bool) -> ModelSource:
     if need_tokenizer:
         require_tokenizer(path)
     return ModelSource(path, is_gguf=False)
+
+
+def _check_gguf(path: Path, *, need_tokenizer: bool) -> None:
+    """A corrupt or truncated file, an architecture, tensor or tokenizer we cannot read: named before the
+    tokenizer (transformers' GGUF reader) or the weights load."""
+    from .checkpoint.gguf_file import check_gguf
+    from .checkpoint.tokenizer import check_gguf_tokenizer
+
+    reader, _ = check_gguf(path)
+    if need_tokenizer:
+        check_gguf_tokenizer(reader)

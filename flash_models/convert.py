@@ -73,24 +73,32 @@ def convert(src: str | Path, dst: str | Path, *, dtype=None, max_shard_size: int
     from .checkpoint.hub import TOKENIZER_FILES, is_gguf
 
     src, dst = Path(src), Path(dst)
+    tokenizer, generation = None, None
     if is_gguf(src):
-        from .checkpoint.tokenizer import load_gguf_tokenizer
+        from .checkpoint.gguf_file import check_gguf
+        from .checkpoint.tokenizer import check_gguf_tokenizer, load_gguf_tokenizer
 
-        tokenizer = load_gguf_tokenizer(src)  # before any write: a file we cannot tokenize leaves nothing behind
+        reader, _ = check_gguf(src)  # before any write: a file we cannot read leaves nothing behind
+        try:
+            check_gguf_tokenizer(reader)
+        except ValueError:  # weights alone, as from an HF folder without tokenizer files
+            log.warning("%s has no tokenizer (no vocabulary in its metadata): %s holds the model only", src, dst)
+        else:
+            tokenizer = load_gguf_tokenizer(src)
         generation = gguf_generation_config(src)
-    else:
-        tokenizer, generation = None, None
     model = from_pretrained(src, dtype=dtype)
     # The whole folder (weights, tokenizer, generation config) is written aside and swapped in at once: a
     # failure leaves DST as it was, and an --overwrite keeps none of the old folder's files (a previous
     # model's tokenizer files must not sit beside this model's).
     with atomic_folder(dst) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if is_gguf(src):
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
             if generation:
                 _write_generation_config(generation, tmp)
-            extras = ["tokenizer", "chat template" if tokenizer.chat_template else None,
+            template = tokenizer is not None and tokenizer.chat_template
+            extras = ["tokenizer" if tokenizer is not None else None, "chat template" if template else None,
                       "generation config" if generation else None]
         else:
             copied = _copy_tokenizer_files(src, tmp)

@@ -108,12 +108,16 @@ def hf_config_dict(reader) -> dict:
     """An HF config (as a dict for ``transformers.AutoConfig.for_model``) from GGUF metadata."""
     arch = _field(reader, "general.architecture", default=None)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        raise ValueError(f"{reader.path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     a = lambda key, kind, default=_REQUIRED: _field(reader, f"{arch}.{key}", kind, default)  # noqa: E731
+    tensors = {t.name: t for t in reader.tensors}
+    tensor_names = set(tensors)
     vocab = a("vocab_size", int, None)
+    if vocab is None and "token_embd.weight" in tensors:  # the embedding's rows (GGUF lists dims fastest-first)
+        vocab = int(tensors["token_embd.weight"].shape[-1])
     if vocab is None:
         vocab = len(_field(reader, "tokenizer.ggml.tokens", list))
-    tensor_names = {t.name for t in reader.tensors}
     common = {
         "model_type": arch,
         "vocab_size": vocab,
@@ -160,6 +164,10 @@ def _llama_style_config(a, tensor_names: set[str], arch: str) -> dict:
     return config
 
 
+def _known_name(name: str, arch: _Architecture) -> bool:
+    return any(re.fullmatch(p, name) for p in (*arch.names, *_IGNORED))
+
+
 def _hf_name(name: str, arch: _Architecture) -> str | None:
     for pattern, template in arch.names.items():
         m = re.fullmatch(pattern, name)
@@ -201,15 +209,29 @@ def check_tensor_types(reader: GGUFFile) -> None:
         )
 
 
-def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a GGUF file: (HF config dict, float32 state dict with HF's names and layouts: a LLaMA's Q/K rows
-    un-permuted, GPT-2's projections transposed back to Conv1D's)."""
+def check_gguf(path: str | Path) -> tuple[GGUFFile, dict]:
+    """(reader, HF config dict) of a GGUF file checked for everything that can be wrong with it before a tensor
+    is dequantized: a corrupt or truncated file, an unsupported architecture, missing metadata, a tensor type
+    or a tensor name we cannot read. Each is a ValueError naming the file and the problem."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     reader = GGUFFile(path)
     config = hf_config_dict(reader)
     check_tensor_types(reader)
+    arch = _ARCHITECTURES[config["model_type"]]
+    unknown = [t.name for t in reader.tensors if not _known_name(t.name, arch)]
+    if unknown:
+        raise ValueError(f"{reader.path}: GGUF tensor(s) {', '.join(unknown[:5])}{', ...' if len(unknown) > 5 else ''} "
+                         f"have no counterpart in flash-models' {config['model_type']} model: the file holds a variant of "
+                         "the architecture that flash-models does not read")
+    return reader, config
+
+
+def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a GGUF file: (HF config dict, float32 state dict with HF's names and layouts: a LLaMA's Q/K rows
+    un-permuted, GPT-2's projections transposed back to Conv1D's)."""
+    reader, config = check_gguf(path)
     arch = _ARCHITECTURES[config["model_type"]]
     permuted = {}
     if arch.permuted_rotary:

@@ -52,7 +52,10 @@ class GGUFFile:
                 raise ValueError(f"cannot read {self.path}: not a valid GGUF file ({err})") from err
         try:
             self._parse()
-        except (struct.error, ValueError, IndexError, UnicodeDecodeError) as err:
+        except struct.error as err:  # its own words are about buffers and offsets
+            raise ValueError(f"cannot read {self.path}: not a valid GGUF file or truncated (its header ends early, "
+                             f"at byte {len(self._map)})") from err
+        except (ValueError, IndexError, UnicodeDecodeError) as err:
             raise ValueError(f"cannot read {self.path}: not a valid GGUF file or truncated ({err})") from err
 
     # -- low-level reads at self._pos ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import transformers
 
+from .gguf_reader import GGUFFile
 from .hub import is_gguf, require_tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,22 @@ def gguf_tokenizer_is_cached(path: str | Path) -> bool:
     return (_gguf_cache_dir(Path(path)) / "tokenizer_config.json").is_file()
 
 
+def check_gguf_tokenizer(reader: GGUFFile) -> None:
+    """A GGUF file without a vocabulary (llama.cpp writes some for weights alone) is named as such, not as
+    whatever transformers' builder stumbles on."""
+    missing = [key for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens") if key not in reader.fields]
+    if missing:
+        raise ValueError(f"{reader.path} holds no tokenizer (GGUF metadata {' and '.join(missing)} missing): use a "
+                         "GGUF file with its vocabulary, or `flash-models convert` this one to a folder and add the "
+                         "model's tokenizer files to it")
+
+
 def load_gguf_tokenizer(path: str | Path, *, use_cache: bool = True):
     path = Path(path)
     cached = _gguf_cache_dir(path) if use_cache else None
     if cached is not None and gguf_tokenizer_is_cached(path):
         return transformers.AutoTokenizer.from_pretrained(cached, trust_remote_code=False)
+    check_gguf_tokenizer(GGUFFile(path))  # a corrupt file or a missing vocabulary, named by us
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, trust_remote_code=False)
     if cached is not None:
         try:

@@ -18,9 +18,10 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
-def write_gguf(path, hf, matrix_type):
+def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
     """``hf`` as llama.cpp's converter writes it: a LLaMA's Q/K rows permuted, 2-D weights stored as
-    ``matrix_type``, rope scaling (linear, yarn) and the head dim in the metadata."""
+    ``matrix_type``, rope scaling (linear, yarn) and the head dim in the metadata; ``vocabulary=False`` leaves
+    the tokenizer's tokens out (the special token ids stay), ``extra_tensors`` (name -> array) are added."""
     c = hf.config
     arch = c.model_type
     w = gguf.GGUFWriter(str(path), arch)
@@ -35,8 +36,9 @@ def write_gguf(path, hf, matrix_type):
     w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_rope_dimension_count(head_dim), w.add_key_length(head_dim), w.add_value_length(head_dim)
-    w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    w.add_token_types([1] * c.vocab_size), w.add_token_merges([])
+    if vocabulary:
+        w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+        w.add_token_types([1] * c.vocab_size), w.add_token_merges([])
     w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(5)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
@@ -48,6 +50,8 @@ def write_gguf(path, hf, matrix_type):
         if arch == "llama" and ("q_proj" in key or "k_proj" in key):
             tensor = permute_rotary(tensor, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
         add_tensor(w, names[key], tensor.float().numpy(), matrix_type)
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
 
