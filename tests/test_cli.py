@@ -32,6 +32,10 @@ from flash_models.cli import UsageError, _model_and_text, build_parser
     (["train", "configs/gpt2-small.yaml", "optim.lrr=1"], "'optim.lrr'"),
     (["bench"], "choose an AREA"),
     (["bench", "nonsense"], "invalid choice"),
+    (["bench", "cpu", "--prompt", " "], "--prompt is empty"),
+    (["bench", "cpu", "--out", "README.md/bench.json"], "README.md is a file, not a folder"),
+    (["bench", "cpu", "--rounds", "0"], "--rounds at least 1"),
+    (["bench", "cpu", "--out", "configs"], "--out configs: is a folder"),
     ([], "required: COMMAND"),
 ])
 def test_user_mistakes_are_one_or_two_lines_before_any_load(args, needle):

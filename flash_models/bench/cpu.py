@@ -122,9 +122,24 @@ def measure(model_name: str, *, prompt: str, new_tokens: int, rounds: int, threa
     return result
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why the JSON file ``out`` could not be written (its folders are made as needed), or None."""
+    if out.is_dir():
+        return "is a folder; give the path of a .json file"
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"no write permission in {parent}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> BenchResult:
-    parser = argparse.ArgumentParser(prog="flash-models bench cpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import _Parser  # the command line's two-line errors (mistake, where the usage is)
+
+    parser = _Parser(prog="flash-models bench cpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="alias, .gguf file or HF folder (default: %(default)s)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message, through the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation (default: %(default)s)")
@@ -134,6 +149,11 @@ def main(argv: list[str] | None = None) -> BenchResult:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2 or args.threads < 1 or args.rounds < 1:
         parser.error("--max-new-tokens must be at least 2, --threads and --rounds at least 1")
+    if not args.prompt.strip():
+        parser.error("--prompt is empty: give the user message to time")
+    problem = _unwritable(Path(args.out))
+    if problem:  # found now, not after minutes of measuring
+        parser.error(f"--out {args.out}: {problem}")
     result = measure(args.model, prompt=args.prompt, new_tokens=args.max_new_tokens, rounds=args.rounds,
                      threads=args.threads)
     env = result.env

@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+import gguf
 import transformers
 
 import flash_models as fm
@@ -58,8 +59,11 @@ def test_a_changed_file_gets_a_new_cache_entry(tmp_path, monkeypatch):
     conversions = []
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda *args, **kwargs: conversions.append(kwargs["gguf_file"]) or ConvertedTokenizer())
-    model_file = tmp_path / "m.gguf"
-    model_file.write_bytes(b"GGUF")
+    model_file = tmp_path / "m.gguf"  # metadata only: a vocabulary, which is checked before the conversion
+    writer = gguf.GGUFWriter(str(model_file), "llama")
+    writer.add_tokenizer_model("gpt2"), writer.add_token_list(["a", "b"])
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
     assert not gguf_tokenizer_is_cached(model_file)
     load_gguf_tokenizer(model_file)
     assert gguf_tokenizer_is_cached(model_file) and conversions == ["m.gguf"]
