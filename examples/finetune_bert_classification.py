@@ -11,7 +11,8 @@ import random
 import tempfile
 from pathlib import Path
 
-from flash_models.train import Trainer, load_config
+from flash_models.train import Trainer
+from flash_models.train.preflight import check_experiment
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "minilm-classification.yaml"
 
@@ -35,6 +36,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/finetune_bert")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
+    if not args.tiny and not args.train:
+        parser.error("give --train (and --eval) with your data, or --tiny for generated data")
 
     overrides = [f"train.output_dir={args.output_dir}", f"model.num_labels={args.num_labels}"]
     if args.tiny:
@@ -42,10 +45,14 @@ def main() -> None:
         overrides += ["train.global_batch_size=8", "train.micro_batch_size=8", "train.precision=fp32", "train.device=cpu",
                       "optim.warmup_steps=0", "optim.lr=1e-4", "data.seq_len=32"]
     overrides += [f"data.train={args.train}", f"data.eval={args.eval}" if args.eval else "data.eval=null"]
-    if args.max_steps:
+    if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    trainer = Trainer(load_config(CONFIG, overrides))
+    try:  # a mistyped value or a missing data path: the message, not a traceback, before anything loads
+        config = check_experiment(CONFIG, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    trainer = Trainer(config)
     summary = trainer.fit()
     trainer.close()
     print(f"final loss {summary['final_loss']:.3f}, eval accuracy {summary.get('eval_accuracy', float('nan')):.2f}; "

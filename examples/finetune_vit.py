@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 
 from flash_models.testing import write_color_image_folder
-from flash_models.train import Trainer, load_config
+from flash_models.train import Trainer
+from flash_models.train.preflight import check_experiment
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "vit-finetune.yaml"
 
@@ -22,6 +23,8 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/finetune_vit")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
+    if not args.tiny and not args.train:
+        parser.error("give --train (and --eval) with your data, or --tiny for generated data")
 
     overrides = [f"train.output_dir={args.output_dir}"]
     if args.tiny:
@@ -33,10 +36,14 @@ def main() -> None:
     if args.num_labels:
         overrides.append(f"model.num_labels={args.num_labels}")
     overrides += [f"data.train={args.train}", f"data.eval={args.eval}" if args.eval else "data.eval=null"]
-    if args.max_steps:
+    if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    trainer = Trainer(load_config(CONFIG, overrides))
+    try:  # a mistyped value or a missing data path: the message, not a traceback, before anything loads
+        config = check_experiment(CONFIG, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    trainer = Trainer(config)
     summary = trainer.fit()
     trainer.close()
     print(f"final loss {summary['final_loss']:.3f}, eval accuracy {summary.get('eval_accuracy', float('nan')):.2f}, "

@@ -22,6 +22,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-p 0.95) instead of greedy")
     args = parser.parse_args()
+    if not args.prompt.strip():
+        parser.error("the prompt is empty")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
 
     model = fm.from_pretrained(resolve_alias(args.model))
     tokenizer = load_tokenizer(args.tokenizer or args.model)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from flash_models.train import Trainer, load_config
+from flash_models.train import Trainer
+from flash_models.train.preflight import check_experiment
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2-sft.yaml"
 
@@ -43,10 +44,14 @@ def main() -> None:
                       "train.export=false"]
     elif args.data:
         overrides += [f"data.train={args.data}", "data.eval=null"]
-    if args.max_steps:
+    if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    trainer = Trainer(load_config(CONFIG, overrides))
+    try:  # a mistyped value or a missing data path: the message, not a traceback, before anything loads
+        config = check_experiment(CONFIG, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    trainer = Trainer(config)
     summary = trainer.fit()
     print(f"final loss {summary['final_loss']:.3f}, eval loss {summary.get('eval_loss', float('nan')):.3f}")
 

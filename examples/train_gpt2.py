@@ -10,7 +10,8 @@ import random
 import tempfile
 from pathlib import Path
 
-from flash_models.train import Trainer, load_config
+from flash_models.train import Trainer
+from flash_models.train.preflight import check_experiment
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt2-small.yaml"
 
@@ -48,10 +49,14 @@ def main() -> None:
         overrides += ["data.format=text", f"data.train={args.data}", "data.eval=null"]
     if args.tokenizer:
         overrides.append(f"data.tokenizer={args.tokenizer}")
-    if args.max_steps:
+    if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    trainer = Trainer(load_config(CONFIG, overrides))
+    try:  # a mistyped value or a missing data path: the message, not a traceback, before anything loads
+        config = check_experiment(CONFIG, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+    trainer = Trainer(config)
     summary = trainer.fit()
     trainer.close()
     if trainer.dist.is_main:  # under torchrun every rank gets here; one reports
