@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from .checkpoint import from_pretrained
+from .checkpoint.gguf_file import gguf_hf_config
 from .checkpoint.hub import is_gguf, resolve_model_dir
 from .checkpoint.loader import resolve_dtype
 from .checkpoint.tokenizer import load_tokenizer
@@ -18,7 +19,12 @@ from .checkpoint.tokenizer import load_tokenizer
 def load_hf(source: str, *, dtype: torch.dtype, device: str):
     if is_gguf(source):
         path = Path(source)
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        # transformers reads the tensors itself but drops metadata it does not map (a Qwen3's head dim, GPT-2's
+        # context and MLP width, rope scaling): the architecture comes from the file as we read it, so the two
+        # sides run the same model and differ only in their code.
+        config = gguf_hf_config(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                                  dtype=dtype)
     else:
         model = transformers.AutoModelForCausalLM.from_pretrained(resolve_model_dir(source), dtype=dtype)
     return model.to(device).eval()

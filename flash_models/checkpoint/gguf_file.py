@@ -209,6 +209,15 @@ def check_tensor_types(reader: GGUFFile) -> None:
         )
 
 
+def gguf_hf_config(path: str | Path):
+    """The file's architecture as a transformers config (checked as ``check_gguf`` checks it)."""
+    import transformers
+
+    _, config = check_gguf(path)
+    config = dict(config)
+    return transformers.AutoConfig.for_model(config.pop("model_type"), **config)
+
+
 def check_gguf(path: str | Path) -> tuple[GGUFFile, dict]:
     """(reader, HF config dict) of a GGUF file checked for everything that can be wrong with it before a tensor
     is dequantized: a corrupt or truncated file, an unsupported architecture, missing metadata, a tensor type

@@ -8,6 +8,7 @@ import transformers
 
 import flash_models as fm
 from flash_models.checkpoint.gguf_file import permute_rotary
+from flash_models.compare import load_hf
 from flash_models.testing import random_hf_model
 
 gguf = pytest.importorskip("gguf")
@@ -214,3 +215,26 @@ def test_an_unsupported_gguf_architecture_is_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: .*qwen3.*gpt2"):
         fm.from_pretrained(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "llama"])
+def test_compare_reference_reads_what_transformers_gguf_loader_drops(tmp_path, arch):
+    """``flash-models compare``'s transformers side of a GGUF file: transformers' loader keeps a Qwen3's default
+    head dim (128), GPT-2's default context and MLP width and no rope scaling, so such files failed to load there
+    (size mismatch) or ran another model; with the file's architecture given, it equals the source model."""
+    if arch == "qwen3":
+        config = transformers.Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=48,
+                                          max_position_embeddings=64)
+    elif arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=1, n_head=4, n_positions=32, n_inner=96)
+    else:
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})
+    hf = random_hf_model(config, seed=int(torch.randint(0, 1000, ()).item()))
+    (write_gpt2_gguf if arch == "gpt2" else write_gguf)(tmp_path / "m.gguf", hf, Q.F32)
+    reference = load_hf(str(tmp_path / "m.gguf"), dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 96, (2, 30))
+    with torch.no_grad():
+        assert (reference(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
