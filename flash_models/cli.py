@@ -380,7 +380,7 @@ def cmd_convert(args) -> None:
     source = locate_model(args.src, need_tokenizer=False)
     from .convert import check_destination, convert
 
-    check_destination(args.dst, overwrite=args.overwrite)
+    check_destination(args.dst, overwrite=args.overwrite, src=source.path)
     summary = convert(source.path, args.dst, dtype=args.dtype or "auto", max_shard_size=args.max_shard_size)
     print(summary)
 

@@ -23,11 +23,19 @@ _TOKENIZER_PATTERNS = ("tokenizer*", "special_tokens_map.json", "added_tokens.js
                        "*.model", "*.tiktoken", "chat_template.json", "chat_template.jinja", GENERATION_CONFIG)
 
 
-def check_destination(dst: str | Path, *, overwrite: bool) -> None:
-    """Refuse to mix a conversion into a folder that already holds something, unless asked to."""
+def check_destination(dst: str | Path, *, overwrite: bool, src: str | Path | None = None) -> None:
+    """Refuse to mix a conversion into a folder that already holds something, unless asked to, and to replace a
+    folder that holds the source itself (DST is replaced whole: the source would be gone)."""
     dst = Path(dst)
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"{dst} is a file; give a folder to write the converted model into")
+    if src is not None and dst.exists():
+        src = Path(src)
+        source, target = src.parent.resolve() / src.name, dst.resolve()  # a link to a source elsewhere may go
+        if source == target or target in source.parents:
+            what = "is the source folder" if source == target else f"holds the source {src}"
+            raise ValueError(f"{dst} {what}, and a conversion replaces its folder whole (the source would be "
+                             "deleted); write into another folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise ValueError(f"{dst} already holds files; pass --overwrite to replace them, or pick an empty folder")
     # DST is written beside itself and swapped in (checkpoint.atomic): its nearest existing folder must take it.
@@ -73,6 +81,7 @@ def convert(src: str | Path, dst: str | Path, *, dtype=None, max_shard_size: int
     from .checkpoint.hub import TOKENIZER_FILES, is_gguf
 
     src, dst = Path(src), Path(dst)
+    check_destination(dst, overwrite=True, src=src)
     tokenizer, generation = None, None
     if is_gguf(src):
         from .checkpoint.gguf_file import check_gguf
@@ -81,8 +90,8 @@ def convert(src: str | Path, dst: str | Path, *, dtype=None, max_shard_size: int
         reader, _ = check_gguf(src)  # before any write: a file we cannot read leaves nothing behind
         try:
             check_gguf_tokenizer(reader)
-        except ValueError:  # weights alone, as from an HF folder without tokenizer files
-            log.warning("%s has no tokenizer (no vocabulary in its metadata): %s holds the model only", src, dst)
+        except ValueError as err:  # weights alone, as from an HF folder without tokenizer files
+            log.warning("%s; %s holds the model only", err, dst)
         else:
             tokenizer = load_gguf_tokenizer(src)
         generation = gguf_generation_config(src)

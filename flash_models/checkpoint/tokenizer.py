@@ -61,6 +61,9 @@ def check_gguf_tokenizer(reader: GGUFFile) -> None:
         raise ValueError(f"{reader.path} holds no tokenizer (GGUF metadata {' and '.join(missing)} missing): use a "
                          "GGUF file with its vocabulary, or `flash-models convert` this one to a folder and add the "
                          "model's tokenizer files to it")
+    if reader.fields["tokenizer.ggml.model"] == "gpt2" and not reader.fields.get("tokenizer.ggml.merges"):
+        raise ValueError(f"{reader.path}: its byte-level BPE tokenizer (tokenizer.ggml.model 'gpt2') has no merges "
+                         "(GGUF metadata tokenizer.ggml.merges), so it cannot be rebuilt; the file is incomplete")
 
 
 def load_gguf_tokenizer(path: str | Path, *, use_cache: bool = True):

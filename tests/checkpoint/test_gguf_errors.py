@@ -11,6 +11,7 @@ from test_gguf_types import Q, write_gguf
 
 import flash_models as fm
 from flash_models.checkpoint.gguf_file import check_gguf
+from flash_models.convert import convert
 from flash_models.testing import random_hf_model
 
 gguf = pytest.importorskip("gguf")
@@ -40,6 +41,14 @@ def test_truncated_file_is_named_by_chat_and_convert(llama_gguf, tmp_path):
     header.write_bytes(data[:100])
     with pytest.raises(ValueError, match=r"truncated \(its header ends early, at byte 100\)"):
         fm.from_pretrained(header)
+
+
+def test_bpe_vocabulary_without_merges_is_named(llama_gguf, tmp_path):
+    """(test_gguf_types' files hold such a vocabulary: enough for the weights, not for a tokenizer)"""
+    assert_short_error(run_cli("chat", str(llama_gguf), "hi"), "has no merges", "tokenizer.ggml.merges")
+    run = run_cli("convert", str(llama_gguf), str(tmp_path / "out"))  # the weights alone, said so
+    assert run.returncode == 0 and "has no merges" in run.stderr and "holds the model only" in run.stderr, run.stderr
+    assert not (tmp_path / "out" / "tokenizer.json").exists() and (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_unsupported_architecture_is_named_before_the_tokenizer(tmp_path):
@@ -78,8 +87,25 @@ def test_file_without_a_vocabulary_loads_converts_and_is_refused_by_chat(tmp_pat
     assert_short_error(run_cli("chat", str(path), "hi"), "holds no tokenizer", "tokenizer.ggml.model")
     run = run_cli("convert", str(path), str(tmp_path / "out"))
     assert run.returncode == 0, run.stderr
-    assert "has no tokenizer" in run.stderr and "holds the model only" in run.stderr
+    assert "holds no tokenizer" in run.stderr and "holds the model only" in run.stderr
     converted = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (converted(ids).logits - reference).abs().max().item() < 1e-4
     assert converted.generation_config.eos_token_id == 2  # the ids the metadata names, without a vocabulary
+
+
+def test_convert_refuses_to_replace_the_folder_that_holds_its_source(tmp_path):
+    """DST is replaced whole: with --overwrite, a GGUF file inside it (or the HF folder itself) would be deleted."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    source = folder / "m.gguf"
+    write_gguf(source, tiny_llama(), Q.F32, vocabulary=False)
+    content = source.read_bytes()
+    assert_short_error(run_cli("convert", str(source), str(folder), "--overwrite"),
+                       f"{folder} holds the source {source}", "write into another folder")
+    assert source.read_bytes() == content
+    with pytest.raises(ValueError, match="is the source folder"):
+        convert(folder, folder)
+    run = run_cli("convert", str(source), str(folder / "hf"))  # into a new folder beside it: fine
+    assert run.returncode == 0, run.stderr
+    assert source.is_file() and (folder / "hf" / "model.safetensors").is_file()
