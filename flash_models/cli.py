@@ -347,7 +347,19 @@ def cmd_chat(args) -> None:
             if not message.strip():
                 continue
         history.append({"role": "user", "content": message})
-        answer = _stream(model, tokenizer, _prompt_ids(tokenizer, history, use_template=True), args)
+        ids = _prompt_ids(tokenizer, history, use_template=True)
+        if interactive and ids.shape[1] >= model.config.max_position_embeddings:
+            # A long session outgrows the context: go on with a new chat (its system prompt kept), not an exit.
+            del history[int(bool(args.system)):-1]
+            ids = _prompt_ids(tokenizer, history, use_template=True)
+            fits = ids.shape[1] < model.config.max_position_embeddings
+            print(f"[the chat filled the model's context of {model.config.max_position_embeddings} tokens: "
+                  + ("a new chat begins with this message]" if fits else "this message alone fills it; try a shorter one]"),
+                  file=sys.stderr)
+            if not fits:
+                history.pop()
+                continue
+        answer = _stream(model, tokenizer, ids, args)
         history.append({"role": "assistant", "content": answer})
         if not interactive:
             return

@@ -20,11 +20,13 @@ class Run:
     seconds: float
 
 
-def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600) -> Run:
-    """``python -m flash_models ARGS`` with PYTHONPATH inherited; the hub is offline unless ``env`` says else."""
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 600,
+            stdin: str = "") -> Run:
+    """``python -m flash_models ARGS`` with PYTHONPATH inherited; the hub is offline unless ``env`` says else;
+    ``stdin`` is what the user types (interactive chat)."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1", **(env or {})}
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "flash_models", *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "flash_models", *args], input=stdin, capture_output=True, text=True,
                           env=full_env, cwd=cwd or REPO, timeout=timeout)
     return Run(done.returncode, done.stdout, done.stderr, time.perf_counter() - start)
 

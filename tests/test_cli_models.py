@@ -219,3 +219,14 @@ def test_convert_keeps_the_source_dtype_unless_asked(tmp_path):
     run = run_cli("convert", str(tmp_path / "bf16"), str(tmp_path / "out"))
     assert run.returncode == 0, run.stderr
     assert fm.from_pretrained(tmp_path / "out", dtype="auto").dtype == torch.bfloat16
+
+
+def test_interactive_chat_past_the_context_begins_a_new_chat(tiny_folder):
+    """tiny_folder's context is 256 positions: a session whose history outgrows it goes on with a new chat (a
+    note on stderr), and a message that alone fills it is named; neither ends the session."""
+    typed = "\n".join(["Tell me a story."] * 4 + ["word " * 300, "Hello"]) + "\n"
+    run = run_cli("chat", str(tiny_folder), "--max-new-tokens", "90", "--do-sample", stdin=typed)
+    assert run.returncode == 0, run.stderr
+    assert "[the chat filled the model's context of 256 tokens: a new chat begins with this message]" in run.stderr
+    assert "this message alone fills it; try a shorter one]" in run.stderr
+    assert run.stdout.endswith("> \n")  # the session ran to the end of the input
