@@ -1,5 +1,6 @@
 """What a MODEL argument names, found without torch or network waits: the command line checks it before
-anything loads, so a typo or an offline hub id is one line within a second, not a traceback after a load."""
+anything loads, so a typo or an offline hub id is one line within a second, not a traceback after a load. A GGUF
+file's header is read and checked here too (torch is imported for that, as its load needs it anyway)."""
 
 from __future__ import annotations
 
