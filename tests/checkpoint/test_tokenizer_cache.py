@@ -61,7 +61,7 @@ def test_a_changed_file_gets_a_new_cache_entry(tmp_path, monkeypatch):
                         lambda *args, **kwargs: conversions.append(kwargs["gguf_file"]) or ConvertedTokenizer())
     model_file = tmp_path / "m.gguf"  # metadata only: a vocabulary, which is checked before the conversion
     writer = gguf.GGUFWriter(str(model_file), "llama")
-    writer.add_tokenizer_model("gpt2"), writer.add_token_list(["a", "b"])
+    writer.add_tokenizer_model("gpt2"), writer.add_token_list(["a", "b", "ab"]), writer.add_token_merges(["a b"])
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
     assert not gguf_tokenizer_is_cached(model_file)
