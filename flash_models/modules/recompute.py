@@ -139,7 +139,7 @@ def checkpoint_blocks(blocks: nn.ModuleList, *, every: int = 1, use_reentrant: b
     backward (torch.utils.checkpoint; non-reentrant unless asked, RNG state preserved so dropout recomputes
     identically; ``checkpoint_kwargs`` go to it). The wrapper strips its own prefix from state-dict keys, so
     checkpoints read the same with it on or off. A wrapped block recomputes everything, so its own saved-norm
-    recompute is turned off while it is wrapped."""
+    recompute is turned off."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     if every < 1:
@@ -149,20 +149,9 @@ def checkpoint_blocks(blocks: nn.ModuleList, *, every: int = 1, use_reentrant: b
         if is_checkpointed(blocks[i]):
             continue
         block = blocks[i]
-        recompute_norms = getattr(block, "recompute_norm_outputs", None)  # pre-norm blocks only
-        if recompute_norms:
+        if getattr(block, "recompute_norm_outputs", False):  # pre-norm blocks only
             block.recompute_norm_outputs = False
         blocks[i] = checkpoint_wrapper(block, checkpoint_impl=impl, **checkpoint_kwargs)
-        blocks[i].recompute_norm_outputs_unwrapped = recompute_norms
-
-
-def uncheckpoint_blocks(blocks: nn.ModuleList) -> None:
-    """Undo ``checkpoint_blocks``: the blocks keep their activations again."""
-    for i, wrapper in enumerate(blocks):
-        if is_checkpointed(wrapper):
-            blocks[i] = wrapper._checkpoint_wrapped_module
-            if wrapper.recompute_norm_outputs_unwrapped is not None:
-                blocks[i].recompute_norm_outputs = wrapper.recompute_norm_outputs_unwrapped
 
 
 def is_checkpointed(block: nn.Module) -> bool:
