@@ -20,7 +20,7 @@ import errno
 import os
 import shutil
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -32,9 +32,17 @@ def owns_everything(name: str) -> bool:
 
 
 def temp_folder_beside(target: Path) -> Path:
-    """A new, empty folder next to ``target`` (created with its parents), hidden by a leading dot."""
+    """A new, empty folder next to ``target`` (created with its parents), hidden by a leading dot. Made as
+    ``mkdir`` makes folders (the umask's mode, as transformers' saved folders have), not ``mkdtemp``'s owner-only
+    mode: it becomes the saved folder itself."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    while True:
+        folder = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:  # another writer's name: draw again
+            continue
 
 
 def real_target(target: str | Path) -> Path:

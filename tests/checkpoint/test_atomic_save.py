@@ -3,6 +3,8 @@ a mix; stale weight files never survive; the folder's other files (tokenizer, RE
 
 import json
 import os
+import stat
+import sys
 
 import pytest
 import torch
@@ -161,3 +163,16 @@ def test_saved_folder_reads_in_transformers_after_resave(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
     assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX permissions")
+def test_a_saved_folder_has_the_mode_mkdir_gives(tmp_path):
+    """The temporary folder becomes the saved one: it gets the umask's mode, as a folder transformers saves,
+    not mkdtemp's owner-only 0700 (which hid every saved model from other users of a shared machine)."""
+    old = os.umask(0o022)
+    try:
+        (tmp_path / "plain").mkdir()
+        tiny_gpt2(0).save_pretrained(tmp_path / "m")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "m").stat().st_mode) == stat.S_IMODE((tmp_path / "plain").stat().st_mode) == 0o755
