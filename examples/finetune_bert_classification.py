@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from flash_models.train import Trainer
-from flash_models.train.preflight import check_experiment
+from flash_models.train.preflight import experiment_or_usage_error
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "minilm-classification.yaml"
 
@@ -48,11 +48,7 @@ def main() -> None:
     if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    try:  # a mistyped value or a missing data path: the message, not a traceback, before anything loads
-        config = check_experiment(CONFIG, overrides)
-    except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
-    trainer = Trainer(config)
+    trainer = Trainer(experiment_or_usage_error(parser, CONFIG, overrides))
     summary = trainer.fit()
     trainer.close()
     print(f"final loss {summary['final_loss']:.3f}, eval accuracy {summary.get('eval_accuracy', float('nan')):.2f}; "

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
+
+from .checkpoint.atomic import atomic_folder, why_unwritable
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,9 @@ def check_destination(dst: str | Path, *, overwrite: bool, src: str | Path | Non
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise ValueError(f"{dst} already holds files; pass --overwrite to replace them, or pick an empty folder")
     # DST is written beside itself and swapped in (checkpoint.atomic): its nearest existing folder must take it.
-    parent = dst.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"cannot write {dst}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write {dst}: no write permission in {parent}")
+    problem = why_unwritable(dst)
+    if problem:
+        raise ValueError(f"cannot write {dst}: {problem}")
 
 
 def gguf_generation_config(path: Path) -> dict:
@@ -77,7 +74,6 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
 def convert(src: str | Path, dst: str | Path, *, dtype=None, max_shard_size: int | str = "5GB") -> str:
     """Load ``src`` (a .gguf file or an HF folder) and write ``dst``; returns a one-line summary."""
     from .checkpoint import from_pretrained
-    from .checkpoint.atomic import atomic_folder
     from .checkpoint.hub import TOKENIZER_FILES, is_gguf
 
     src, dst = Path(src), Path(dst)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.atomic import why_unwritable
 from .harness import BenchResult
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one paragraph."
@@ -126,14 +127,7 @@ def _unwritable(out: Path) -> str | None:
     """Why the JSON file ``out`` could not be written (its folders are made as needed), or None."""
     if out.is_dir():
         return "is a folder; give the path of a .json file"
-    parent = out.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is a file, not a folder"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"no write permission in {parent}"
-    return None
+    return why_unwritable(out)
 
 
 def main(argv: list[str] | None = None) -> BenchResult:

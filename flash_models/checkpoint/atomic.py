@@ -45,6 +45,19 @@ def temp_folder_beside(target: Path) -> Path:
             continue
 
 
+def why_unwritable(path: str | Path) -> str | None:
+    """Why ``path`` (a file or folder to be made, with any missing parent folders) could not be written, or None:
+    its nearest existing ancestor must be a folder this process may write in."""
+    parent = Path(path).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"no write permission in {parent}"
+    return None
+
+
 def real_target(target: str | Path) -> Path:
     """The folder a save replaces: a symlinked target is followed, so the link keeps pointing at the new
     contents. A path that exists and is not a folder is refused."""

@@ -26,6 +26,15 @@ def check_experiment(config: str | Path, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+def experiment_or_usage_error(parser, config: str | Path, overrides: list[str]) -> ExperimentConfig:
+    """``check_experiment`` for a script's own argparse ``parser``: a mistyped value or a missing data path ends
+    the script as a usage error naming it (``parser.error``), before anything loads, not as a traceback."""
+    try:
+        return check_experiment(config, overrides)
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(str(err))
+
+
 def check_paths(cfg: ExperimentConfig, *, origin: str = "") -> None:
     """FileNotFoundError naming the first data or tokenizer path of ``cfg`` that does not exist, and the key."""
     from ..embedded import ALIASES
