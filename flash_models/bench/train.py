@@ -3,7 +3,8 @@
 The ``loop:`` sides are the user's path, the headline: exactly the plain loop README.md shows (no Trainer),
 ``loss = model(ids, labels=ids).loss`` under bf16 autocast, ``loss.backward()`` inside
 ``fm.backward_on_this_thread()``, a fused AdamW step and ``zero_grad``, for ours and HF (sdpa) built from the
-same random weights, and each through torch.compile. Each side runs its steps back to back, with no host read
+same random weights, and each through torch.compile; ``loop:hf+fm_attention`` is HF's model with our attention
+(``flash_models.hf.register()``), compared with ``loop:hf``. Each side runs its steps back to back, with no host read
 in between, and is timed over the whole window.
 
 The other sides run the same ``flash_models.train.Trainer`` step (same synthetic batches, same fused AdamW, same
@@ -73,7 +74,7 @@ DRY_CASES = {  # odd vocabularies, as the real ones: the padded LM head runs
     "llama-1b": Case("llama-1b", 2, 32, (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96),
                                            ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 301))),
 }
-LOOP_SIDES = ("loop:ours", "loop:ours+compile", "loop:hf", "loop:hf+compile")
+LOOP_SIDES = ("loop:ours", "loop:ours+compile", "loop:hf", "loop:hf+compile", "loop:hf+fm_attention")
 SIDES = LOOP_SIDES + ("ours", "ours+graphs", "ours+compile", "hf", "hf+compile")
 COLUMNS = ["case", "side", "vocab", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "reserved_GiB",
            "x_vs_hf", "x_vs_hf_compile", "note"]
@@ -103,6 +104,10 @@ def same_weights_model(side: str, case: Case, device: torch.device) -> torch.nn.
     torch.manual_seed(0)
     with torch.device(device):
         hf = transformers.AutoModelForCausalLM.from_config(hf_config_for(case), attn_implementation="sdpa")
+    if side == "loop:hf+fm_attention":
+        from ..hf import register
+
+        hf.set_attn_implementation(register())
     if side.startswith("loop:hf"):
         return hf.train()
     ours = build_model(hf.config, device=device)

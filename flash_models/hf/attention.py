@@ -80,6 +80,12 @@ def flash_models_attention(
                          f"{tuple(attention_mask.shape)}: a 4D (custom) attention mask is not supported (use 'sdpa' "
                          "or 'eager' for it), and a model loaded before register() was called gets HF's masks")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # As autocast casts sdpa's inputs. Under it HF's rotary leaves q and k in float32 (its cos/sin follow the
+        # float32 hidden states) while v comes out of its projection in the autocast dtype.
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if attention_mask is not None and attention_mask.shape[1] < k.shape[1]:
         # A static cache: its keys are all its slots, the mask covers the ones written so far (the tokens seen and
         # these queries); the rest are unwritten, and are cut off as in HF's FlashAttention integration.

@@ -9,10 +9,10 @@ from flash_models.bench import train
 
 def test_train_bench_dry_run_plain_loop_sides(tmp_path):
     out = tmp_path / "train.json"
-    train.main(["--dry-run", "--cases", "gpt2,llama-1b", "--sides", "loop:ours,loop:hf", "--steps", "1",
+    train.main(["--dry-run", "--cases", "gpt2,llama-1b", "--sides", "loop:ours,loop:hf,loop:hf+fm_attention", "--steps", "1",
                 "--warmup", "0", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["case"], r["side"]) for r in rows] == [(c, s) for c in ("gpt2", "llama-1b") for s in ("loop:ours", "loop:hf")]
+    assert [(r["case"], r["side"]) for r in rows] == [(c, s) for c in ("gpt2", "llama-1b") for s in ("loop:ours", "loop:hf", "loop:hf+fm_attention")]
     for case, vocab in (("gpt2", 257), ("llama-1b", 301)):
         by_side = {r["side"]: r for r in rows if r["case"] == case}
         assert all(r["vocab"] == vocab and r["tokens_per_s"] > 0 for r in by_side.values())
@@ -20,8 +20,11 @@ def test_train_bench_dry_run_plain_loop_sides(tmp_path):
         # give the same loss (bf16 autocast on both sides).
         ours, hf = by_side["loop:ours"]["final_loss"], by_side["loop:hf"]["final_loss"]
         assert math.isclose(ours, hf, rel_tol=2e-2), (case, ours, hf)
+        # HF's model with our attention (the reference kernels on the CPU) computes the same loss as with sdpa.
+        assert math.isclose(by_side["loop:hf+fm_attention"]["final_loss"], hf, rel_tol=1e-3), case
         assert math.isclose(ours, math.log(vocab), rel_tol=0.2)  # a fresh model: about uniform
-        assert by_side["loop:ours"]["x_vs_hf"] == by_side["loop:ours"]["tokens_per_s"] / by_side["loop:hf"]["tokens_per_s"]
+        for side in ("loop:ours", "loop:hf+fm_attention"):
+            assert by_side[side]["x_vs_hf"] == by_side[side]["tokens_per_s"] / by_side["loop:hf"]["tokens_per_s"]
         assert "x_vs_hf_compile" not in by_side["loop:ours"]  # that side did not run
 
 

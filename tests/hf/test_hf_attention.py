@@ -108,6 +108,19 @@ def test_static_cache_generation_equals_sdpa(name):
     torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_autocast_casts_inputs_as_for_sdpa(name):
+    """Under bf16 autocast HF's rotary leaves q and k in float32 and v in bf16: our attention casts them as autocast
+    casts sdpa's inputs (a Trainer with bf16=True runs every step so), and computes what sdpa does there."""
+    sdpa, ours = pair(name, seed=9)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    mask = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = sdpa(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
+        got = ours(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
 def test_triton_path_through_the_interpreter():
     """The Triton kernels (the interpreter on the CPU) in HF's Llama, bf16, against sdpa in fp32."""
     flash_models.hf.register(backend="triton")
