@@ -69,17 +69,22 @@ def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return fields, tensors
 
 
-def lora_pairs(tensors: dict[str, torch.Tensor], *, source: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Module name -> (lora_A, lora_B) of a saved LoRA state dict. Any other tensor (a LoRA on an embedding, a
+def adapter_contents(tensors: dict[str, torch.Tensor], *, source: str
+                     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
+    """A saved LoRA state dict as (module name -> (lora_A, lora_B), HF key -> base weight). PEFT saves the base
+    weights of an adapted LM head or embedding next to its LoRA (``<module>.base_layer.weight``: the vocabulary
+    may have been resized) and loads them back over the model's. Any other tensor (a LoRA on an embedding, a
     trained bias, a saved module copy) is refused, listed."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    base_weights = {}
     other = []
     for key, tensor in tensors.items():
-        for kind in ("lora_A", "lora_B"):
-            suffix = f".{kind}.weight"
-            if key.startswith(PEFT_PREFIX) and key.endswith(suffix):
-                pairs.setdefault(key[len(PEFT_PREFIX):-len(suffix)], {})[kind] = tensor
-                break
+        name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else None
+        kind = next((k for k in ("lora_A", "lora_B") if name is not None and name.endswith(f".{k}.weight")), None)
+        if kind is not None:
+            pairs.setdefault(name.removesuffix(f".{kind}.weight"), {})[kind] = tensor
+        elif name is not None and ".base_layer." in name:
+            base_weights[name.replace(".base_layer.", ".")] = tensor
         else:
             other.append(key)
     if other:
@@ -90,7 +95,7 @@ def lora_pairs(tensors: dict[str, torch.Tensor], *, source: str) -> dict[str, tu
     if halves:
         raise ValueError(f"{source} holds only one of lora_A and lora_B for {', '.join(sorted(halves)[:10])}: the "
                          "adapter file is damaged")
-    return {name: (pair["lora_A"], pair["lora_B"]) for name, pair in pairs.items()}
+    return {name: (pair["lora_A"], pair["lora_B"]) for name, pair in pairs.items()}, base_weights
 
 
 def lora_state(layers: dict[str, LoraWeights]) -> dict[str, torch.Tensor]:

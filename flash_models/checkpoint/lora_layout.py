@@ -20,7 +20,7 @@ from torch import nn
 
 from ..models.checkpoint_rules import Transform
 from ..registry import rules_for
-from .remap import template_regex
+from .remap import hf_to_ours, template_regex
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ def linear_targets(model: nn.Module) -> dict[str, LinearTarget]:
     by their output rows only, by our module name."""
     rules = rules_for(model.config)
     targets = {}
-    for key, shape in _weight_shapes(model).items():
+    for key, shape in weight_shapes(model).items():
         name = key.removesuffix(".weight")
-        if len(shape) != 2 or isinstance(model.get_submodule(name), nn.Embedding):
+        if not key.endswith(".weight") or len(shape) != 2 or isinstance(model.get_submodule(name), nn.Embedding):
             continue
         for rule in rules.rules:
             found = template_regex(rule.ours).fullmatch(key)
@@ -79,13 +79,13 @@ def linear_targets(model: nn.Module) -> dict[str, LinearTarget]:
     return targets
 
 
-def _weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """Our weights' shapes as the state dict shows them (the real vocabulary rows, without the padding), also
+def weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
+    """Our parameters' shapes as the state dict shows them (the real vocabulary rows, without the padding), also
     with PEFT's layers in the model: a LoRA layer keeps the original layer as ``base_layer`` next to its
     ``lora_*`` tensors."""
     shapes = {}
     for key, tensor in model.state_dict().items():
-        if key.endswith(".weight") and ".lora_" not in key:
+        if ".lora_" not in key:
             shapes[key.replace(".base_layer.", ".")] = tensor.shape
     return shapes
 
@@ -147,3 +147,17 @@ def merge_into(model: nn.Module, loras: dict[str, LoraWeights], *, rslora: bool)
         dtype = torch.promote_types(weight.dtype, torch.float32)
         A, B = (t.to(device=weight.device, dtype=dtype) for t in (lora.A, lora.B))
         weight += (lora_scaling(lora.alpha, lora.rank, rslora=rslora) * (B @ A)).to(weight.dtype)
+
+
+@torch.no_grad()
+def load_base_weights(model: nn.Module, hf_weights: dict[str, torch.Tensor], *, source: str) -> None:
+    """Copy base weights an adapter carries (HF keys: an adapted LM head's) over our model's, as PEFT does."""
+    shapes = weight_shapes(model)
+    for key, tensor in hf_to_ours(hf_weights, rules_for(model.config)).items():
+        if shapes.get(key) != tensor.shape:
+            raise ValueError(f"{source} holds {key} (as our model names it) of shape {tuple(tensor.shape)}, but the "
+                             f"model's is {tuple(shapes[key]) if key in shapes else 'absent'}: resize the model's "
+                             "vocabulary as the adapter's was (model.resize_token_embeddings(n)) before loading it")
+        module, name = key.rsplit(".", 1)
+        # Through the module (a PEFT layer keeps the original as base_layer), into the real vocabulary's rows.
+        getattr(model.get_submodule(module), name)[:tensor.shape[0]].copy_(tensor)

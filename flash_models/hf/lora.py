@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from ..checkpoint.adapter_config import check_lora_config, pattern_value, patterns_for, target_names
-from ..checkpoint.adapter_files import lora_pairs, lora_state, read_adapter, resolve_adapter_dir, write_adapter
-from ..checkpoint.lora_layout import LoraWeights, check_part, fuse, hf_index, linear_targets, merge_into, split
+from ..checkpoint.adapter_files import adapter_contents, lora_state, read_adapter, resolve_adapter_dir, write_adapter
+from ..checkpoint.lora_layout import (
+    LoraWeights, check_part, fuse, hf_index, linear_targets, load_base_weights, merge_into, split,
+)
 from ..registry import rules_for
 
 if TYPE_CHECKING:
@@ -107,7 +109,8 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
     state = peft.get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
     layers: dict[str, LoraWeights] = {}
     conv1d = False
-    for name, (A, B) in sorted(lora_pairs(state, source=source).items()):
+    pairs, _ = adapter_contents(state, source=source)  # PEFT's copy of an adapted LM head's weight: HF's has it
+    for name, (A, B) in sorted(pairs.items()):
         if name not in targets:
             raise ValueError(f"{source} adapts {name}, which has no HF counterpart that a LoRA maps to: "
                              f"{_MERGE_ON_OURS}")
@@ -130,13 +133,15 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
 
 def _fused_from_hf(model: nn.Module, fields: dict, tensors: dict[str, torch.Tensor], *, source: str
                    ) -> dict[str, LoraWeights]:
-    """Our layers' LoRAs (module name -> weights) from an HF adapter's tensors, checked against the model."""
+    """Our layers' LoRAs (module name -> weights) from an HF adapter's tensors, checked against the model; base
+    weights the adapter carries are loaded into the model."""
     rules = rules_for(model.config)
     targets = linear_targets(model)
     index = hf_index(targets)
+    pairs, base_weights = adapter_contents(tensors, source=source)
     parts: dict[str, dict[int, LoraWeights]] = {}
     unknown = []
-    for name, (A, B) in sorted(lora_pairs(tensors, source=source).items()):
+    for name, (A, B) in sorted(pairs.items()):
         found = index.get(rules.normalize_hf_key(f"{name}.weight").removesuffix(".weight"))
         if found is None:
             unknown.append(name)
@@ -154,6 +159,7 @@ def _fused_from_hf(model: nn.Module, fields: dict, tensors: dict[str, torch.Tens
             "does not keep apart (an LM head tied to the embeddings)")
     if not parts:
         raise ValueError(f"{source} holds no LoRA weights")
+    load_base_weights(model, base_weights, source=source)
     rslora = bool(fields.get("use_rslora"))
     return {name: fuse(targets[name], group, rslora=rslora) for name, group in parts.items()}
 

@@ -17,36 +17,37 @@ from flash_models.testing import max_rel_err, ours_from_hf, random_hf_model
 VOCAB = 97
 TOL = 1e-5
 
-# HF config, and a PEFT LoraConfig on HF's names: a subset of the projections of a fused layer (k_proj left out),
+# HF config class and fields, and a PEFT LoraConfig on HF's names: a subset of the projections of a fused layer (k_proj left out),
 # ranks and alphas per module, rsLoRA, Conv1D (GPT-2), heads interleaved in one qkv linear (GPT-NeoX), the
 # untied LM head (its rows padded in our model).
 FAMILIES = {
     "llama_gqa": (
-        lambda: transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         tie_word_embeddings=False),
-        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"],
+        transformers.LlamaConfig, dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       tie_word_embeddings=False),
+        dict(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"],
              rank_pattern={"v_proj": 2, "layers.1.mlp.down_proj": 3}, alpha_pattern={"q_proj": 5, "lm_head": 2})),
     "qwen2_bias_rslora": (
-        lambda: transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64),
+        transformers.Qwen2Config, dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64),
         dict(r=3, lora_alpha=6, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
              rank_pattern={"k_proj": 5}, alpha_pattern={"v_proj": 4})),
     "gpt2_conv1d": (
-        lambda: transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                        bos_token_id=0, eos_token_id=0),
+        transformers.GPT2Config, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                      eos_token_id=0),
         dict(r=4, lora_alpha=16, target_modules=["c_attn", "c_fc", "c_proj"], fan_in_fan_out=True,
              rank_pattern={"mlp.c_proj": 2}, layers_to_transform=[1])),
     "neox_interleaved": (
-        lambda: transformers.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5,
-                                           hidden_dropout=0.0, attention_dropout=0.0),
+        transformers.GPTNeoXConfig, dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5,
+                                         hidden_dropout=0.0, attention_dropout=0.0),
         dict(r=4, lora_alpha=12, target_modules=["query_key_value", "dense_4h_to_h"], alpha_pattern={"dense_4h_to_h": 3})),
 }
 
 
-def hf_model(family: str, seed: int = 0):
-    return random_hf_model(FAMILIES[family][0](), seed=seed)
+def hf_model(family: str, seed: int = 0, **config):
+    config_class, fields, _ = FAMILIES[family]
+    return random_hf_model(config_class(**{**fields, **config}), seed=seed)
 
 
 def random_lora_(model: torch.nn.Module) -> None:
@@ -58,9 +59,11 @@ def random_lora_(model: torch.nn.Module) -> None:
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
 
 
-def hf_adapter(family: str, folder, *, seed: int = 0, **overrides):
-    """A random LoRA adapter on HF's model of ``family``, saved by PEFT to ``folder``; returns the PeftModel."""
-    adapted = peft.get_peft_model(hf_model(family, seed), peft.LoraConfig(**{**FAMILIES[family][1], **overrides}))
+def hf_adapter(family: str, folder, *, seed: int = 0, config: dict | None = None, **overrides):
+    """A random LoRA adapter on HF's model of ``family`` (its config changed by ``config``), saved by PEFT to
+    ``folder``; returns the PeftModel."""
+    adapted = peft.get_peft_model(hf_model(family, seed, **(config or {})),
+                                  peft.LoraConfig(**{**FAMILIES[family][2], **overrides}))
     random_lora_(adapted)
     adapted.save_pretrained(folder)
     return adapted.eval()
@@ -84,7 +87,7 @@ def test_hf_adapter_on_our_model_merged_and_unmerged(family, tmp_path):
     assert max_rel_err(logits(merged, ids), expected) < TOL
 
     adapted = load_hf_adapter(ours_from_hf(hf_model(family)), tmp_path / "adapter")
-    assert isinstance(adapted, peft.PeftModelForCausalLM)
+    assert type(adapted) is type(theirs)  # PEFT's wrapper for the adapter's task_type
     assert max_rel_err(logits(adapted, ids), expected) < TOL
     assert not any(p.requires_grad for p in adapted.parameters())  # as PeftModel.from_pretrained: frozen unless asked
     with adapted.disable_adapter():
@@ -111,8 +114,8 @@ def test_fused_layers_get_exact_ranks_and_zero_blocks(tmp_path):
 def test_hf_adapter_on_a_loaded_checkpoint(tmp_path):
     """The user's path: fm.from_pretrained of HF's saved model, then its adapter folder."""
     theirs = hf_adapter("qwen2_bias_rslora", tmp_path / "adapter", seed=3)
-    theirs.get_base_model().save_pretrained(tmp_path / "base")  # the base weights (PEFT's layers unmerged)
-    ids = torch.randint(0, VOCAB, (3, 7))
+    hf_model("qwen2_bias_rslora", seed=3).save_pretrained(tmp_path / "base")
+    ids = torch.randint(1, VOCAB, (3, 7))  # no pad token (0): HF's generate would mask it
     ours = load_hf_adapter(fm.from_pretrained(tmp_path / "base"), tmp_path / "adapter", merge=True)
     assert max_rel_err(logits(ours, ids), logits(theirs, ids)) < TOL
     kw = dict(max_new_tokens=4, do_sample=False)
@@ -232,9 +235,9 @@ def test_adapter_of_another_size_or_architecture_is_refused(tmp_path):
 
 
 def test_tied_lm_head_adapter_is_refused(tmp_path):
-    hf_adapter("qwen2_bias_rslora", tmp_path / "head", target_modules=["lm_head"])  # Qwen2's config ties the head
+    hf_adapter("llama_gqa", tmp_path / "head", config=dict(tie_word_embeddings=True), target_modules=["lm_head"])
     with pytest.raises(ValueError, match="lm_head.*tied to the embeddings"):
-        load_hf_adapter(ours_from_hf(hf_model("qwen2_bias_rslora")), tmp_path / "head")
+        load_hf_adapter(ours_from_hf(hf_model("llama_gqa", tie_word_embeddings=True)), tmp_path / "head")
 
 
 def test_missing_or_incomplete_folder_is_refused(tmp_path):
