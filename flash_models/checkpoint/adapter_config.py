@@ -8,20 +8,20 @@ import collections
 import re
 
 # Settings that do not change what a LoRA adapter computes on a given base model, or that only say which layers
-# it adapts (the saved tensors say that too, and they are what is carried over): any value carries over.
+# it adapts or saves whole (the saved tensors say that too, and they are what is carried over): any value carries
+# over.
 _NEUTRAL = frozenset({
     "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
     "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out", "use_rslora",
     "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern", "alpha_pattern", "loftq_config",
     "eva_config", "corda_config", "lora_ga_config", "runtime_config", "ensure_weight_tying", "megatron_core",
-    "qalora_group_size",
+    "qalora_group_size", "modules_to_save",
 })
 _WHY = {
     "use_dora": "DoRA (use_dora=True) rescales each output row of the whole weight by a learned magnitude, which "
                 "does not split or fuse with the projections (q_proj/k_proj/v_proj are one qkv layer in flash-models)",
     "bias": "bias={value!r} trains the base layers' own biases, which the adapter then carries as full tensors",
     "lora_bias": "lora_bias=True gives lora_B a bias",
-    "modules_to_save": "modules_to_save={value!r} saves whole trained copies of those layers",
 }
 
 

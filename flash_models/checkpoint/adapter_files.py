@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,15 +70,22 @@ def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return fields, tensors
 
 
-def adapter_contents(tensors: dict[str, torch.Tensor], *, source: str
-                     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
-    """A saved LoRA state dict as (module name -> (lora_A, lora_B), HF key -> base weight). PEFT saves the base
-    weights of an adapted LM head or embedding next to its LoRA (``<module>.base_layer.weight``: the vocabulary
-    may have been resized) and loads them back over the model's. Any other tensor (a LoRA on an embedding, a
-    trained bias, a saved module copy) is refused, listed."""
+@dataclass(frozen=True)
+class AdapterContents:
+    """A saved LoRA state dict, sorted by what each tensor is, under the model's own key names."""
+
+    loras: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module name -> (lora_A, lora_B)
+    # PEFT saves the base weights of an adapted LM head or embedding next to its LoRA (``<module>.base_layer.weight``:
+    # the vocabulary may have been resized) and loads them back over the model's: parameter key -> tensor.
+    base_weights: dict[str, torch.Tensor]
+    saved_modules: dict[str, torch.Tensor]  # the trained copies of ``modules_to_save``: parameter key -> tensor
+
+
+def adapter_contents(tensors: dict[str, torch.Tensor], *, modules_to_save, source: str) -> AdapterContents:
+    """Sort a saved LoRA state dict. A tensor of none of the three kinds (a LoRA on an embedding, a trained
+    bias) is refused, listed."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    base_weights = {}
-    other = []
+    base_weights, saved_modules, other = {}, {}, []
     for key, tensor in tensors.items():
         name = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else None
         kind = next((k for k in ("lora_A", "lora_B") if name is not None and name.endswith(f".{k}.weight")), None)
@@ -85,17 +93,26 @@ def adapter_contents(tensors: dict[str, torch.Tensor], *, source: str
             pairs.setdefault(name.removesuffix(f".{kind}.weight"), {})[kind] = tensor
         elif name is not None and ".base_layer." in name:
             base_weights[name.replace(".base_layer.", ".")] = tensor
+        elif name is not None and ".lora_" not in name and _saved_module(name, modules_to_save or ()):
+            saved_modules[name] = tensor
         else:
             other.append(key)
     if other:
         embedding = " (LoRA on embedding layers is not carried over)" if any("lora_embedding" in k for k in other) else ""
-        raise ValueError(f"{source} holds tensors other than LoRA's A and B of linear layers{embedding}: "
-                         f"{', '.join(sorted(other)[:10])}{' ...' if len(other) > 10 else ''}")
+        raise ValueError(f"{source} holds tensors other than LoRA's A and B of linear layers and the modules_to_save"
+                         f"{embedding}: {', '.join(sorted(other)[:10])}{' ...' if len(other) > 10 else ''}")
     halves = [name for name, pair in pairs.items() if len(pair) != 2]
     if halves:
         raise ValueError(f"{source} holds only one of lora_A and lora_B for {', '.join(sorted(halves)[:10])}: the "
                          "adapter file is damaged")
-    return {name: (pair["lora_A"], pair["lora_B"]) for name, pair in pairs.items()}, base_weights
+    return AdapterContents({name: (pair["lora_A"], pair["lora_B"]) for name, pair in pairs.items()}, base_weights,
+                           saved_modules)
+
+
+def _saved_module(key: str, modules_to_save) -> bool:
+    """Whether a parameter key belongs to a module that ``modules_to_save`` names (PEFT's rule: a name suffix)."""
+    module = key.rsplit(".", 1)[0]
+    return any(module.endswith(name) for name in modules_to_save)
 
 
 def lora_state(layers: dict[str, LoraWeights]) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..models.checkpoint_rules import Transform
 from ..registry import rules_for
-from .remap import hf_to_ours, template_regex
+from .remap import CheckpointKeyError, hf_to_ours, template_regex
 
 
 @dataclass(frozen=True)
@@ -149,15 +149,36 @@ def merge_into(model: nn.Module, loras: dict[str, LoraWeights], *, rslora: bool)
         weight += (lora_scaling(lora.alpha, lora.rank, rslora=rslora) * (B @ A)).to(weight.dtype)
 
 
-@torch.no_grad()
-def load_base_weights(model: nn.Module, hf_weights: dict[str, torch.Tensor], *, source: str) -> None:
-    """Copy base weights an adapter carries (HF keys: an adapted LM head's) over our model's, as PEFT does."""
+def hf_weights_as_ours(model: nn.Module, hf_weights: dict[str, torch.Tensor], *, source: str,
+                       what: str) -> dict[str, torch.Tensor]:
+    """Whole weights an adapter carries (HF keys: an adapted LM head's base weight, ``modules_to_save`` copies),
+    converted to our keys and checked against the model. ``what`` names them in errors."""
+    if not hf_weights:
+        return {}
+    rules = rules_for(model.config)
+    dropped = [key for key in hf_weights if rules.is_ignored(rules.normalize_hf_key(key))]
+    if dropped:
+        raise ValueError(f"{source} holds {what} {', '.join(sorted(dropped))}, which this model does not keep apart "
+                         "(an LM head tied to the embeddings): load it onto a model with an untied head")
+    try:
+        ours = hf_to_ours(hf_weights, rules)
+    except CheckpointKeyError as err:
+        raise ValueError(f"{source} holds {what} that flash-models keeps fused with other layers, so they do not "
+                         f"convert on their own ({err}); merge the adapter into HF's model (merge_and_unload, then "
+                         "save_pretrained) and load that folder with flash_models.from_pretrained") from None
     shapes = weight_shapes(model)
-    for key, tensor in hf_to_ours(hf_weights, rules_for(model.config)).items():
+    for key, tensor in ours.items():
         if shapes.get(key) != tensor.shape:
-            raise ValueError(f"{source} holds {key} (as our model names it) of shape {tuple(tensor.shape)}, but the "
-                             f"model's is {tuple(shapes[key]) if key in shapes else 'absent'}: resize the model's "
-                             "vocabulary as the adapter's was (model.resize_token_embeddings(n)) before loading it")
+            raise ValueError(f"{source} holds {what}: {key} (as our model names it) of shape {tuple(tensor.shape)}, "
+                             f"but the model's is {tuple(shapes[key]) if key in shapes else 'absent'}: resize the "
+                             "model's vocabulary as the adapter's was (model.resize_token_embeddings(n)) first")
+    return ours
+
+
+@torch.no_grad()
+def copy_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy weights (our keys, shapes as the state dict shows them) into the model's parameters."""
+    for key, tensor in weights.items():
         module, name = key.rsplit(".", 1)
         # Through the module (a PEFT layer keeps the original as base_layer), into the real vocabulary's rows.
         getattr(model.get_submodule(module), name)[:tensor.shape[0]].copy_(tensor)

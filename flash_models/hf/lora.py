@@ -19,10 +19,13 @@ import torch
 from torch import nn
 
 from ..checkpoint.adapter_config import check_lora_config, pattern_value, patterns_for, target_names
-from ..checkpoint.adapter_files import adapter_contents, lora_state, read_adapter, resolve_adapter_dir, write_adapter
-from ..checkpoint.lora_layout import (
-    LoraWeights, check_part, fuse, hf_index, linear_targets, load_base_weights, merge_into, split,
+from ..checkpoint.adapter_files import (
+    PEFT_PREFIX, adapter_contents, lora_state, read_adapter, resolve_adapter_dir, write_adapter,
 )
+from ..checkpoint.lora_layout import (
+    LoraWeights, check_part, copy_weights, fuse, hf_index, hf_weights_as_ours, linear_targets, merge_into, split,
+)
+from ..checkpoint.remap import ours_to_hf
 from ..registry import rules_for
 
 if TYPE_CHECKING:
@@ -52,25 +55,34 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
     draws one mask per fused layer where HF draws one per projection.
 
     ``revision``, ``subfolder`` and ``cache_dir``/``local_files_only``/``token``/``force_download`` locate a Hub
-    adapter. Adapters the mapping cannot carry exactly (DoRA, trained biases, ``modules_to_save``, other PEFT
-    methods, LoRA on embeddings) and adapters of another architecture or size are refused with a ValueError
-    saying why and what to do instead.
+    adapter. ``modules_to_save`` copies (the classifier of a ``SEQ_CLS`` adapter) carry over by the family's rules.
+    Adapters the mapping cannot carry exactly (DoRA, trained biases, other PEFT methods, LoRA on embeddings or
+    on an LM head tied to the embeddings) and adapters of another architecture or size are refused with a
+    ValueError saying why and what to do instead.
     """
     import peft
 
     folder = resolve_adapter_dir(adapter, revision=revision, subfolder=subfolder, **download)
+    source = str(folder)
     fields, tensors = read_adapter(folder)
-    check_lora_config(fields, source=str(folder), fix=_MERGE_ON_HF)
+    check_lora_config(fields, source=source, fix=_MERGE_ON_HF)
     rslora = bool(fields.get("use_rslora"))
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
-    loras = _fused_from_hf(base, fields, tensors, source=str(folder))
+    if merge and base is not model:
+        raise ValueError("merge=True adds the adapter to the weights of a plain model, not of a PeftModel: pass "
+                         "model.merge_and_unload() (or the model before PEFT wrapped it)")
+    contents = adapter_contents(tensors, modules_to_save=fields.get("modules_to_save"), source=source)
+    loras = _fused_from_hf(base, fields, contents.loras, source=source)
+    base_weights = hf_weights_as_ours(base, contents.base_weights, source=source, what="base weights of adapted layers")
+    saved = hf_weights_as_ours(base, contents.saved_modules, source=source, what="modules_to_save copies")
+    copy_weights(base, base_weights)  # PEFT loads them over the base model's
     if merge:
-        if base is not model:
-            raise ValueError("merge=True adds the adapter to the weights of a plain model, not of a PeftModel: pass "
-                             "model.merge_and_unload() (or the model before PEFT wrapped it)")
         merge_into(model, loras, rslora=rslora)
+        copy_weights(model, saved)  # a trained copy replaces its module
         return model
-    config = _lora_config_for_ours(base, fields, loras, rslora=rslora, inference_mode=not is_trainable)
+    modules_to_save = sorted({key.rsplit(".", 1)[0] for key in saved}) or None
+    config = _lora_config_for_ours(base, fields, loras, rslora=rslora, modules_to_save=modules_to_save,
+                                   inference_mode=not is_trainable)
     if base is model:
         peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
     else:
@@ -78,9 +90,9 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
             raise ValueError(f"the PeftModel already has an adapter named {adapter_name!r}: pass another adapter_name")
         peft_model = model
         peft_model.add_adapter(adapter_name, config)
-    loaded = peft.set_peft_model_state_dict(peft_model, lora_state(loras), adapter_name=adapter_name)
+    state = {**lora_state(loras), **{PEFT_PREFIX + key: tensor for key, tensor in saved.items()}}
+    loaded = peft.set_peft_model_state_dict(peft_model, state, adapter_name=adapter_name)
     assert not loaded.unexpected_keys, loaded.unexpected_keys
-    assert not [k for k in loaded.missing_keys if f".{adapter_name}." in k and ".lora_" in k], loaded.missing_keys
     return peft_model
 
 
@@ -106,11 +118,11 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
     check_lora_config(fields, source=source, fix=_MERGE_ON_OURS)
     model = peft_model.get_base_model()
     targets = linear_targets(model)
-    state = peft.get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    contents = adapter_contents(peft.get_peft_model_state_dict(peft_model, adapter_name=adapter_name),
+                                modules_to_save=fields["modules_to_save"], source=source)
     layers: dict[str, LoraWeights] = {}
     conv1d = False
-    pairs, _ = adapter_contents(state, source=source)  # PEFT's copy of an adapted LM head's weight: HF's has it
-    for name, (A, B) in sorted(pairs.items()):
+    for name, (A, B) in sorted(contents.loras.items()):
         if name not in targets:
             raise ValueError(f"{source} adapts {name}, which has no HF counterpart that a LoRA maps to: "
                              f"{_MERGE_ON_OURS}")
@@ -119,26 +131,28 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
         conv1d |= targets[name].hf_conv1d
     if not layers:
         raise ValueError(f"{source} adapts no layer")
+    # contents.base_weights (PEFT's copy of an adapted LM head's weight) stay behind: HF's model has its own.
+    saved = ours_to_hf(contents.saved_modules, rules_for(model.config))
     r, rank_pattern = patterns_for({name: lora.rank for name, lora in layers.items()})
     alpha, alpha_pattern = patterns_for({name: lora.alpha for name, lora in layers.items()})
     every = {hf for target in targets.values() for hf in target.hf}
-    # Our module names in the selection settings mean nothing to HF's model: the target names are explicit.
+    # Our module names in the selection settings mean nothing to HF's model: the HF names are explicit.
     fields.update(target_modules=target_names(set(layers), every), exclude_modules=None, layers_to_transform=None,
                   layers_pattern=None, r=r, lora_alpha=alpha, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
                   fan_in_fan_out=conv1d, inference_mode=True,
+                  modules_to_save=sorted({key.rsplit(".", 1)[0] for key in saved}) or None,
                   base_model_name_or_path=base_model_name_or_path or fields["base_model_name_or_path"])
     write_adapter(save_directory, {k: sorted(v) if isinstance(v, set) else v for k, v in fields.items()},
-                  lora_state(layers))
+                  {**lora_state(layers), **{PEFT_PREFIX + key: tensor for key, tensor in saved.items()}})
 
 
-def _fused_from_hf(model: nn.Module, fields: dict, tensors: dict[str, torch.Tensor], *, source: str
-                   ) -> dict[str, LoraWeights]:
-    """Our layers' LoRAs (module name -> weights) from an HF adapter's tensors, checked against the model; base
-    weights the adapter carries are loaded into the model."""
+def _fused_from_hf(model: nn.Module, fields: dict, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
+                   source: str) -> dict[str, LoraWeights]:
+    """Our layers' LoRAs (module name -> weights) from an HF adapter's (HF module name -> (lora_A, lora_B)),
+    checked against the model."""
     rules = rules_for(model.config)
     targets = linear_targets(model)
     index = hf_index(targets)
-    pairs, base_weights = adapter_contents(tensors, source=source)
     parts: dict[str, dict[int, LoraWeights]] = {}
     unknown = []
     for name, (A, B) in sorted(pairs.items()):
@@ -159,13 +173,12 @@ def _fused_from_hf(model: nn.Module, fields: dict, tensors: dict[str, torch.Tens
             "does not keep apart (an LM head tied to the embeddings)")
     if not parts:
         raise ValueError(f"{source} holds no LoRA weights")
-    load_base_weights(model, base_weights, source=source)
     rslora = bool(fields.get("use_rslora"))
     return {name: fuse(targets[name], group, rslora=rslora) for name, group in parts.items()}
 
 
 def _lora_config_for_ours(model: nn.Module, fields: dict, loras: dict[str, LoraWeights], *, rslora: bool,
-                          inference_mode: bool):
+                          modules_to_save: list[str] | None, inference_mode: bool):
     """PEFT's LoraConfig that builds exactly ``loras`` on our module names."""
     import peft
 
@@ -175,5 +188,6 @@ def _lora_config_for_ours(model: nn.Module, fields: dict, loras: dict[str, LoraW
     return peft.LoraConfig(
         task_type=fields.get("task_type"), target_modules=target_names(set(loras), every), r=r, lora_alpha=alpha,
         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, use_rslora=rslora,
-        lora_dropout=fields.get("lora_dropout", 0.0), inference_mode=inference_mode, revision=fields.get("revision"),
+        lora_dropout=fields.get("lora_dropout", 0.0), modules_to_save=modules_to_save, inference_mode=inference_mode,
+        revision=fields.get("revision"),
     )

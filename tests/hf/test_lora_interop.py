@@ -42,20 +42,31 @@ FAMILIES = {
                                          num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5,
                                          hidden_dropout=0.0, attention_dropout=0.0),
         dict(r=4, lora_alpha=12, target_modules=["query_key_value", "dense_4h_to_h"], alpha_pattern={"dense_4h_to_h": 3})),
+    # PEFT's SEQ_CLS task saves the classifier whole (modules_to_save); "dense" names four kinds of layer.
+    "bert_seq_cls": (
+        transformers.BertConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=48, max_position_embeddings=64, num_labels=3,
+                                      architectures=["BertForSequenceClassification"],
+                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        dict(r=4, lora_alpha=8, task_type="SEQ_CLS", target_modules=["query", "value", "dense"],
+             rank_pattern={"intermediate.dense": 2})),
 }
+AUTO_CLASS = {"bert_seq_cls": "AutoModelForSequenceClassification"}  # else AutoModelForCausalLM
 
 
 def hf_model(family: str, seed: int = 0, **config):
     config_class, fields, _ = FAMILIES[family]
-    return random_hf_model(config_class(**{**fields, **config}), seed=seed)
+    return random_hf_model(config_class(**{**fields, **config}), seed=seed,
+                           auto_class=AUTO_CLASS.get(family, "AutoModelForCausalLM"))
 
 
 def random_lora_(model: torch.nn.Module) -> None:
-    """Random nonzero A and B (PEFT's own init leaves B at zero: the adapter would compute nothing)."""
+    """Random nonzero A and B (PEFT's own init leaves B at zero: the adapter would compute nothing), and new
+    values in the trained copies of modules_to_save (PEFT starts them as copies of the base model's)."""
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_" in name:
+            if "lora_" in name or ".modules_to_save." in name:
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
 
 
@@ -129,6 +140,7 @@ OUR_TARGETS = {  # PEFT on our names, with ranks and alphas per module
     "qwen2_bias_rslora": dict(r=4, lora_alpha=4, use_rslora=True, target_modules=["qkv", "gate_up"]),
     "gpt2_conv1d": dict(r=2, lora_alpha=4, target_modules=["qkv", "fc1", "fc2", "out_proj"], rank_pattern={"fc2": 3}),
     "neox_interleaved": dict(r=4, lora_alpha=8, target_modules=["qkv", "fc2"]),
+    "bert_seq_cls": dict(r=2, lora_alpha=4, task_type="SEQ_CLS", target_modules=["qkv", "fc1"]),  # + the classifier
 }
 
 
@@ -216,12 +228,14 @@ def test_non_lora_adapter_is_refused(tmp_path):
 
 @pytest.mark.parametrize("setting, match", [
     (dict(bias="lora_only"), "bias='lora_only' trains the base layers' own biases"),
-    (dict(modules_to_save=["lm_head"], target_modules=["q_proj"]), "modules_to_save=\\['lm_head'\\]"),
+    (dict(modules_to_save=["k_proj"], target_modules=["q_proj"]), "modules_to_save copies that flash-models keeps fused"),
+    (dict(config=dict(tie_word_embeddings=True), modules_to_save=["lm_head"], target_modules=["q_proj"]),
+     "modules_to_save copies lm_head.weight, which this model does not keep apart"),
 ])
 def test_settings_that_do_not_map_are_refused(setting, match, tmp_path):
     hf_adapter("qwen2_bias_rslora", tmp_path / "adapter", **setting)
     with pytest.raises(ValueError, match=match):
-        load_hf_adapter(ours_from_hf(hf_model("qwen2_bias_rslora")), tmp_path / "adapter")
+        load_hf_adapter(ours_from_hf(hf_model("qwen2_bias_rslora", **setting.get("config", {}))), tmp_path / "adapter")
 
 
 def test_adapter_of_another_size_or_architecture_is_refused(tmp_path):
