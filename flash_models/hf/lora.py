@@ -23,7 +23,7 @@ from ..checkpoint.adapter_files import (
     PEFT_PREFIX, adapter_contents, lora_state, read_adapter, resolve_adapter_dir, write_adapter,
 )
 from ..checkpoint.lora_layout import (
-    LoraWeights, check_part, copy_weights, fuse, hf_index, hf_weights_as_ours, linear_targets, merge_into, split,
+    LinearTarget, LoraWeights, check_part, copy_weights, fuse, hf_index, hf_weights_as_ours, linear_targets, merge_into, split,
 )
 from ..checkpoint.remap import ours_to_hf
 from ..registry import rules_for
@@ -72,7 +72,8 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
         raise ValueError("merge=True adds the adapter to the weights of a plain model, not of a PeftModel: pass "
                          "model.merge_and_unload() (or the model before PEFT wrapped it)")
     contents = adapter_contents(tensors, modules_to_save=fields.get("modules_to_save"), source=source)
-    loras = _fused_from_hf(base, fields, contents.loras, source=source)
+    targets = linear_targets(base)
+    loras = _fused_from_hf(base, targets, fields, contents.loras, source=source)
     base_weights = hf_weights_as_ours(base, contents.base_weights, source=source, what="base weights of adapted layers")
     saved = hf_weights_as_ours(base, contents.saved_modules, source=source, what="modules_to_save copies")
     copy_weights(base, base_weights)  # PEFT loads them over the base model's
@@ -81,7 +82,7 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
         copy_weights(model, saved)  # a trained copy replaces its module
         return model
     modules_to_save = sorted({key.rsplit(".", 1)[0] for key in saved}) or None
-    config = _lora_config_for_ours(base, fields, loras, rslora=rslora, modules_to_save=modules_to_save,
+    config = _lora_config_for_ours(set(targets), fields, loras, rslora=rslora, modules_to_save=modules_to_save,
                                    inference_mode=not is_trainable)
     if base is model:
         peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
@@ -146,12 +147,11 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
                   {**lora_state(layers), **{PEFT_PREFIX + key: tensor for key, tensor in saved.items()}})
 
 
-def _fused_from_hf(model: nn.Module, fields: dict, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
-                   source: str) -> dict[str, LoraWeights]:
+def _fused_from_hf(model: nn.Module, targets: dict[str, LinearTarget], fields: dict,
+                   pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], *, source: str) -> dict[str, LoraWeights]:
     """Our layers' LoRAs (module name -> weights) from an HF adapter's (HF module name -> (lora_A, lora_B)),
-    checked against the model."""
+    checked against the model's layers (``targets``)."""
     rules = rules_for(model.config)
-    targets = linear_targets(model)
     index = hf_index(targets)
     parts: dict[str, dict[int, LoraWeights]] = {}
     unknown = []
@@ -177,16 +177,15 @@ def _fused_from_hf(model: nn.Module, fields: dict, pairs: dict[str, tuple[torch.
     return {name: fuse(targets[name], group, rslora=rslora) for name, group in parts.items()}
 
 
-def _lora_config_for_ours(model: nn.Module, fields: dict, loras: dict[str, LoraWeights], *, rslora: bool,
+def _lora_config_for_ours(linears: set[str], fields: dict, loras: dict[str, LoraWeights], *, rslora: bool,
                           modules_to_save: list[str] | None, inference_mode: bool):
-    """PEFT's LoraConfig that builds exactly ``loras`` on our module names."""
+    """PEFT's LoraConfig that builds exactly ``loras`` on our module names (among the model's ``linears``)."""
     import peft
 
     r, rank_pattern = patterns_for({name: lora.rank for name, lora in loras.items()})
     alpha, alpha_pattern = patterns_for({name: lora.alpha for name, lora in loras.items()})
-    every = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     return peft.LoraConfig(
-        task_type=fields.get("task_type"), target_modules=target_names(set(loras), every), r=r, lora_alpha=alpha,
+        task_type=fields.get("task_type"), target_modules=target_names(set(loras), linears), r=r, lora_alpha=alpha,
         rank_pattern=rank_pattern, alpha_pattern=alpha_pattern, use_rslora=rslora,
         lora_dropout=fields.get("lora_dropout", 0.0), modules_to_save=modules_to_save, inference_mode=inference_mode,
         revision=fields.get("revision"),
