@@ -98,7 +98,8 @@ def adapter_contents(tensors: dict[str, torch.Tensor], *, modules_to_save, sourc
         else:
             other.append(key)
     if other:
-        embedding = " (LoRA on embedding layers is not carried over)" if any("lora_embedding" in k for k in other) else ""
+        embedding = any("lora_embedding" in key for key in other)
+        embedding = " (LoRA on embedding layers is not carried over)" if embedding else ""
         raise ValueError(f"{source} holds tensors other than LoRA's A and B of linear layers and the modules_to_save"
                          f"{embedding}: {', '.join(sorted(other)[:10])}{' ...' if len(other) > 10 else ''}")
     halves = [name for name, pair in pairs.items() if len(pair) != 2]

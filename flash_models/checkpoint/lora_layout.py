@@ -98,9 +98,10 @@ def hf_index(targets: dict[str, LinearTarget]) -> dict[str, tuple[LinearTarget, 
 def check_part(target: LinearTarget, part: int, lora: LoraWeights, *, where: str) -> None:
     """An HF part's LoRA must fit the model: A over our layer's inputs, B over the part's rows."""
     rows = target.part_rows[part]
-    if lora.A.dim() != 2 or lora.B.dim() != 2 or lora.A.shape[1] != target.in_features or lora.B.shape != (rows, lora.rank):
+    A, B = tuple(lora.A.shape), tuple(lora.B.shape)
+    if len(A) != 2 or len(B) != 2 or A[1] != target.in_features or B != (rows, A[0]):
         raise ValueError(
-            f"{where}: the LoRA of {target.hf[part]} has lora_A {tuple(lora.A.shape)} and lora_B {tuple(lora.B.shape)}, "
+            f"{where}: the LoRA of {target.hf[part]} has lora_A {A} and lora_B {B}, "
             f"but this model's {target.hf[part]} takes lora_A (r, {target.in_features}) and lora_B ({rows}, r): the "
             "adapter was trained on another architecture or size; load it onto the base model it was trained on "
             "(base_model_name_or_path in adapter_config.json)")
@@ -130,8 +131,8 @@ def fuse(target: LinearTarget, parts: dict[int, LoraWeights], *, rslora: bool) -
 def split(target: LinearTarget, lora: LoraWeights) -> dict[str, LoraWeights]:
     """The LoRA of each HF part of our layer: the shared A and the part's rows of B (same rank and alpha)."""
     if lora.B.shape != (target.out_features, lora.rank) or lora.A.shape[1] != target.in_features:
-        raise ValueError(f"the LoRA of {target.ours} has lora_A {tuple(lora.A.shape)} and lora_B {tuple(lora.B.shape)}, "
-                         f"which do not fit the layer ({target.out_features} x {target.in_features})")
+        raise ValueError(f"the LoRA of {target.ours} has lora_A {tuple(lora.A.shape)} and lora_B "
+                         f"{tuple(lora.B.shape)}, which do not fit the layer ({target.out_features} x {target.in_features})")
     rows = lora.B[:sum(target.part_rows)]  # without the padded vocabulary's rows
     # Each part gets its own copy of A: safetensors refuses tensors that share memory.
     return {hf: LoraWeights(lora.A.clone(), B.contiguous(), lora.alpha)

@@ -23,7 +23,8 @@ from ..checkpoint.adapter_files import (
     PEFT_PREFIX, adapter_contents, lora_state, read_adapter, resolve_adapter_dir, write_adapter,
 )
 from ..checkpoint.lora_layout import (
-    LinearTarget, LoraWeights, check_part, copy_weights, fuse, hf_index, hf_weights_as_ours, linear_targets, merge_into, split,
+    LinearTarget, LoraWeights, check_part, copy_weights, fuse, hf_index, hf_weights_as_ours, linear_targets,
+    merge_into, split,
 )
 from ..checkpoint.remap import ours_to_hf
 from ..registry import rules_for

@@ -17,15 +17,16 @@ from flash_models.testing import max_rel_err, ours_from_hf, random_hf_model
 VOCAB = 97
 TOL = 1e-5
 
-# HF config class and fields, and a PEFT LoraConfig on HF's names: a subset of the projections of a fused layer (k_proj left out),
-# ranks and alphas per module, rsLoRA, Conv1D (GPT-2), heads interleaved in one qkv linear (GPT-NeoX), the
-# untied LM head (its rows padded in our model).
+# HF config class and fields, and a PEFT LoraConfig on HF's names: a subset of the projections of a fused layer
+# (k_proj left out), ranks and alphas per module, rsLoRA, Conv1D (GPT-2), heads interleaved in one qkv linear
+# (GPT-NeoX), the untied LM head (its rows padded in our model).
 FAMILIES = {
     "llama_gqa": (
         transformers.LlamaConfig, dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                        tie_word_embeddings=False),
-        dict(r=4, lora_alpha=8, task_type="CAUSAL_LM", target_modules=["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"],
+        dict(r=4, lora_alpha=8, task_type="CAUSAL_LM",
+             target_modules=["q_proj", "v_proj", "up_proj", "down_proj", "lm_head"],
              rank_pattern={"v_proj": 2, "layers.1.mlp.down_proj": 3}, alpha_pattern={"q_proj": 5, "lm_head": 2})),
     "qwen2_bias_rslora": (
         transformers.Qwen2Config, dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
@@ -41,7 +42,8 @@ FAMILIES = {
         transformers.GPTNeoXConfig, dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5,
                                          hidden_dropout=0.0, attention_dropout=0.0),
-        dict(r=4, lora_alpha=12, target_modules=["query_key_value", "dense_4h_to_h"], alpha_pattern={"dense_4h_to_h": 3})),
+        dict(r=4, lora_alpha=12, target_modules=["query_key_value", "dense_4h_to_h"],
+             alpha_pattern={"dense_4h_to_h": 3})),
     # PEFT's SEQ_CLS task saves the classifier whole (modules_to_save); "dense" names four kinds of layer.
     "bert_seq_cls": (
         transformers.BertConfig, dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -228,7 +230,8 @@ def test_non_lora_adapter_is_refused(tmp_path):
 
 @pytest.mark.parametrize("setting, match", [
     (dict(bias="lora_only"), "bias='lora_only' trains the base layers' own biases"),
-    (dict(modules_to_save=["k_proj"], target_modules=["q_proj"]), "modules_to_save copies that flash-models keeps fused"),
+    (dict(modules_to_save=["k_proj"], target_modules=["q_proj"]),
+     "modules_to_save copies that flash-models keeps fused"),
     (dict(config=dict(tie_word_embeddings=True), modules_to_save=["lm_head"], target_modules=["q_proj"]),
      "modules_to_save copies lm_head.weight, which this model does not keep apart"),
 ])
