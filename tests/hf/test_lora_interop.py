@@ -72,13 +72,14 @@ def random_lora_(model: torch.nn.Module) -> None:
                 param.copy_(0.3 * torch.randn(param.shape, generator=gen))
 
 
-def hf_adapter(family: str, folder, *, seed: int = 0, config: dict | None = None, **overrides):
+def hf_adapter(family: str, folder, *, seed: int = 0, config: dict | None = None, safe_serialization: bool = True,
+               **overrides):
     """A random LoRA adapter on HF's model of ``family`` (its config changed by ``config``), saved by PEFT to
     ``folder``; returns the PeftModel."""
     adapted = peft.get_peft_model(hf_model(family, seed, **(config or {})),
                                   peft.LoraConfig(**{**FAMILIES[family][2], **overrides}))
     random_lora_(adapted)
-    adapted.save_pretrained(folder)
+    adapted.save_pretrained(folder, safe_serialization=safe_serialization)
     return adapted.eval()
 
 
@@ -125,8 +126,10 @@ def test_fused_layers_get_exact_ranks_and_zero_blocks(tmp_path):
 
 
 def test_hf_adapter_on_a_loaded_checkpoint(tmp_path):
-    """The user's path: fm.from_pretrained of HF's saved model, then its adapter folder."""
-    theirs = hf_adapter("qwen2_bias_rslora", tmp_path / "adapter", seed=3)
+    """The user's path: fm.from_pretrained of HF's saved model, then its adapter folder (an older one, with
+    adapter_model.bin)."""
+    theirs = hf_adapter("qwen2_bias_rslora", tmp_path / "adapter", seed=3, safe_serialization=False)
+    assert (tmp_path / "adapter" / "adapter_model.bin").is_file()
     hf_model("qwen2_bias_rslora", seed=3).save_pretrained(tmp_path / "base")
     ids = torch.randint(1, VOCAB, (3, 7))  # no pad token (0): HF's generate would mask it
     ours = load_hf_adapter(fm.from_pretrained(tmp_path / "base"), tmp_path / "adapter", merge=True)
@@ -234,6 +237,7 @@ def test_non_lora_adapter_is_refused(tmp_path):
      "modules_to_save copies that flash-models keeps fused"),
     (dict(config=dict(tie_word_embeddings=True), modules_to_save=["lm_head"], target_modules=["q_proj"]),
      "modules_to_save copies lm_head.weight, which this model does not keep apart"),
+    (dict(target_modules=["embed_tokens", "q_proj"]), "LoRA on embedding layers is not carried over"),
 ])
 def test_settings_that_do_not_map_are_refused(setting, match, tmp_path):
     hf_adapter("qwen2_bias_rslora", tmp_path / "adapter", **setting)
