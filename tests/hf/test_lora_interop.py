@@ -12,7 +12,10 @@ import transformers
 
 import flash_models as fm
 from flash_models.hf.lora import load_hf_adapter, save_hf_adapter
+from flash_models.registry import get_family, get_preset
 from flash_models.testing import max_rel_err, ours_from_hf, random_hf_model
+from tests.models.test_contract import one_preset_per_family
+from tests.models.test_family_parity import inputs_for, real_tokens, tiny_hf_config
 
 VOCAB = 97
 TOL = 1e-5
@@ -212,6 +215,31 @@ def test_save_keeps_other_files_and_replaces_the_adapter(tmp_path):
     save_hf_adapter(ours, target)
     assert sorted(p.name for p in target.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert (target / "README.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name", one_preset_per_family())
+def test_every_family_carries_all_linear_adapters_both_ways(name, tmp_path):
+    """Registry-driven: for each family's first preset at its test size, a LoRA on every linear layer of HF's
+    model loads onto ours (merged and not), and one on every linear layer of ours loads onto HF's."""
+    auto_class = get_family(get_preset(name).model_type).hf_auto_class
+    hf = lambda: random_hf_model(tiny_hf_config(name), seed=1, auto_class=auto_class, attn_implementation="eager")  # noqa: E731
+    inputs, (field, *_) = inputs_for(auto_class, tiny_hf_config(name), seed=2)
+
+    def out(model):
+        with torch.no_grad():
+            return real_tokens(getattr(model(**inputs), field), inputs)
+
+    every_linear = dict(r=3, lora_alpha=5, target_modules="all-linear", init_lora_weights=False)  # B random too
+    theirs = peft.get_peft_model(hf(), peft.LoraConfig(**every_linear)).eval()
+    theirs.save_pretrained(tmp_path / "hf")
+    expected = out(theirs)
+    assert max_rel_err(out(hf()), expected) > 1e-2
+    assert max_rel_err(out(load_hf_adapter(ours_from_hf(hf()), tmp_path / "hf", merge=True)), expected) < TOL
+    assert max_rel_err(out(load_hf_adapter(ours_from_hf(hf()), tmp_path / "hf")), expected) < TOL
+
+    ours = peft.get_peft_model(ours_from_hf(hf()), peft.LoraConfig(**every_linear)).eval()
+    save_hf_adapter(ours, tmp_path / "ours")
+    assert max_rel_err(out(peft.PeftModel.from_pretrained(hf(), tmp_path / "ours").eval()), out(ours)) < TOL
 
 
 # ------------------------------------------------------------------------------------------------------------
