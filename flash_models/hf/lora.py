@@ -27,6 +27,7 @@ from ..checkpoint.lora_layout import (
     merge_into, split,
 )
 from ..checkpoint.remap import ours_to_hf
+from ..models.hf_protocol import HFModelProtocol
 from ..registry import rules_for
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
     check_lora_config(fields, source=source, fix=_MERGE_ON_HF)
     rslora = bool(fields.get("use_rslora"))
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    if not isinstance(base, HFModelProtocol):
+        raise ValueError(f"load_hf_adapter loads onto a flash-models model (flash_models.from_pretrained), got "
+                         f"{type(base).__name__}: for transformers' own model use peft.PeftModel.from_pretrained")
     if merge and base is not model:
         raise ValueError("merge=True adds the adapter to the weights of a plain model, not of a PeftModel: pass "
                          "model.merge_and_unload() (or the model before PEFT wrapped it)")
@@ -115,10 +119,13 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
                          f"model, LoraConfig(target_modules=['qkv', 'down']))), got {type(peft_model).__name__}")
     if adapter_name not in peft_model.peft_config:
         raise ValueError(f"the PeftModel has no adapter {adapter_name!r}; it has {sorted(peft_model.peft_config)}")
+    model = peft_model.get_base_model()
+    if not isinstance(model, HFModelProtocol):
+        raise ValueError(f"save_hf_adapter saves adapters of flash-models models; this PeftModel wraps "
+                         f"{type(model).__name__}, whose adapter peft_model.save_pretrained already writes in its layout")
     fields = peft_model.peft_config[adapter_name].to_dict()
     source = f"adapter {adapter_name!r}"
     check_lora_config(fields, source=source, fix=_MERGE_ON_OURS)
-    model = peft_model.get_base_model()
     targets = linear_targets(model)
     contents = adapter_contents(peft.get_peft_model_state_dict(peft_model, adapter_name=adapter_name),
                                 modules_to_save=fields["modules_to_save"], source=source)

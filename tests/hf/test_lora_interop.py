@@ -289,6 +289,32 @@ def test_tied_lm_head_adapter_is_refused(tmp_path):
         load_hf_adapter(ours_from_hf(hf_model("llama_gqa", tie_word_embeddings=True)), tmp_path / "head")
 
 
+def test_adapter_from_the_hub_cache(tmp_path):
+    """A Hub repo id resolves through huggingface_hub (here offline, from a cache laid out as it lays one out)."""
+    theirs = hf_adapter("gpt2_conv1d", tmp_path / "adapter")
+    snapshot = tmp_path / "cache" / "models--someone--gpt2-lora" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (snapshot / name).write_bytes((tmp_path / "adapter" / name).read_bytes())
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    ours = load_hf_adapter(ours_from_hf(hf_model("gpt2_conv1d")), "someone/gpt2-lora", merge=True,
+                           cache_dir=tmp_path / "cache", local_files_only=True)
+    assert max_rel_err(logits(ours, ids), logits(theirs, ids)) < TOL
+    with pytest.raises(ValueError, match="someone/other.*not in the local HF cache"):
+        load_hf_adapter(ours, "someone/other", cache_dir=tmp_path / "cache", local_files_only=True)
+
+
+def test_models_other_than_ours_are_refused(tmp_path):
+    hf_adapter("llama_gqa", tmp_path / "adapter")
+    with pytest.raises(ValueError, match="onto a flash-models model .* use peft.PeftModel.from_pretrained"):
+        load_hf_adapter(hf_model("llama_gqa"), tmp_path / "adapter")
+    theirs = peft.get_peft_model(hf_model("llama_gqa"), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="wraps LlamaForCausalLM, whose adapter peft_model.save_pretrained"):
+        save_hf_adapter(theirs, tmp_path / "x")
+
+
 def test_missing_or_incomplete_folder_is_refused(tmp_path):
     model = ours_from_hf(hf_model("llama_gqa"))
     with pytest.raises(FileNotFoundError, match="no adapter folder there"):
