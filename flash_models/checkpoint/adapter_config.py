@@ -30,8 +30,9 @@ def check_lora_config(fields: dict, *, source: str, fix: str) -> None:
     method, or a LoRA setting beyond plain low-rank deltas on linear layers."""
     kind = fields.get("peft_type")
     if kind != "LORA":
-        raise ValueError(f"{source} is a {kind} adapter (peft_type), not LoRA: only LoRA adapters map between HF's "
-                         f"module layout and flash-models' fused one; {fix}")
+        what = f"is a {kind} adapter (peft_type)" if kind else "names no peft_type"
+        raise ValueError(f"{source} {what}, not LoRA: only LoRA adapters map between HF's module layout and "
+                         f"flash-models' fused one; {fix}")
     for name, value in fields.items():
         if name in _NEUTRAL or value in (None, False, {}, [], "none"):
             continue
