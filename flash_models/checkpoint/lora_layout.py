@@ -82,11 +82,11 @@ def linear_targets(model: nn.Module) -> dict[str, LinearTarget]:
 def weight_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """Our parameters' shapes as the state dict shows them (the real vocabulary rows, without the padding), also
     with PEFT's layers in the model: a LoRA layer keeps the original layer as ``base_layer`` next to its
-    ``lora_*`` tensors."""
+    ``lora_*`` tensors, a ``modules_to_save`` wrapper keeps it as ``original_module`` next to the trained copies."""
     shapes = {}
     for key, tensor in model.state_dict().items():
-        if ".lora_" not in key:
-            shapes[key.replace(".base_layer.", ".")] = tensor.shape
+        if ".lora_" not in key and ".modules_to_save." not in key:
+            shapes[key.replace(".base_layer.", ".").replace(".original_module.", ".")] = tensor.shape
     return shapes
 
 

@@ -76,6 +76,8 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
     if merge and base is not model:
         raise ValueError("merge=True adds the adapter to the weights of a plain model, not of a PeftModel: pass "
                          "model.merge_and_unload() (or the model before PEFT wrapped it)")
+    if base is not model and adapter_name in model.peft_config:
+        raise ValueError(f"the PeftModel already has an adapter named {adapter_name!r}: pass another adapter_name")
     contents = adapter_contents(tensors, modules_to_save=fields.get("modules_to_save"), source=source)
     targets = linear_targets(base)
     loras = _fused_from_hf(base, targets, fields, contents.loras, source=source)
@@ -92,8 +94,6 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
     if base is model:
         peft_model = peft.get_peft_model(model, config, adapter_name=adapter_name)
     else:
-        if adapter_name in model.peft_config:
-            raise ValueError(f"the PeftModel already has an adapter named {adapter_name!r}: pass another adapter_name")
         peft_model = model
         peft_model.add_adapter(adapter_name, config)
     state = {**lora_state(loras), **{PEFT_PREFIX + key: tensor for key, tensor in saved.items()}}
