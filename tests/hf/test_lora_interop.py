@@ -193,13 +193,16 @@ def test_loaded_adapter_trains_only_its_lora_weights(tmp_path):
 
 
 def test_second_adapter_added_to_a_peft_model(tmp_path):
-    hf_adapter("gpt2_conv1d", tmp_path / "a", seed=0)
-    other = hf_adapter("gpt2_conv1d", tmp_path / "b", seed=0, target_modules=["c_attn"], layers_to_transform=None)
-    adapted = load_hf_adapter(ours_from_hf(hf_model("gpt2_conv1d")), tmp_path / "a")
+    """Into a PeftModel whose layers PEFT has wrapped already (LoRA layers, the classifier's modules_to_save)."""
+    first = hf_adapter("bert_seq_cls", tmp_path / "a", seed=0)
+    other = hf_adapter("bert_seq_cls", tmp_path / "b", seed=0, target_modules=["query"], rank_pattern={})
+    adapted = load_hf_adapter(ours_from_hf(hf_model("bert_seq_cls")), tmp_path / "a")
     assert load_hf_adapter(adapted, tmp_path / "b", adapter_name="b") is adapted
-    adapted.set_adapter("b")
     ids = torch.randint(0, VOCAB, (2, 6))
+    assert max_rel_err(logits(adapted, ids), logits(first, ids)) < TOL
+    adapted.set_adapter("b")
     assert max_rel_err(logits(adapted, ids), logits(other, ids)) < TOL
+    assert max_rel_err(logits(other, ids), logits(first, ids)) > 1e-2
     with pytest.raises(ValueError, match="already has an adapter named 'b'"):
         load_hf_adapter(adapted, tmp_path / "b", adapter_name="b")
     with pytest.raises(ValueError, match="merge=True .* not of a PeftModel"):
