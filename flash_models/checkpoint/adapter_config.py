@@ -20,9 +20,12 @@ _NEUTRAL = frozenset({
 _WHY = {
     "use_dora": "DoRA (use_dora=True) rescales each output row of the whole weight by a learned magnitude, which "
                 "does not split or fuse with the projections (q_proj/k_proj/v_proj are one qkv layer in flash-models)",
-    "bias": "bias={value!r} trains the base layers' own biases, which the adapter then carries as full tensors",
+    "bias": "bias={value!r} trains the base layers' own biases, which the adapter carries as whole tensors",
     "lora_bias": "lora_bias=True gives lora_B a bias",
 }
+
+
+_ONLY_LORA = "Only plain LoRA on linear layers maps between HF's module layout and flash-models' fused one"
 
 
 def check_lora_config(fields: dict, *, source: str, fix: str) -> None:
@@ -30,15 +33,13 @@ def check_lora_config(fields: dict, *, source: str, fix: str) -> None:
     method, or a LoRA setting beyond plain low-rank deltas on linear layers."""
     kind = fields.get("peft_type")
     if kind != "LORA":
-        what = f"is a {kind} adapter (peft_type)" if kind else "names no peft_type"
-        raise ValueError(f"{source} {what}, not LoRA: only LoRA adapters map between HF's module layout and "
-                         f"flash-models' fused one; {fix}")
+        what = f"is a PEFT {kind} adapter (peft_type), not LoRA" if kind else "names no peft_type"
+        raise ValueError(f"{source} {what}. {_ONLY_LORA}: {fix}")
     for name, value in fields.items():
         if name in _NEUTRAL or value in (None, False, {}, [], "none"):
             continue
         why = _WHY[name].format(value=value) if name in _WHY else f"{name}={value!r} is a PEFT feature"
-        raise ValueError(f"{source}: {why}, which the mapping between HF's module layout and flash-models' fused one "
-                         f"does not carry over; {fix}")
+        raise ValueError(f"{source}: {why}. {_ONLY_LORA}: {fix}")
 
 
 def pattern_value(patterns: dict, name: str, default):

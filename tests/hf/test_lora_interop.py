@@ -260,7 +260,7 @@ def test_non_lora_adapter_is_refused(tmp_path):
     ia3 = peft.get_peft_model(hf_model("llama_gqa"), peft.IA3Config(target_modules=["k_proj", "down_proj"],
                                                                     feedforward_modules=["down_proj"]))
     ia3.save_pretrained(tmp_path / "ia3")
-    with pytest.raises(ValueError, match="is a IA3 adapter .*not LoRA"):
+    with pytest.raises(ValueError, match="is a PEFT IA3 adapter .*not LoRA.*merge_and_unload"):
         load_hf_adapter(ours_from_hf(hf_model("llama_gqa")), tmp_path / "ia3")
 
 
