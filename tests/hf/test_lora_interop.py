@@ -280,10 +280,10 @@ def test_settings_that_do_not_map_are_refused(setting, match, tmp_path):
 
 def test_adapter_of_another_size_or_architecture_is_refused(tmp_path):
     hf_adapter("llama_gqa", tmp_path / "llama")
-    wider = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     with pytest.raises(ValueError, match=r"lora_A \(4, 32\).*takes lora_A \(r, 64\).*another architecture or size"):
-        load_hf_adapter(ours_from_hf(random_hf_model(wider)), tmp_path / "llama")
+        load_hf_adapter(ours_from_hf(hf_model("llama_gqa", hidden_size=64)), tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"adapts model\.layers\.1\..*no linear layer for.*architecture or depth"):
+        load_hf_adapter(ours_from_hf(hf_model("llama_gqa", num_hidden_layers=1)), tmp_path / "llama")
     with pytest.raises(ValueError, match=r"adapts .*q_proj.*which this gpt2 model has no linear layer for"):
         load_hf_adapter(ours_from_hf(hf_model("gpt2_conv1d")), tmp_path / "llama")
 
