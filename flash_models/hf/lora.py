@@ -12,6 +12,7 @@ family's checkpoint rules and is exact (``flash_models.checkpoint.lora_layout``)
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,7 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
     ``adapter_config.json`` and ``adapter_model.safetensors``) onto ``model``, our model of the same checkpoint.
 
     ``merge=True`` adds the adapter to the weights and returns ``model`` itself: the fused kernels, ``generate``
-    and ``save_pretrained`` see a plain model. Otherwise the result is a ``peft.PeftModel`` over ``model`` whose
+    and ``save_pretrained`` see a plain model (PEFT need not be installed for this). Otherwise the result is a ``peft.PeftModel`` over ``model`` whose
     LoRA layers sit on our fused projections (q_proj and v_proj become one LoRA on ``qkv`` of the summed rank,
     block-structured, with per-layer ``rank_pattern``/``alpha_pattern`` so the result is exact), with PEFT's whole
     API (``merge_and_unload``, ``disable_adapter``, ``save_pretrained`` in our layout, ``save_hf_adapter`` in
@@ -62,14 +63,12 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
     on an LM head tied to the embeddings) and adapters of another architecture or size are refused with a
     ValueError saying why and what to do instead.
     """
-    import peft
-
     folder = resolve_adapter_dir(adapter, revision=revision, subfolder=subfolder, **download)
     source = str(folder)
     fields, tensors = read_adapter(folder)
     check_lora_config(fields, source=source, fix=_MERGE_ON_HF)
     rslora = bool(fields.get("use_rslora"))
-    base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
+    base = model.get_base_model() if _is_peft_model(model) else model
     if not isinstance(base, HFModelProtocol):
         raise ValueError(f"load_hf_adapter loads onto a flash-models model (flash_models.from_pretrained), got "
                          f"{type(base).__name__}: for transformers' own model use peft.PeftModel.from_pretrained")
@@ -88,6 +87,8 @@ def load_hf_adapter(model: nn.Module, adapter: str | Path, *, merge: bool = Fals
         merge_into(model, loras, rslora=rslora)
         copy_weights(model, saved)  # a trained copy replaces its module
         return model
+    import peft
+
     modules_to_save = sorted({key.rsplit(".", 1)[0] for key in saved}) or None
     config = _lora_config_for_ours(set(targets), fields, loras, rslora=rslora, modules_to_save=modules_to_save,
                                    inference_mode=not is_trainable)
@@ -153,6 +154,13 @@ def save_hf_adapter(peft_model: peft.PeftModel, save_directory: str | Path, *, a
                   base_model_name_or_path=base_model_name_or_path or fields["base_model_name_or_path"])
     write_adapter(save_directory, {k: sorted(v) if isinstance(v, set) else v for k, v in fields.items()},
                   {**lora_state(layers), **{PEFT_PREFIX + key: tensor for key, tensor in saved.items()}})
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel``, without importing PEFT (merging needs none): a PeftModel exists
+    only once PEFT is imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def _fused_from_hf(model: nn.Module, targets: dict[str, LinearTarget], fields: dict,

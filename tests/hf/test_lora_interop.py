@@ -4,6 +4,7 @@ HF's layout for PeftModel.from_pretrained on transformers' model. Every check co
 
 import copy
 import json
+import sys
 
 import peft
 import pytest
@@ -142,6 +143,16 @@ def test_hf_adapter_on_a_loaded_checkpoint(tmp_path):
     assert max_rel_err(logits(ours, ids), logits(theirs, ids)) < TOL
     assert torch.equal(ours.generate(ids, **kw, eos_token_id=[]),
                        theirs.generate(input_ids=ids, **kw, eos_token_id=None, pad_token_id=0))
+
+
+def test_merging_needs_no_peft(tmp_path, monkeypatch):
+    theirs = hf_adapter("llama_gqa", tmp_path / "adapter")
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails from here on
+    merged = load_hf_adapter(ours_from_hf(hf_model("llama_gqa")), tmp_path / "adapter", merge=True)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    assert max_rel_err(logits(merged, ids), logits(theirs, ids)) < TOL
+    with pytest.raises(ImportError):
+        load_hf_adapter(ours_from_hf(hf_model("llama_gqa")), tmp_path / "adapter")
 
 
 OUR_TARGETS = {  # PEFT on our names, with ranks and alphas per module
