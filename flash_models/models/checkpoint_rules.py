@@ -23,11 +23,22 @@ class Transform:
     name: str
     to_ours: Callable[[Tensors], torch.Tensor]
     to_hf: Callable[[torch.Tensor], Tensors]
+    # What the map does to a weight read as nn.Linear's (out_features, in_features), the orientation LoRA's
+    # matrices are kept in (PEFT stores A (r, in) and B (out, r) for HF's Conv1D too): "rows" when it only moves
+    # or groups output rows, so it maps LoRA's B and every part shares the inputs (A); "transposed" when it only
+    # turns HF's (in, out) storage into ours, so LoRA's matrices map unchanged; "" when it mixes inputs, which no
+    # LoRA mapping survives (``flash_models.checkpoint.lora_layout``).
+    linear_view: str = ""
+
+    def on_linear_rows(self) -> Transform | None:
+        """The map on the parts' LoRA B matrices (their output rows), or None when a LoRA cannot be carried over."""
+        return {"rows": self, "transposed": IDENTITY}.get(self.linear_view)
 
 
-IDENTITY = Transform("identity", lambda parts: parts[0], lambda t: [t])
+IDENTITY = Transform("identity", lambda parts: parts[0], lambda t: [t], linear_view="rows")
 # HF's GPT-2 stores linear weights as Conv1D (in_features, out_features).
-TRANSPOSE = Transform("conv1d_transpose", lambda parts: parts[0].t().contiguous(), lambda t: [t.t().contiguous()])
+TRANSPOSE = Transform("conv1d_transpose", lambda parts: parts[0].t().contiguous(), lambda t: [t.t().contiguous()],
+                      linear_view="transposed")
 
 
 def concat(sizes: tuple[int, ...], *, dim: int = 0, name: str = "concat") -> Transform:
@@ -36,15 +47,18 @@ def concat(sizes: tuple[int, ...], *, dim: int = 0, name: str = "concat") -> Tra
         f"{name}{sizes}",
         lambda parts: torch.cat(parts, dim=dim),
         lambda t: [p.contiguous() for p in torch.split(t, list(sizes), dim=dim)],
+        linear_view="rows" if dim == 0 else "",
     )
 
 
 def then(first: Transform, second: Transform) -> Transform:
-    """Apply ``first`` to the parts, then ``second`` to the single result (and the reverse on the way back)."""
+    """Apply ``first`` to the parts, then ``second`` to the single result (and the reverse on the way back).
+    It moves only rows when both do; a transpose composed with another map is not worked out for LoRA."""
     return Transform(
         f"{first.name}+{second.name}",
         lambda parts: second.to_ours([first.to_ours(parts)]),
         lambda t: first.to_hf(second.to_hf(t)[0]),
+        linear_view="rows" if first.linear_view == second.linear_view == "rows" else "",
     )
 
 

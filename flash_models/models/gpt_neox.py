@@ -111,7 +111,7 @@ def _heads_interleaved_qkv(num_heads: int) -> Transform:
     def to_hf(t):
         return [t.reshape(3, num_heads, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape).contiguous()]
 
-    return Transform(f"neox_qkv(heads={num_heads})", to_ours, to_hf)
+    return Transform(f"neox_qkv(heads={num_heads})", to_ours, to_hf, linear_view="rows")
 
 
 def gpt_neox_rules(config: GPTNeoXConfig) -> RuleSet:
