@@ -147,15 +147,18 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
     def new_kv_cache(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, block_size: int | None = None,
-        num_blocks: int | None = None,
+        num_blocks: int | None = None, growable: bool = False,
     ) -> KVCache:
         """A static KV cache for ``batch_size`` rows of up to ``max_len`` tokens; with ``block_size`` a paged
-        one whose blocks (``num_blocks`` in all, default enough for every row) are handed out as it grows."""
+        one whose blocks (``num_blocks`` in all, default enough for every row) are handed out as it grows.
+        ``growable=True``: the forward enlarges it when new tokens would not fit (what ``use_cache=True`` makes)."""
         att = self.decoder_config.attention
         shape = dict(num_layers=len(self.blocks), batch_size=batch_size, max_len=max_len, num_kv_heads=att.num_kv_heads,
                      head_dim=att.head_dim, dtype=dtype or self.dtype, device=self.device)
         if block_size is None:
-            return KVCache(**shape)
+            return KVCache(**shape, growable=growable)
+        if growable:
+            raise ValueError("a paged cache (block_size) grows by its blocks: growable=True is for the static cache")
         return PagedKVCache(**shape, block_size=block_size, num_blocks=num_blocks)
 
     # ----------------------------------------------------------------------------------------------------
@@ -211,7 +214,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
             raise ValueError(f"logits_to_keep must be an int >= 0 (0: every position), got {logits_to_keep!r}")
         if logits_to_keep and labels is not None:
             raise ValueError("logits_to_keep computes only the last positions' logits: it cannot go with labels")
-        kv_cache = cache_argument(hf_kwargs.pop("past_key_values", None), kv_cache)
+        kv_cache = cache_argument(hf_kwargs, kv_cache)
+        if (kv_cache is None and hf_kwargs.get("use_cache") is True and labels is None and cu_seqlens is None
+                and not (self.training and torch.is_grad_enabled())):
+            # HF's decode loop: out.past_key_values carries the cache to the next call, which grows it as needed.
+            kv_cache = self.new_kv_cache(B, S, growable=True)
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs)
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
@@ -312,6 +319,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
                                  "row's real tokens compacted, so positions count real tokens")
             if kv_cache.batch_size != B:
                 raise ValueError(f"KV cache batch {kv_cache.batch_size} != input batch {B}")
+            kv_cache.make_room(S)
             new_mask = attention_mask[:, -S:] if attention_mask is not None else None
             mask = build_cached_attention_mask(new_mask, kv_cache, q_len=S, sliding_window=window)
             derived, needed = mask.cache_slots, kv_cache.upper_bound + S

@@ -33,7 +33,7 @@ class ModelConfig:
         object.__setattr__(self, "typed", typed)
         object.__setattr__(self, "_hf", None)
         object.__setattr__(self, "_settings", {
-            "use_cache": True,  # HF's default; our forward keeps no cache unless given one (generate does)
+            "use_cache": True,  # HF's default, for the trainers that read it; the forward keeps a cache only when a call passes use_cache=True
             "_name_or_path": "",
             "architectures": [architecture],
             "keys_to_ignore_at_inference": list(NOT_PREDICTIONS),

@@ -196,8 +196,7 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
     - Otherwise one row (1, S) without an attention mask or cache whose ``position_ids`` restart: each restart
       begins a document (HF's rule for packed rows: a position that does not follow its predecessor), as HF's
       own models read them. This reads the positions on the host.
-    - ``use_cache`` is accepted and has no effect: the forward keeps a cache only when given one (``kv_cache`` or
-      ``past_key_values``, see ``cache_argument``).
+    - ``use_cache`` is read by the forward (True outside training: a cache that grows, as HF's); not here.
     Unknown names raise (HF's call flags are dropped before, by ``accepts_hf_flags`` on the forward)."""
     kwargs = dict(hf_kwargs)
     kwargs.pop("use_cache", None)
@@ -219,17 +218,19 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
     return cu_seqlens
 
 
-def cache_argument(past_key_values, kv_cache):
-    """The KV cache of a causal LM call given HF's ``past_key_values`` (ours: the KVCache a previous call returned
-    as ``out.past_key_values``) and/or our ``kv_cache``. HF's own cache objects and tuples are refused."""
-    if past_key_values is None:
-        return kv_cache
-    if not isinstance(past_key_values, KVCache):
-        raise ValueError(f"past_key_values must be a flash-models KVCache, got {type(past_key_values).__name__}: "
-                         f"{NO_CACHE}")
-    if kv_cache is not None and kv_cache is not past_key_values:
-        raise ValueError("pass the cache once: past_key_values or kv_cache, not two different caches")
-    return past_key_values
+def cache_argument(hf_kwargs: dict, kv_cache):
+    """The KV cache of a causal LM call given our ``kv_cache`` and/or HF's name for it, popped from ``hf_kwargs``:
+    ``cache`` (transformers 5.24 on) or ``past_key_values`` (ours: the KVCache a previous call returned as
+    ``out.cache`` / ``out.past_key_values``). HF's own cache objects and tuples are refused."""
+    given = {name: hf_kwargs.pop(name) for name in ("cache", "past_key_values") if hf_kwargs.get(name) is not None}
+    for name, cache in given.items():
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"{name} must be a flash-models KVCache, got {type(cache).__name__}: {NO_CACHE}")
+    caches = {id(c): c for c in (*given.values(), kv_cache) if c is not None}
+    if len(caches) > 1:
+        raise ValueError(f"pass the cache once: {', '.join(given)}{' and kv_cache' if kv_cache is not None else ''} "
+                         "name different caches")
+    return next(iter(caches.values()), None)
 
 
 def accepts_hf_flags(forward):

@@ -105,17 +105,24 @@ class CausalLMOutput(ModelOutput):
     kv_cache: object | None = None  # modules.KVCache of a forward that was given one
 
     @property
-    def past_key_values(self):
-        """HF's name for the cache: the KVCache this forward was given (``kv_cache=`` or ``past_key_values=``)."""
+    def cache(self):
+        """HF's name for the cache (transformers 5.24 on): the KVCache this forward kept (``kv_cache=``, ``cache=``,
+        ``past_key_values=`` or ``use_cache=True``)."""
         if self.kv_cache is None:
             raise AttributeError(NO_CACHE)
         return self.kv_cache
 
+    @property
+    def past_key_values(self):
+        """HF's earlier name for ``cache``."""
+        return self.cache
 
-# Why a forward returned no cache, and how to keep one (HF's models return one whenever use_cache is on).
-NO_CACHE = ("flash-models models keep a KV cache only when given one: cache = model.new_kv_cache(batch_size, max_len); "
-            "out = model(ids, past_key_values=cache) (or kv_cache=cache); then out.past_key_values is that cache, to pass "
-            "to the next call with the new tokens only. model.generate(...) does all of this")
+
+# Why a forward returned no cache, and how to keep one.
+NO_CACHE = ("this forward kept no KV cache: pass use_cache=True (outside training, without labels) for one that grows, "
+            "or cache = model.new_kv_cache(batch_size, max_len) and out = model(ids, past_key_values=cache); then "
+            "out.past_key_values is the cache, to pass to the next call with the new tokens only. model.generate(...) "
+            "does all of this")
 
 
 @dataclass

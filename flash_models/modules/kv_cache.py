@@ -17,8 +17,10 @@ from flash_kernels.kv_append import cache_locations
 class KVCache:
     def __init__(
         self, *, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, growable: bool = False,
     ):
+        """``growable``: a model's forward may enlarge the cache when new tokens would not fit (``grow``), as HF's
+        dynamic cache grows; generate's caches are fixed, since its CUDA graphs read their tensors in place."""
         shape = (batch_size, max_len, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -26,6 +28,7 @@ class KVCache:
         self.max_len = max_len
         self.upper_bound = 0  # host-side bound on seqlens.max() (no device sync needed to check room)
         self.block_table: torch.Tensor | None = None  # paged caches only (see paged_kv_cache.py)
+        self.growable = growable
 
     @property
     def batch_size(self) -> int:
@@ -47,6 +50,24 @@ class KVCache:
                 f"{self.max_len}; allocate a larger cache (max_len) or generate fewer tokens"
             )
         self.upper_bound += new_tokens
+
+    def make_room(self, new_tokens: int) -> None:
+        """A growable cache too short for ``new_tokens`` more per row grows to twice what it then needs (a loop
+        that feeds one token a call copies the cache a logarithmic number of times); others are left as they
+        are (``reserve`` refuses what does not fit)."""
+        needed = self.upper_bound + new_tokens
+        if self.growable and needed > self.max_len:
+            self.grow(2 * needed)
+
+    def grow(self, max_len: int) -> None:
+        """Enlarge every layer's tensors to ``max_len`` positions, keeping what they hold."""
+        if max_len <= self.max_len:
+            return
+        for tensors in (self.k, self.v):
+            for i, old in enumerate(tensors):
+                tensors[i] = old.new_zeros(old.shape[0], max_len, *old.shape[2:])
+                tensors[i][:, :self.max_len] = old
+        self.max_len = max_len
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, real: torch.Tensor | None,
               *, backend: str) -> None:

@@ -151,9 +151,36 @@ def test_an_hf_style_decode_loop_with_past_key_values():
             out = ours(token, attention_mask=mask, past_key_values=out.past_key_values)
             theirs = hf(token, attention_mask=mask, past_key_values=theirs.past_key_values, use_cache=True)
             torch.testing.assert_close(out.logits[1], theirs.logits[1], rtol=1e-4, atol=1e-4)
-        plain = ours(ids, use_cache=True)
-        assert getattr(plain, "past_key_values", None) is None
-        with pytest.raises(AttributeError, match="new_kv_cache"):
+        plain = ours(ids)
+        assert getattr(plain, "past_key_values", None) is None and getattr(plain, "cache", None) is None
+        with pytest.raises(AttributeError, match="use_cache=True"):
             plain.past_key_values
         with pytest.raises(ValueError, match="past_key_values must be a flash-models KVCache, got DynamicCache"):
             ours(ids, past_key_values=theirs.past_key_values)
+
+
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_use_cache_keeps_a_cache_that_grows(name):
+    """HF's loop with ``use_cache=True`` and nothing else: the first call makes the cache, each later call passes
+    it back (as ``past_key_values`` or transformers' newer ``cache``) with the next token alone, past the length
+    the cache was made for; the greedy tokens are HF's own loop's."""
+    hf = random_hf_model(tiny_llama_config(), seed=4)
+    ours = ours_from_hf(hf).eval()
+    ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
+
+    def greedy(model, steps=20):
+        out, tokens = model(ids, use_cache=True), []
+        for _ in range(steps):
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+            out = model(tokens[-1], use_cache=True, **{name: getattr(out, name)})
+        return torch.cat(tokens, 1), getattr(out, name)
+
+    with torch.no_grad():
+        want, _ = greedy(hf)
+        got, cache = greedy(ours)
+    assert torch.equal(got, want)
+    assert cache.growable and cache.max_len >= 5 + 20 and cache.upper_bound == 5 + 20
+    with pytest.raises(ValueError, match="pass the cache once"):
+        ours(ids[:, :1], past_key_values=cache, cache=ours.new_kv_cache(batch_size=2, max_len=8))
+    ours.train()
+    assert getattr(ours(ids, use_cache=True), "cache", None) is None  # a training forward keeps none
