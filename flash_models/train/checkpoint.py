@@ -55,9 +55,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def _model_and_optim_state(model, optimizer, dist_state: DistState, *, plain_optimizer: bool) -> tuple[dict, dict]:
-    if dist_state.strategy == "none":
-        return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    if dist_state.strategy == "none":
+        # Keyed by parameter name (as the distributed strategies' full state is), not by position: a
+        # single-process checkpoint then resumes under DDP or FSDP too. (fp32 master copies have no names.)
+        return model.state_dict(), optimizer.state_dict() if plain_optimizer else get_optimizer_state_dict(model, optimizer)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
@@ -220,12 +223,22 @@ def check_resumed_config(saved: dict | None, current: dict, *, saved_world: int 
     if "train.precision" in changed and "bf16" in (old.get("train.precision"), new.get("train.precision")):
         raise ValueError(f"{path} was written with {values(['train.precision'])}: pure bf16 keeps fp32 master weights "
                          "the other precisions lack; resume with the precision it was written with")
-    tp = "tp" in (old.get("distributed.strategy"), new.get("distributed.strategy"))
+    strategies = old.get("distributed.strategy"), new.get("distributed.strategy")
+    tp = "tp" in strategies
     if tp and ("distributed.strategy" in changed or saved_world not in (None, world)):  # None: not recorded
-        raise ValueError(f"{path} was written by {saved_world} tensor-parallel ranks with "
-                         f"{values(['distributed.strategy'])}, this run has {world} ranks: a tensor-parallel "
-                         "checkpoint holds its fused projections in per-rank row order, so it is resumed by the same "
-                         "strategy and number of ranks")
+        raise ValueError(f"{path} was written by {saved_world} rank(s) with distributed.strategy={strategies[0]!r}, "
+                         f"and this run has {world} with {strategies[1]!r}: a tensor-parallel checkpoint holds its fused "
+                         "projections in per-rank row order (the other strategies' hold them whole), so it resumes "
+                         f"only with the strategy and number of ranks that wrote it; resume with "
+                         f"distributed.strategy={strategies[0]} on {saved_world} rank(s), or start a new run in another "
+                         "train.output_dir")
+    # (a change to or from pure bf16 was refused above)
+    if old.get("train.precision") == "bf16" and (strategies[0] == "fsdp") != (strategies[1] == "fsdp"):
+        raise ValueError(f"{path} was written with train.precision='bf16' and distributed.strategy={strategies[0]!r}, "
+                         f"and this run has {strategies[1]!r}: pure bf16 keeps separate fp32 master weights except "
+                         "under FSDP (whose sharded fp32 parameters are the masters), so such a checkpoint resumes "
+                         "only on the same side of that line; resume with distributed.strategy="
+                         f"{strategies[0]}")
     changed = [k for k in changed if k != "distributed.strategy"]  # any other strategy saves full tensors
     if changed:
         log.warning("resuming %s with settings other than those it was written with: %s; the run continues with "

@@ -76,8 +76,19 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def launched_world() -> int:
+    """How many processes the launcher (torchrun) started for this run; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(strategy: str, device_name: str) -> DistState:
     if strategy == "none":
+        if launched_world() > 1:  # every process would train alone and write the same output_dir
+            raise ValueError(
+                f"this process is one of {launched_world()} that torchrun started, and distributed.strategy='none' "
+                "would train a separate copy in each, all writing the same train.output_dir; set "
+                "distributed.strategy=ddp (or fsdp, tp), or run one process without torchrun"
+            )
         return DistState(device=pick_device(device_name))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ValueError(
@@ -197,26 +208,44 @@ def tp_plan(block: nn.Module) -> dict:
     return plan
 
 
+def check_tp(model: nn.Module, tp: int) -> None:
+    """ValueError, before any work, unless ``tp`` tensor-parallel ranks can split ``model``: our decoder's blocks
+    with the query and kv heads and the MLP width divisible by ``tp``. Every rank raises it alike (no rank is
+    left waiting for the others)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not hasattr(model, "decoder_config"):
+        raise ValueError(f"distributed.strategy='tp' splits our decoder models (GPT-2, LLaMA families), not a "
+                         f"{type(model).__name__}; use distributed.strategy=ddp or fsdp")
+    parts = {}
+    for block in blocks:
+        width = block.mlp.gate_up.out_features // 2 if hasattr(block.mlp, "gate_up") else block.mlp.fc1.out_features
+        for name, count in (("query heads", block.attn.cfg.num_heads), ("kv heads", block.attn.cfg.num_kv_heads),
+                            ("MLP width", width)):
+            parts.setdefault(name, count)
+            assert parts[name] == count, f"blocks differ in their {name}"
+    bad = [f"{name} {count}" for name, count in parts.items() if count % tp]
+    if bad:
+        fitting = [n for n in range(2, max(parts.values()) + 1) if all(count % n == 0 for count in parts.values())]
+        raise ValueError(f"distributed.strategy='tp' over {tp} ranks splits the heads and the MLP width evenly, and "
+                         f"{type(model).__name__}'s {', '.join(bad)} do not divide by {tp}; launch a number of ranks "
+                         f"(torchrun --nproc-per-node) that divides them all ({fitting or 'none above 1'}), or use "
+                         "distributed.strategy=ddp or fsdp")
+
+
 def apply_tp(model: nn.Module, state: DistState) -> nn.Module:
     """Tensor-parallel blocks of our decoder (see the module docstring for the fused-row permutation)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = state.world
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise ValueError("distributed.strategy='tp' supports our decoder models (GPT-2, LLaMA families)")
+    check_tp(model, tp)
     orders: dict[str, torch.Tensor] = {}
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(model.blocks):
         cfg = block.attn.cfg
-        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-            raise ValueError(f"tensor parallel size {tp} must divide the heads ({cfg.num_heads} query, {cfg.num_kv_heads} kv)")
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         orders[f"blocks.{i}.attn.qkv"] = fused_row_order([q_dim, kv_dim, kv_dim], tp)
         _permute_rows(block.attn.qkv, orders[f"blocks.{i}.attn.qkv"])
         if hasattr(block.mlp, "gate_up"):
             inter = block.mlp.gate_up.out_features // 2
-            if inter % tp:
-                raise ValueError(f"tensor parallel size {tp} must divide the MLP width {inter}")
             orders[f"blocks.{i}.mlp.gate_up"] = fused_row_order([inter, inter], tp)
             _permute_rows(block.mlp.gate_up, orders[f"blocks.{i}.mlp.gate_up"])
         parallelize_module(block, state.mesh, tp_plan(block))

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .distributed import unwrap
+
 log = logging.getLogger(__name__)
 
 
@@ -113,20 +115,21 @@ class EMA:
 
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = dict(model.named_parameters())
+        # The model's own names, not DDP's ("module." ...): a checkpoint's EMA resumes under any strategy.
+        self.names = [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
+        params = dict(unwrap(model).named_parameters())
         self.shadow = [params[n].detach().float().clone() for n in self.names]
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        params = dict(model.named_parameters())
+        params = dict(unwrap(model).named_parameters())
         for name, s in zip(self.names, self.shadow):
             s.lerp_(params[name].detach().float(), 1.0 - self.decay)
 
     @torch.no_grad()
     def swap(self, model: nn.Module) -> None:
         """Exchange the model's weights and the averages (call twice to restore)."""
-        params = dict(model.named_parameters())
+        params = dict(unwrap(model).named_parameters())
         for i, name in enumerate(self.names):
             p = params[name]
             kept = p.detach().float().clone()

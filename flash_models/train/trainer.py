@@ -99,6 +99,14 @@ class Trainer:
             check_no_checkpoints(Path(t.output_dir))  # a new run would interleave its checkpoints with them
         self.dist = D.setup(cfg.distributed.strategy, t.device)
         self.device = self.dist.device
+        per_rank = t.global_batch_size // self.dist.dp_world
+        if t.global_batch_size % self.dist.dp_world or per_rank % t.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must split into {self.dist.dp_world} data-parallel "
+                f"ranks x micro_batch_size={t.micro_batch_size} x accumulation steps; set train.global_batch_size to "
+                f"a multiple of {self.dist.dp_world * t.micro_batch_size} (or change train.micro_batch_size)"
+            )
+        self.accum_steps = per_rank // t.micro_batch_size
         if t.cuda_graphs:  # refused before any data or model is built
             check_graphable(device=self.device, task=cfg.model.task, packing=cfg.data.packing, compile=t.compile,
                             activation_checkpointing=t.activation_checkpointing, strategy=self.dist.strategy)
@@ -107,6 +115,8 @@ class Trainer:
         seed_everything(t.seed)  # same on every rank: identical initial weights
         self.output_dir = Path(t.output_dir)
         raw = model if model is not None else build_model(cfg)
+        if self.dist.strategy == "tp":  # before the data is read: every rank refuses alike
+            D.check_tp(raw, self.dist.world)
         if t.export and hasattr(raw.config, "to_hf"):  # known now, not after the last step
             try:
                 raw.config.to_hf()
@@ -138,13 +148,6 @@ class Trainer:
             if data is None:
                 data = build_data(cfg, vocab_size=vocab)
         self.data = data
-        per_rank = t.global_batch_size // self.dist.dp_world
-        if t.global_batch_size % self.dist.dp_world or per_rank % t.micro_batch_size:
-            raise ValueError(
-                f"train.global_batch_size={t.global_batch_size} must split into {self.dist.dp_world} data-parallel "
-                f"ranks x micro_batch_size={t.micro_batch_size} x accumulation steps"
-            )
-        self.accum_steps = per_rank // t.micro_batch_size
         if len(data.train) < t.global_batch_size:
             log.warning("the training data holds %d items (windows of data.seq_len tokens, or rows), fewer than "
                         "train.global_batch_size=%d: every step takes some of them more than once",
