@@ -227,7 +227,7 @@ def check_tp(model: nn.Module, tp: int) -> None:
     if bad:
         fitting = [n for n in range(2, max(parts.values()) + 1) if all(count % n == 0 for count in parts.values())]
         raise ValueError(f"distributed.strategy='tp' over {tp} ranks splits the heads and the MLP width evenly, and "
-                         f"{type(model).__name__}'s {', '.join(bad)} do not divide by {tp}; launch a number of ranks "
+                         f"{type(model).__name__}'s {', '.join(bad)}: not divisible by {tp}; launch a number of ranks "
                          f"(torchrun --nproc-per-node) that divides them all ({fitting or 'none above 1'}), or use "
                          "distributed.strategy=ddp or fsdp")
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from flash_models.train import Trainer, load_config, train
+import flash_models as fm
+from flash_models.train import ConfigError, Trainer, load_config, train
 from flash_models.train import distributed as D
 from flash_models.train.distributed import fused_row_order
 
@@ -21,17 +22,23 @@ LLAMA = {"vocab_size": 257, "hidden_size": 32, "intermediate_size": 48, "num_hid
          "num_key_value_heads": 2, "max_position_embeddings": 64, "bos_token_id": 256, "eos_token_id": 256}
 
 
-def run_workers(runs: dict, tmp_path: Path) -> dict:
-    """dist_worker.py under torchrun on 2 gloo ranks: each run's results, by name."""
+def run_workers(runs: dict, tmp_path: Path, *, ranks: int = 2, timeout: float = 300) -> dict:
+    """dist_worker.py under torchrun on ``ranks`` gloo ranks: each run's results, by name."""
     config_file, out_file = tmp_path / "runs.json", tmp_path / "out.json"
     config_file.write_text(json.dumps(runs))
     root = Path(__file__).parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "kernels")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-         str(config_file), str(out_file)], env=env, capture_output=True, text=True, timeout=300,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(WORKER),
+         str(config_file), str(out_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:  # a rank waiting for others: SIGTERM lets torchrun stop its workers too
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"the workers did not finish in {timeout} s (a rank waiting for others?): {stderr[-4000:]}")
+    assert proc.returncode == 0, stderr[-4000:]
     return json.loads(out_file.read_text())
 
 
@@ -159,3 +166,86 @@ def test_bert_classifier_ddp_and_fsdp_match_single_process(tmp_path, bert_exampl
             for key, value in weights["single"][name].items():
                 assert torch.allclose(weights[run][name][key], value, atol=1e-6), (run, name, key)
     assert not torch.equal(weights["ddp"]["final"]["classifier.weight"], weights["ddp"]["final_ema"]["classifier.weight"])
+
+
+def test_other_strategies_options_are_refused():
+    """An option of a strategy the run does not use would be ignored silently."""
+    with pytest.raises(ConfigError, match=r"distributed.ddp_bf16_compress=true .*strategy='fsdp' has none; set distributed.strategy=ddp"):
+        load_config({"distributed": {"strategy": "fsdp", "ddp_bf16_compress": True}})
+    with pytest.raises(ConfigError, match=r"fsdp_reshard_after_forward=false applies to distributed.strategy='fsdp', not 'ddp'"):
+        load_config({"distributed": {"strategy": "ddp", "fsdp_reshard_after_forward": False}})
+    load_config({"distributed": {"strategy": "ddp", "ddp_bf16_compress": True}})
+    load_config({"distributed": {"strategy": "fsdp", "fsdp_reshard_after_forward": False}})
+
+
+def test_bad_distributed_setups_are_refused_alike_on_every_rank_before_the_data(tiny_config, tmp_path):
+    """3 gloo ranks. A tensor-parallel size that does not divide the heads, or only the MLP width (GPT-2's fc1:
+    a DTensor shape error inside the first step), a global batch smaller than the ranks, and torchrun without a
+    strategy (3 separate runs writing one output_dir): each rank raises the same ValueError naming the key and
+    the fix, before the data is tokenized into the cache."""
+    wide = {"n_head": 6, "n_embd": 48, "n_inner": 50}  # heads divide by 3, the MLP width does not
+    cases = {
+        "tp-heads": ({"strategy": "tp"}, {}, {}, "query heads 4, kv heads 4, MLP width 128: not divisible by 3"),
+        "tp-mlp": ({"strategy": "tp"}, wide, {}, "GPT2LMHeadModel's MLP width 50: not divisible by 3; launch a "
+                   "number of ranks (torchrun --nproc-per-node) that divides them all ([2])"),
+        "batch": ({"strategy": "ddp"}, {}, {"global_batch_size": 2, "micro_batch_size": 1},
+                  "train.global_batch_size=2 must split into 3 data-parallel ranks x micro_batch_size=1 x accumulation "
+                  "steps; set train.global_batch_size to a multiple of 3"),
+        "none": ({"strategy": "none"}, {}, {}, "one of 3 that torchrun started, and distributed.strategy='none' "
+                 "would train a separate copy in each"),
+    }
+    runs = {}
+    for name, (distributed, model, train_overrides, _) in cases.items():
+        config = tiny_config(data={"cache_dir": str(tmp_path / f"cache-{name}")},
+                             train={"output_dir": str(tmp_path / name), **train_overrides}).to_dict()
+        config["model"]["overrides"].update(model)
+        runs[name] = {**config, "distributed": distributed, "expect_error": True}
+    results = run_workers(runs, tmp_path, ranks=3, timeout=120)
+    for name, (*_, message) in cases.items():
+        raised = results[name]["raised"]
+        assert len(set(raised)) == 1 and raised[0].startswith("ValueError: ") and message in raised[0], (name, raised)
+        assert not (tmp_path / f"cache-{name}").exists(), f"{name}: the data was read before the refusal"
+
+
+def test_checkpoints_resume_across_strategies_and_export_the_single_process_model(tmp_path, tiny_config):
+    """A LLaMA with an EMA, saved at step 2 by one process and by DDP on 2 gloo ranks, resumes under FSDP2 (with
+    activation checkpointing) and in one process: the losses continue the uninterrupted single-process run's
+    (the EMA's names carried DDP's "module." prefix and the checkpoint wrapper's, a single process's optimizer
+    state was keyed by position where FSDP's state-dict API reads names). The FSDP2 export loads in fm and transformers with the
+    single-process model's logits, and the files written are one process's (plus each rank's RNG state)."""
+    def config(name, **train):
+        base = tiny_config(data={"packing": "documents"},
+                           train={"max_steps": 4, "ema_decay": 0.9, "output_dir": str(tmp_path / name), **train}).to_dict()
+        base["model"] = {"name": "llama-1b", "overrides": LLAMA, "attn_impl": "sdpa"}
+        return base
+
+    uninterrupted = Trainer(load_config(config("uninterrupted")))
+    uninterrupted.fit()
+    reference = [h["loss"] for h in uninterrupted.history]
+    Trainer(load_config(config("single-save", max_steps=2, save_every=2))).fit()
+    step2 = "checkpoints/step_00000002"
+    runs = {"ddp-save": {**config("ddp-save", max_steps=2, save_every=2, micro_batch_size=1),
+                         "distributed": {"strategy": "ddp"}},
+            "fsdp-from-single": {**config("fsdp-from-single", resume=str(tmp_path / "single-save" / step2), export=True,
+                                          activation_checkpointing=1), "distributed": {"strategy": "fsdp"}}}
+    results = run_workers(runs, tmp_path)
+    assert results["ddp-save"]["losses"] == pytest.approx(reference[:2], rel=1e-5)
+    assert results["fsdp-from-single"]["losses"] == pytest.approx(reference[2:], rel=1e-5)
+    single_from_ddp = Trainer(load_config(config("single-from-ddp", resume=str(tmp_path / "ddp-save" / step2))))
+    single_from_ddp.fit()
+    assert [h["loss"] for h in single_from_ddp.history] == pytest.approx(reference[2:], rel=1e-5)
+    assert torch.allclose(single_from_ddp.ema.shadow[0], uninterrupted.ema.shadow[0], atol=1e-6)
+
+    def files(name):
+        folder = tmp_path / name
+        return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+    assert files("ddp-save") == sorted([*files("single-save"), f"{step2}/rng_rank1.pt"])
+    logged = [(tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in ("ddp-save", "single-save")]
+    assert len(logged[0]) == len(logged[1]) == 2  # the last step and the summary, once: rank 0 alone writes the log
+    exported = results["fsdp-from-single"]["exported"]
+    ids = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        expected = uninterrupted.model.eval()(ids).logits
+        assert torch.allclose(fm.from_pretrained(exported)(ids).logits, expected, atol=1e-4)
+        assert torch.allclose(transformers.AutoModelForCausalLM.from_pretrained(exported)(ids).logits, expected, atol=1e-4)
