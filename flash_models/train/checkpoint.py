@@ -17,7 +17,7 @@ import os
 import random
 import re
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -156,8 +156,10 @@ def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
+    """``path`` replaced whole by a file holding ``text``, with the umask's mode as ``open`` gives it (mkstemp's
+    owner-only mode would hide ``latest`` from the other users who may read the checkpoints)."""
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
         f.write(text)
     os.replace(tmp, path)
 

@@ -241,6 +241,10 @@ def test_checkpoints_resume_across_strategies_and_export_the_single_process_mode
         return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
 
     assert files("ddp-save") == sorted([*files("single-save"), f"{step2}/rng_rank1.pt"])
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("ddp-save", "single-save"):  # as open() makes files (mkstemp's owner-only 0600 hid it from others)
+        assert (tmp_path / name / "checkpoints" / "latest").stat().st_mode & 0o777 == 0o666 & ~umask
     logged = [(tmp_path / name / "metrics.jsonl").read_text().splitlines() for name in ("ddp-save", "single-save")]
     assert len(logged[0]) == len(logged[1]) == 2  # the last step and the summary, once: rank 0 alone writes the log
     exported = results["fsdp-from-single"]["exported"]
