@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..checkpoint.atomic import owns_everything, swap_in, temp_folder_beside
 from ..checkpoint.files import safe_torch_load
+from . import distributed as D
 from .distributed import DistState
 
 log = logging.getLogger(__name__)
@@ -55,17 +56,32 @@ def set_rng_state(state: dict) -> None:
 
 
 def _model_and_optim_state(model, optimizer, dist_state: DistState, *, plain_optimizer: bool) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimizer state (collective under torchrun: every rank calls). The optimizer's
+    is keyed by parameter name, in one process as under DDP or FSDP, so a checkpoint resumes under another
+    strategy; an optimizer over fp32 master copies (``plain_optimizer``: no names) is keyed by position, its
+    tensor-parallel shards gathered."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    if plain_optimizer:
+        optim_sd = optimizer.state_dict()
+        optim_sd["state"] = {key: {name: D.full_tensor(value) for name, value in values.items()}
+                             for key, values in optim_sd["state"].items()}
     if dist_state.strategy == "none":
-        # Keyed by parameter name (as the distributed strategies' full state is), not by position: a
-        # single-process checkpoint then resumes under DDP or FSDP too. (fp32 master copies have no names.)
-        return model.state_dict(), optimizer.state_dict() if plain_optimizer else get_optimizer_state_dict(model, optimizer)
-
+        return model.state_dict(), optim_sd if plain_optimizer else get_optimizer_state_dict(model, optimizer)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
-    optim_sd = optimizer.state_dict() if plain_optimizer else get_optimizer_state_dict(model, optimizer, options=options)
+    if not plain_optimizer:
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     return model_sd, optim_sd
+
+
+def _shard_master_optimizer_state(optimizer) -> None:
+    """After loading whole tensors into an optimizer over tensor-parallel masters: each state tensor becomes this
+    rank's shard, as its parameter is."""
+    for param, values in optimizer.state.items():
+        for name, value in values.items():
+            if hasattr(param, "device_mesh") and torch.is_tensor(value) and value.shape == param.shape:
+                values[name] = D.shard_like(value, param)
 
 
 def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, sampler, dist_state: DistState,
@@ -79,7 +95,8 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     model_sd, optim_sd = _model_and_optim_state(model, optimizer, dist_state, plain_optimizer=master is not None)
-    ema_sd = ema.state_dict() if ema is not None else None
+    ema_sd = ema.state_dict() if ema is not None else None  # these gather tensor-parallel shards: on every rank
+    master_sd = master.state_dict() if master is not None else None
     tmp, failure = None, None
     try:
         try:
@@ -88,7 +105,7 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
                 torch.save({
                     "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
                     "sampler": sampler.state_dict(), "ema": ema_sd,
-                    "master": master.state_dict() if master is not None else None, "extra": extra or {},
+                    "master": master_sd, "extra": extra or {},
                 }, tmp / STATE_FILE)
         except Exception as err:  # noqa: BLE001 (reported to every rank below, then raised)
             failure = err
@@ -271,6 +288,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_st
         set_model_state_dict(model, state["model"], options=options)
         if master is not None:
             optimizer.load_state_dict(state["optimizer"])
+            _shard_master_optimizer_state(optimizer)
         else:
             set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     scheduler.load_state_dict(state["scheduler"])

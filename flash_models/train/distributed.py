@@ -255,6 +255,20 @@ def apply_tp(model: nn.Module, state: DistState) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------------------
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls, in the same order); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` split as the DTensor ``like`` is (this rank's part, as a DTensor); for a plain ``like``, ``full``."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device_mesh.device_type), like.device_mesh, like.placements)
+
+
 def export_state_dict(model: nn.Module, state: DistState) -> dict[str, torch.Tensor]:
     """The full, unsharded state dict on the CPU in the canonical row layout (collective: every rank calls), a copy:
     the weights changing afterwards (the EMA's swapped in) leave it as it was."""

@@ -90,14 +90,15 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
         if family == "gpt2":
             strategies["ddp_bf16"] = {"strategy": "ddp", "ddp_bf16_compress": True}
             strategies["fsdp_bf16"] = {"strategy": "fsdp"}  # bf16 compute over sharded fp32 master weights
+            strategies["tp_bf16"] = {"strategy": "tp"}  # fp32 masters of TP shards: saved whole, resumed per rank
         for key, dist_cfg in strategies.items():
             run = json.loads(json.dumps(base))
             run["distributed"] = dist_cfg
             if key != "tp":  # 2 sequences per rank in micro-batches of 1: exercises no_sync / deferred reduce
                 run["train"]["micro_batch_size"] = 1
-            if key == "fsdp_bf16":
+            if key in ("fsdp_bf16", "tp_bf16"):
                 run["train"]["precision"] = "bf16"
-            if family == "llama" or key == "ddp_bf16":  # save at step 2, resume from it in a new Trainer
+            if family == "llama" or key in ("ddp_bf16", "tp_bf16"):  # save at step 2, resume from it in a new Trainer
                 run["check_resume"] = True
                 run["train"]["save_every"] = 2
                 run["train"]["ema_decay"] = 0.9
