@@ -117,6 +117,11 @@ class Trainer:
         raw = model if model is not None else build_model(cfg)
         if self.dist.strategy == "tp":  # before the data is read: every rank refuses alike
             D.check_tp(raw, self.dist.world)
+        if self.dist.dp_world > 1:
+            # The shared seed gave every rank the same initial weights. From here on each data-parallel rank
+            # draws its own dropout masks, augmentations and mixup: with the shared seed, rank r's k-th row
+            # would take rank 0's k-th row's draws. (Tensor-parallel ranks read one batch: one stream.)
+            seed_everything((t.seed + self.dist.dp_rank) % 2**32)
         if t.export and hasattr(raw.config, "to_hf"):  # known now, not after the last step
             try:
                 raw.config.to_hf()

@@ -40,8 +40,10 @@ def main(config_path: str, out_path: str) -> None:
             continue
         check_resume = config.pop("check_resume", False)
         trainer = Trainer(load_config(config))
+        seeds = [None] * dist.get_world_size()  # of the generators the steps draw dropout and augmentations from
+        dist.all_gather_object(seeds, torch.initial_seed())
         trainer.fit()
-        results[name] = {"losses": [h["loss"] for h in trainer.history],
+        results[name] = {"losses": [h["loss"] for h in trainer.history], "seeds": seeds,
                          "group_kinds": [sorted({type(p).__name__ for p in g["params"]}) for g in trainer.optimizer.param_groups]}
         if check_resume:  # a fresh trainer from the step-2 checkpoint continues exactly like the first one
             config["train"]["resume"] = config["train"]["output_dir"] + "/checkpoints/step_00000002"

@@ -125,6 +125,9 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
                 assert abs(a - b) <= tol * abs(b), f"{key} step {step}: {a} vs single-process {b}"
             if "resumed_losses" in results[key]:
                 assert results[key]["resumed_losses"] == got[2:], f"{key}: resumed run differs"
+            # data-parallel ranks draw their own dropout masks and augmentations; tensor-parallel ranks share one
+            seeds = results[key]["seeds"]
+            assert len(set(seeds)) == (1 if key.startswith("tp") else 2), (key, seeds)
         # fused/foreach AdamW takes one tensor kind per call: TP's DTensor matrices and plain norms/embeddings
         # must sit in separate groups (a mixed group failed on CUDA: "got mixed torch.Tensor and DTensor")
         kinds = results[f"tp-{family}"]["group_kinds"]
