@@ -118,7 +118,7 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
                 torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
         except Exception as err:  # noqa: BLE001
             failure = failure or err
-        _raise_unless_every_rank_succeeded(dist_state, failure, f"writing checkpoint {final}")
+        raise_unless_every_rank_succeeded(dist_state, failure, f"writing checkpoint {final}")
         try:
             if dist_state.is_main:
                 swap_in(tmp, final, owned=owns_everything)
@@ -127,7 +127,7 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
                     _remove_older(directory, final, keep)
         except Exception as err:  # noqa: BLE001
             failure = err
-        _raise_unless_every_rank_succeeded(dist_state, failure, f"swapping in checkpoint {final}")
+        raise_unless_every_rank_succeeded(dist_state, failure, f"swapping in checkpoint {final}")
     finally:
         if dist_state.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after the swap
@@ -154,10 +154,11 @@ def check_no_checkpoints(output_dir: Path) -> None:
                          f"{folder})")
 
 
-def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception | None, what: str) -> None:
+def raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception | None, what: str, *,
+                                      kept: str = "the previous checkpoint is kept") -> None:
     """Every rank learns whether every rank succeeded (a collective: in place of a barrier, which would leave
     the others waiting for a rank that failed): this rank's own error is raised as it is, another rank's
-    error as a RuntimeError naming that rank."""
+    error as a RuntimeError naming that rank (and ``kept``: what is left as it was)."""
     if not dist_state.initialized:
         if failure is not None:
             raise failure
@@ -168,8 +169,7 @@ def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception
         raise failure
     failed = {rank: report for rank, report in enumerate(reports) if report is not None}
     if failed:
-        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)} ({'; '.join(failed.values())}); the "
-                           "previous checkpoint is kept")
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)} ({'; '.join(failed.values())}); {kept}")
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

@@ -29,7 +29,8 @@ from ..checkpoint.files import owned_by_model_save
 from ..modules.recompute import checkpoint_blocks
 from . import distributed as D
 from .build import DataBundle, build_data, build_model
-from .checkpoint import check_no_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (check_no_checkpoints, find_checkpoint, load_checkpoint, raise_unless_every_rank_succeeded,
+                         save_checkpoint)
 from .config import ExperimentConfig, load_config
 from .data import IGNORE, StepSampler
 from ..runtime.train_graphs import GraphedLoss, check_graphable
@@ -497,11 +498,16 @@ class Trainer:
             self.ema.swap(self.model)
             ema_state = D.export_state_dict(self.model, self.dist)
             self.ema.swap(self.model)
+        failure = None
         if self.dist.is_main:
-            self._export_folder(state, directory)
-            if ema_state is not None:
-                self._export_folder(ema_state, directory.with_name(directory.name + "_ema"))
-        D.barrier(self.dist)
+            try:
+                self._export_folder(state, directory)
+                if ema_state is not None:
+                    self._export_folder(ema_state, directory.with_name(directory.name + "_ema"))
+            except Exception as err:  # noqa: BLE001 (every rank raises, below: none waits at a barrier for rank 0)
+                failure = err
+        raise_unless_every_rank_succeeded(self.dist, failure, f"exporting {directory}",
+                                          kept="an earlier export there is kept")
         return directory if self.dist.is_main else None
 
     def _export_folder(self, state: dict, directory: Path) -> None:

@@ -1,6 +1,6 @@
 """Training checkpoints stay atomic per folder under torch.distributed: 2 processes under torchrun (gloo on the
 CPU here; NCCL on 2 GPUs in the gpu test) train with DDP and FSDP2, save, then fail the re-save of that
-checkpoint on one rank. Every rank must raise (none waits forever at a barrier for a rank that failed), the
+checkpoint on one rank, and rank 0's export. Every rank must raise (none waits forever at a barrier for a rank that failed), the
 checkpoint must be byte for byte the one before, with no temporary folder left, and a resumed run and the HF
 export must still load."""
 
@@ -52,6 +52,10 @@ def _run_workers(tiny_config, tmp_path, device, strategies):
             got["raised"]["fail_rank1"][0]
         assert got["raised"]["fail_rank0"][0] == "OSError: disk full (simulated)"
         assert "failed on rank(s) [0]" in got["raised"]["fail_rank0"][1]
+        assert got["raised"]["export_fail_rank0"] == [  # rank 1 raises too, instead of waiting for rank 0
+            "OSError: disk full (simulated)",
+            f"RuntimeError: exporting {tmp_path / strategy / 'final'} failed on rank(s) [0] (OSError: disk full "
+            "(simulated)); an earlier export there is kept"]
         assert got["unchanged"], f"{strategy}: a failed re-save changed the checkpoint"
         assert got["checkpoint_files"] == ["rng_rank0.pt", "rng_rank1.pt", "train_state.pt"]
         assert got["checkpoints_dir"] == ["latest", "step_00000002"]  # no temporary folder left beside it
