@@ -13,8 +13,9 @@ sharding we therefore permute the rows so that each rank's contiguous block is [
 whole) or [gate_r; up_r]; the module then runs unchanged on its local heads (its config is narrowed to
 Hq/tp, Hkv/tp heads) and SwiGLU splits the local [gate_r; up_r] in halves as usual. The permutation is
 recorded on the model and undone when the full state dict is exported (``export_state_dict``), so
-save_pretrained writes the canonical HF layout. Training checkpoints keep the permuted rows and are resumed
-with the same tensor-parallel size. Requirement: Hq and Hkv divisible by the TP size.
+save_pretrained writes the canonical HF layout; training checkpoints save the canonical rows too
+(``tp_row_layout``), so they resume under any strategy and tensor-parallel size. Requirement: Hq, Hkv and
+the MLP width divisible by the TP size (``check_tp``).
 
 A 2-GPU NCCL run (not made here; see scripts/train_2gpu.sh):
     torchrun --standalone --nproc-per-node 2 -m flash_models train configs/gpt2-small.yaml distributed.strategy=ddp
@@ -280,12 +281,37 @@ def export_state_dict(model: nn.Module, state: DistState) -> dict[str, torch.Ten
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if state.device.type == "cpu":  # offloading a CPU tensor keeps it: DDP's would be the live weights
             sd = {k: v.clone() for k, v in sd.items()}
+    return tp_row_layout(sd, model, canonical=True)
+
+
+def tp_row_layout(tensors: dict, model: nn.Module, *, canonical: bool) -> dict:
+    """``tensors`` (full tensors by state-dict name, or dicts of them: an optimizer's state) with the rows of the
+    fused projections that ``apply_tp`` permuted put in the canonical order (``canonical=True``: what HF and the
+    other strategies hold) or in this model's tensor-parallel order; other entries as they are. A model without
+    tensor parallelism gives them back unchanged."""
+    out = dict(tensors)
     for prefix, order in getattr(unwrap(model), "tp_row_orders", {}).items():
-        inverse = torch.argsort(order)
-        for suffix in (".weight", ".bias"):
-            if prefix + suffix in sd:
-                sd[prefix + suffix] = sd[prefix + suffix][inverse]
-    return sd
+        index = torch.argsort(order) if canonical else order
+        for name in (prefix + ".weight", prefix + ".bias"):
+            if name in out:
+                out[name] = _rows(out[name], index)
+    return out
+
+
+def _rows(value, index: torch.Tensor):
+    if isinstance(value, dict):
+        return {key: _rows(v, index) for key, v in value.items()}
+    if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(index):  # not Adam's step count
+        return value[index.to(value.device)]
+    return value
+
+
+def state_dict_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters by their state-dict names, without DDP's ``module.`` and the activation-checkpoint
+    wrapper's prefix (what a checkpoint calls them, whatever wraps the model)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in unwrap(model).named_parameters()}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

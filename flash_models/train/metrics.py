@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .distributed import full_tensor, shard_like, unwrap
+from .distributed import full_tensor, shard_like, state_dict_names
 
 log = logging.getLogger(__name__)
 
@@ -105,34 +105,26 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _state_dict_named(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The parameters by their state-dict names, without DDP's ``module.`` and the activation-checkpoint
-    wrapper's prefix: an EMA saved under one strategy, with checkpointing on or off, resumes under another."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-
-    return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in unwrap(model).named_parameters()}
-
-
 class EMA:
     """Exponential moving average of the weights in float32: ema = decay * ema + (1 - decay) * w after each
     step. ``swapped_in(model)`` evaluates with the averaged weights and restores the trained ones."""
 
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
-        params = _state_dict_named(model)
+        params = state_dict_names(model)
         self.names = [n for n, p in params.items() if p.requires_grad]
         self.shadow = [params[n].detach().float().clone() for n in self.names]
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        params = _state_dict_named(model)
+        params = state_dict_names(model)
         for name, s in zip(self.names, self.shadow):
             s.lerp_(params[name].detach().float(), 1.0 - self.decay)
 
     @torch.no_grad()
     def swap(self, model: nn.Module) -> None:
         """Exchange the model's weights and the averages (call twice to restore)."""
-        params = _state_dict_named(model)
+        params = state_dict_names(model)
         for i, name in enumerate(self.names):
             p = params[name]
             kept = p.detach().float().clone()

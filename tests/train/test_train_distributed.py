@@ -212,10 +212,11 @@ def test_bad_distributed_setups_are_refused_alike_on_every_rank_before_the_data(
 
 
 def test_checkpoints_resume_across_strategies_and_export_the_single_process_model(tmp_path, tiny_config):
-    """A LLaMA with an EMA, saved at step 2 by one process and by DDP on 2 gloo ranks, resumes under FSDP2 (with
-    activation checkpointing) and in one process: the losses continue the uninterrupted single-process run's
-    (the EMA's names carried DDP's "module." prefix and the checkpoint wrapper's, a single process's optimizer
-    state was keyed by position where FSDP's state-dict API reads names). The FSDP2 export loads in fm and transformers with the
+    """A LLaMA with an EMA, saved at step 2 by one process and by DDP and TP on 2 gloo ranks, resumes under FSDP2
+    (with activation checkpointing), TP and in one process: the losses continue the uninterrupted single-process
+    run's (the EMA's names carried DDP's "module." prefix and the checkpoint wrapper's, a single process's
+    optimizer state was keyed by position where FSDP's state-dict API reads names, TP saved its fused rows
+    permuted). The FSDP2 export loads in fm and transformers with the
     single-process model's logits, and the files written are one process's (plus each rank's RNG state)."""
     def config(name, **train):
         base = tiny_config(data={"packing": "documents"},
@@ -230,15 +231,22 @@ def test_checkpoints_resume_across_strategies_and_export_the_single_process_mode
     step2 = "checkpoints/step_00000002"
     runs = {"ddp-save": {**config("ddp-save", max_steps=2, save_every=2, micro_batch_size=1),
                          "distributed": {"strategy": "ddp"}},
+            "tp-save": {**config("tp-save", max_steps=2, save_every=2), "distributed": {"strategy": "tp"}},
             "fsdp-from-single": {**config("fsdp-from-single", resume=str(tmp_path / "single-save" / step2), export=True,
-                                          activation_checkpointing=1), "distributed": {"strategy": "fsdp"}}}
+                                          activation_checkpointing=1), "distributed": {"strategy": "fsdp"}},
+            "tp-from-single": {**config("tp-from-single", resume=str(tmp_path / "single-save" / step2)),
+                               "distributed": {"strategy": "tp"}}}
     results = run_workers(runs, tmp_path)
-    assert results["ddp-save"]["losses"] == pytest.approx(reference[:2], rel=1e-5)
-    assert results["fsdp-from-single"]["losses"] == pytest.approx(reference[2:], rel=1e-5)
-    single_from_ddp = Trainer(load_config(config("single-from-ddp", resume=str(tmp_path / "ddp-save" / step2))))
-    single_from_ddp.fit()
-    assert [h["loss"] for h in single_from_ddp.history] == pytest.approx(reference[2:], rel=1e-5)
-    assert torch.allclose(single_from_ddp.ema.shadow[0], uninterrupted.ema.shadow[0], atol=1e-6)
+    for name in ("ddp-save", "tp-save"):
+        assert results[name]["losses"] == pytest.approx(reference[:2], rel=1e-5), name
+    for name in ("fsdp-from-single", "tp-from-single"):
+        assert results[name]["losses"] == pytest.approx(reference[2:], rel=1e-5), name
+    for source in ("ddp", "tp"):  # TP's fused rows are saved in the canonical order: one process reads them
+        resumed = Trainer(load_config(config(f"single-from-{source}", resume=str(tmp_path / f"{source}-save" / step2))))
+        resumed.fit()
+        assert [h["loss"] for h in resumed.history] == pytest.approx(reference[2:], rel=1e-5), source
+        for got, expected in zip(resumed.ema.shadow, uninterrupted.ema.shadow, strict=True):
+            assert torch.allclose(got, expected, atol=1e-5), source  # fp32 rounding through Adam's steps
 
     def files(name):
         folder = tmp_path / name
