@@ -22,23 +22,27 @@ LLAMA = {"vocab_size": 257, "hidden_size": 32, "intermediate_size": 48, "num_hid
          "num_key_value_heads": 2, "max_position_embeddings": 64, "bos_token_id": 256, "eos_token_id": 256}
 
 
-def run_workers(runs: dict, tmp_path: Path, *, ranks: int = 2, timeout: float = 300) -> dict:
-    """dist_worker.py under torchrun on ``ranks`` gloo ranks: each run's results, by name."""
-    config_file, out_file = tmp_path / "runs.json", tmp_path / "out.json"
-    config_file.write_text(json.dumps(runs))
+def torchrun(args: list[str], *, ranks: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node RANKS ARGS`` with this checkout first on the path (gloo on the CPU)."""
     root = Path(__file__).parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "kernels")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(WORKER),
-         str(config_file), str(out_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *args]
+    proc = subprocess.Popen(command, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:  # a rank waiting for others: SIGTERM lets torchrun stop its workers too
         proc.terminate()
         _, stderr = proc.communicate(timeout=60)
         pytest.fail(f"the workers did not finish in {timeout} s (a rank waiting for others?): {stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def run_workers(runs: dict, tmp_path: Path, *, ranks: int = 2, timeout: float = 300) -> dict:
+    """dist_worker.py under torchrun on ``ranks`` gloo ranks: each run's results, by name."""
+    config_file, out_file = tmp_path / "runs.json", tmp_path / "out.json"
+    config_file.write_text(json.dumps(runs))
+    proc = torchrun([str(WORKER), str(config_file), str(out_file)], ranks=ranks, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out_file.read_text())
 
 
@@ -265,3 +269,19 @@ def test_checkpoints_resume_across_strategies_and_export_the_single_process_mode
         expected = uninterrupted.model.eval()(ids).logits
         assert torch.allclose(fm.from_pretrained(exported)(ids).logits, expected, atol=1e-4)
         assert torch.allclose(transformers.AutoModelForCausalLM.from_pretrained(exported)(ids).logits, expected, atol=1e-4)
+
+
+def test_the_readme_torchrun_command_trains_on_the_cpu_through_gloo(tmp_path, corpus):
+    """README's `torchrun --standalone --nproc-per-node N -m flash_models train CONFIG distributed.strategy=fsdp`, on
+    the CPU (gloo) with a tiny model: one summary on stdout (rank 0's), the export in place."""
+    tiny = "{n_layer: 2, n_embd: 32, n_head: 4, vocab_size: 257, n_positions: 64, bos_token_id: 256, eos_token_id: 256}"
+    args = ["-m", "flash_models", "train", "configs/gpt2-small.yaml", "train.device=cpu", "train.compile=false",
+            "train.precision=fp32", "data.format=text", f"data.train={corpus}", "data.eval=null", "data.tokenizer=bytes",
+            "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}", f"model.overrides={tiny}", "train.max_steps=2",
+            "train.global_batch_size=4", "train.micro_batch_size=2", "train.save_every=0", "train.progress=false",
+            "train.peak_tflops=1", f"train.output_dir={tmp_path / 'run'}", "distributed.strategy=fsdp"]
+    proc = torchrun(args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout)
+    assert summary["steps"] == 2 and summary["exported"] == str(tmp_path / "run" / "final")
+    assert torch.isfinite(fm.from_pretrained(tmp_path / "run" / "final")(torch.randint(0, 257, (1, 8))).logits).all()
