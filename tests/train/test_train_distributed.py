@@ -51,6 +51,22 @@ def test_fused_row_order_gives_each_rank_its_own_heads():
     assert order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
 
 
+def test_tensor_parallel_splits_are_checked_against_every_part():
+    """The kv heads of a GQA model, the MLP width, and a model with no decoder blocks (BERT) are each named."""
+    llama = fm.create_model("llama-1b", **{**LLAMA, "num_key_value_heads": 1}, device="meta")
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM's kv heads 1: not divisible by 2; launch .* \(none above 1\)"):
+        D.check_tp(llama, 2)
+    D.check_tp(fm.create_model("llama-1b", **LLAMA, device="meta"), 2)
+    with pytest.raises(ValueError, match=r"MLP width 48: not divisible by 5; .* divides them all \(\[2\]\)"):
+        D.check_tp(fm.create_model("llama-1b", **{**LLAMA, "intermediate_size": 48, "num_attention_heads": 2,
+                                                  "num_key_value_heads": 2, "hidden_size": 16}, device="meta"), 5)
+    bert = fm.create_model("bert-base", num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                           architectures=["BertForSequenceClassification"], num_labels=2, device="meta")
+    with pytest.raises(ValueError, match="splits our decoder models .* not a BertForSequenceClassification; use "
+                                         "distributed.strategy=ddp or fsdp"):
+        D.check_tp(bert, 2)
+
+
 def test_teardown_waits_at_a_barrier_only_after_a_run_that_went_well(monkeypatch):
     """A finished run: barrier, a GIL-free wait for the backend's threads, then leave the group. A failed one
     leaves at once (the other ranks may never reach a barrier); one process has no group to leave."""
