@@ -7,7 +7,10 @@ checkpoint folder cannot run code on resume (it is refused, naming the file).
 
 Layout: ``OUTPUT/checkpoints/step_00000100/{train_state.pt, rng_rank0.pt, ...}`` and ``OUTPUT/checkpoints/latest``
 (the name of the newest complete one). Model and optimizer state are full (unsharded) tensors gathered
-through torch.distributed.checkpoint's state-dict API, so any strategy saves and loads the same files.
+through torch.distributed.checkpoint's state-dict API, keyed by parameter name, with tensor parallelism's
+fused rows in the canonical order: one process, DDP, FSDP2 and TP, on any number of ranks, save and load the
+same files (pure bf16's fp32 masters and their optimizer state are laid out per strategy: see
+``check_resumed_config``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import random
 import re
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +29,15 @@ import torch.distributed as dist
 
 from ..checkpoint.atomic import owns_everything, swap_in, temp_folder_beside
 from ..checkpoint.files import safe_torch_load
+from . import distributed as D
 from .distributed import DistState
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "train_state.pt"
+# Marks a checkpoint whose tensor-parallel fused rows are saved in the canonical order (tensor-parallel ones
+# without it hold each rank's row order and resume only with the same strategy and ranks).
+CANONICAL = "canonical"
 _STEP_NAME = re.compile(r"step_\d{8}")
 
 
@@ -55,14 +62,82 @@ def set_rng_state(state: dict) -> None:
 
 
 def _model_and_optim_state(model, optimizer, dist_state: DistState, *, plain_optimizer: bool) -> tuple[dict, dict]:
-    if dist_state.strategy == "none":
-        return model.state_dict(), optimizer.state_dict()
+    """Full (unsharded) model and optimizer state (collective under torchrun: every rank calls). The optimizer's
+    is keyed by parameter name, in one process as under DDP or FSDP, so a checkpoint resumes under another
+    strategy; an optimizer over fp32 master copies (``plain_optimizer``: no names) is keyed by position, its
+    tensor-parallel shards gathered."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+    if plain_optimizer:
+        optim_sd = optimizer.state_dict()
+        optim_sd["state"] = {key: {name: D.full_tensor(value) for name, value in values.items()}
+                             for key, values in optim_sd["state"].items()}
+    if dist_state.strategy == "none":
+        return model.state_dict(), optim_sd if plain_optimizer else get_optimizer_state_dict(model, optimizer)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd = get_model_state_dict(model, options=options)
-    optim_sd = optimizer.state_dict() if plain_optimizer else get_optimizer_state_dict(model, optimizer, options=options)
+    if not plain_optimizer:
+        optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     return model_sd, optim_sd
+
+
+def _tp_rows(tensors: dict, model, optimizer, master, *, canonical: bool) -> dict:
+    """The training state's tensors (``model``, ``optimizer``, ``ema``, ``master``: full tensors) with the fused
+    projections' rows in the canonical order (``canonical=True``: what one process, DDP and FSDP hold, so a
+    tensor-parallel checkpoint resumes under any strategy and number of ranks) or in ``model``'s tensor-parallel
+    order (distributed.tp_row_layout). Unchanged for a model without tensor parallelism."""
+    if not getattr(D.unwrap(model), "tp_row_orders", None):
+        return tensors
+    out = {**tensors, "model": D.tp_row_layout(tensors["model"], model, canonical=canonical)}
+    if master is None:  # optimizer state keyed by parameter name
+        state = D.tp_row_layout(tensors["optimizer"]["state"], model, canonical=canonical)
+    else:  # fp32 masters: by position, in the masters' order and in the optimizer's
+        in_masters, in_optimizer = _master_names(model, master, optimizer)
+        state = _by_position(tensors["optimizer"]["state"], in_optimizer, model, canonical)
+        out["master"] = _by_position(dict(enumerate(tensors["master"])), in_masters, model, canonical)
+        out["master"] = [out["master"][i] for i in range(len(in_masters))]
+    out["optimizer"] = {**tensors["optimizer"], "state": state}
+    if tensors["ema"] is not None:
+        names = tensors["ema"]["names"]
+        shadow = D.tp_row_layout(dict(zip(names, tensors["ema"]["shadow"])), model, canonical=canonical)
+        out["ema"] = {**tensors["ema"], "shadow": [shadow[name] for name in names]}
+    return out
+
+
+def _master_names(model, master, optimizer) -> tuple[list[str], list[str]]:
+    """The state-dict names of the fp32 masters' parameters: in ``master.state_dict()``'s order and in the
+    optimizer's (which groups tensor-parallel shards apart from plain tensors)."""
+    name_of = {id(p): name for name, p in D.state_dict_names(model).items()}
+    of_master = {id(m): name_of[id(p)] for p, m in master.pairs}
+    return ([of_master[id(m)] for m in master.masters()],
+            [of_master[id(m)] for group in optimizer.param_groups for m in group["params"]])
+
+
+def _by_position(values: dict, names: list[str], model, canonical: bool) -> dict:
+    """``values`` keyed by position ``i`` (parameter ``names[i]``) through ``tp_row_layout``."""
+    out = D.tp_row_layout({names[i]: value for i, value in values.items()}, model, canonical=canonical)
+    return {i: out[names[i]] for i in values}
+
+
+def _grouped_as(optimizer, model, saved: dict) -> dict:
+    """``saved`` (optimizer state keyed by parameter name) in ``optimizer``'s groups: tensor parallelism keeps its
+    sharded and plain parameters in separate groups, the other strategies do not. The groups' settings are this
+    run's (load_checkpoint keeps the configured ones anyway)."""
+    if not all(isinstance(key, str) for key in saved["state"]):  # keyed by position: loads as it was saved
+        return saved
+    name_of = {id(p): name for name, p in D.state_dict_names(model).items()}
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [name_of[id(p)] for p in group["params"]]}
+              for group in optimizer.param_groups]
+    return {"state": saved["state"], "param_groups": groups}
+
+
+def _shard_master_optimizer_state(optimizer) -> None:
+    """After loading whole tensors into an optimizer over tensor-parallel masters: each state tensor becomes this
+    rank's shard, as its parameter is."""
+    for param, values in optimizer.state.items():
+        for name, value in values.items():
+            if hasattr(param, "device_mesh") and torch.is_tensor(value) and value.shape == param.shape:
+                values[name] = D.shard_like(value, param)
 
 
 def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, sampler, dist_state: DistState,
@@ -76,16 +151,17 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
     directory = Path(directory)
     final = directory / f"step_{step:08d}"
     model_sd, optim_sd = _model_and_optim_state(model, optimizer, dist_state, plain_optimizer=master is not None)
-    ema_sd = ema.state_dict() if ema is not None else None
+    tensors = {"model": model_sd, "optimizer": optim_sd,  # the EMA and the masters gather TP shards: every rank
+               "ema": ema.state_dict() if ema is not None else None,
+               "master": master.state_dict() if master is not None else None}
     tmp, failure = None, None
     try:
         try:
             if dist_state.is_main:
                 tmp = temp_folder_beside(final)
                 torch.save({
-                    "step": step, "model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                    "sampler": sampler.state_dict(), "ema": ema_sd,
-                    "master": master.state_dict() if master is not None else None, "extra": extra or {},
+                    "step": step, **_tp_rows(tensors, model, optimizer, master, canonical=True), "rows": CANONICAL,
+                    "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "extra": extra or {},
                 }, tmp / STATE_FILE)
         except Exception as err:  # noqa: BLE001 (reported to every rank below, then raised)
             failure = err
@@ -98,7 +174,7 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
                 torch.save(rng_state(), tmp / f"rng_rank{dist_state.rank}.pt")  # every rank's own generators
         except Exception as err:  # noqa: BLE001
             failure = failure or err
-        _raise_unless_every_rank_succeeded(dist_state, failure, f"writing checkpoint {final}")
+        raise_unless_every_rank_succeeded(dist_state, failure, f"writing checkpoint {final}")
         try:
             if dist_state.is_main:
                 swap_in(tmp, final, owned=owns_everything)
@@ -107,7 +183,7 @@ def save_checkpoint(directory: Path, *, step: int, model, optimizer, scheduler, 
                     _remove_older(directory, final, keep)
         except Exception as err:  # noqa: BLE001
             failure = err
-        _raise_unless_every_rank_succeeded(dist_state, failure, f"swapping in checkpoint {final}")
+        raise_unless_every_rank_succeeded(dist_state, failure, f"swapping in checkpoint {final}")
     finally:
         if dist_state.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # gone already after the swap
@@ -134,10 +210,11 @@ def check_no_checkpoints(output_dir: Path) -> None:
                          f"{folder})")
 
 
-def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception | None, what: str) -> None:
+def raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception | None, what: str, *,
+                                      kept: str = "the previous checkpoint is kept") -> None:
     """Every rank learns whether every rank succeeded (a collective: in place of a barrier, which would leave
     the others waiting for a rank that failed): this rank's own error is raised as it is, another rank's
-    error as a RuntimeError naming that rank."""
+    error as a RuntimeError naming that rank (and ``kept``: what is left as it was)."""
     if not dist_state.initialized:
         if failure is not None:
             raise failure
@@ -148,13 +225,14 @@ def _raise_unless_every_rank_succeeded(dist_state: DistState, failure: Exception
         raise failure
     failed = {rank: report for rank, report in enumerate(reports) if report is not None}
     if failed:
-        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)} ({'; '.join(failed.values())}); the "
-                           "previous checkpoint is kept")
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)} ({'; '.join(failed.values())}); {kept}")
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
+    """``path`` replaced whole by a file holding ``text``, with the umask's mode as ``open`` gives it (mkstemp's
+    owner-only mode would hide ``latest`` from the other users who may read the checkpoints)."""
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:12]}"
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w") as f:
         f.write(text)
     os.replace(tmp, path)
 
@@ -199,7 +277,8 @@ def _flatten(config: dict) -> dict:
     return flat
 
 
-def check_resumed_config(saved: dict | None, current: dict, *, saved_world: int | None, world: int, path: Path) -> None:
+def check_resumed_config(saved: dict | None, current: dict, *, saved_world: int | None, world: int, path: Path,
+                         canonical_rows: bool = False) -> None:
     """Compare the config a checkpoint was written with (``extra["config"]``) to the resuming run's.
 
     A different model, or a change that gives the saved tensors another meaning (pure bf16's fp32 master copies,
@@ -220,12 +299,21 @@ def check_resumed_config(saved: dict | None, current: dict, *, saved_world: int 
     if "train.precision" in changed and "bf16" in (old.get("train.precision"), new.get("train.precision")):
         raise ValueError(f"{path} was written with {values(['train.precision'])}: pure bf16 keeps fp32 master weights "
                          "the other precisions lack; resume with the precision it was written with")
-    tp = "tp" in (old.get("distributed.strategy"), new.get("distributed.strategy"))
-    if tp and ("distributed.strategy" in changed or saved_world not in (None, world)):  # None: not recorded
-        raise ValueError(f"{path} was written by {saved_world} tensor-parallel ranks with "
-                         f"{values(['distributed.strategy'])}, this run has {world} ranks: a tensor-parallel "
-                         "checkpoint holds its fused projections in per-rank row order, so it is resumed by the same "
-                         "strategy and number of ranks")
+    strategies = old.get("distributed.strategy"), new.get("distributed.strategy")
+    permuted = strategies[0] == "tp" and not canonical_rows  # saved in the writing ranks' row order
+    if permuted and ("distributed.strategy" in changed or saved_world not in (None, world)):  # None: not recorded
+        raise ValueError(f"{path} was written by {saved_world} rank(s) with distributed.strategy={strategies[0]!r}, "
+                         f"and this run has {world} with {strategies[1]!r}: this checkpoint holds its fused projections "
+                         "in its tensor-parallel ranks' row order, so it resumes only with the strategy and number of "
+                         f"ranks that wrote it; resume with distributed.strategy={strategies[0]} on {saved_world} "
+                         "rank(s), or start a new run in another train.output_dir")
+    # (a change to or from pure bf16 was refused above)
+    kinds = [{"fsdp": "fsdp", "tp": "tp"}.get(strategy, "none or ddp") for strategy in strategies]
+    if old.get("train.precision") == "bf16" and kinds[0] != kinds[1]:
+        raise ValueError(f"{path} was written with train.precision='bf16' and distributed.strategy={strategies[0]!r}, "
+                         f"and this run has {strategies[1]!r}: pure bf16's fp32 master weights and their optimizer "
+                         "state are laid out per strategy (none and ddp alike; under FSDP the sharded parameters are "
+                         f"the masters), so such a checkpoint resumes with distributed.strategy={kinds[0]}")
     changed = [k for k in changed if k != "distributed.strategy"]  # any other strategy saves full tensors
     if changed:
         log.warning("resuming %s with settings other than those it was written with: %s; the run continues with "
@@ -242,22 +330,28 @@ def load_checkpoint(path: Path, *, model, optimizer, scheduler, sampler, dist_st
     built with: loading their states would otherwise bring back the saved run's values silently."""
     state = safe_torch_load(path / STATE_FILE, what="training state")
     extra = state["extra"]
+    saved_strategy = (extra.get("config") or {}).get("distributed", {}).get("strategy")
+    canonical = state.get("rows") == CANONICAL or saved_strategy != "tp"
     if config is not None:
         check_resumed_config(extra.get("config"), config, saved_world=extra.get("world"), world=dist_state.world,
-                             path=path)
+                             path=path, canonical_rows=canonical)
+    if canonical:  # into this run's tensor-parallel row order, if it has one
+        state.update(_tp_rows(state, model, optimizer, master, canonical=False))
     configured = [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in optimizer.param_groups]
+    optim_sd = state["optimizer"] if master is not None else _grouped_as(optimizer, model, state["optimizer"])
     if dist_state.strategy == "none":
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(optim_sd)
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(model, state["model"], options=options)
         if master is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(optim_sd)
+            _shard_master_optimizer_state(optimizer)
         else:
-            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+            set_optimizer_state_dict(model, optimizer, optim_sd, options=options)
     scheduler.load_state_dict(state["scheduler"])
     _keep_configured_hyperparameters(optimizer, scheduler, configured)
     sampler.load_state_dict(state["sampler"])

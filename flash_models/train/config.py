@@ -178,6 +178,13 @@ class DistributedSection:
 
     def validate(self, prefix: str) -> None:
         _choice(prefix + "strategy", self.strategy, STRATEGIES)
+        # An option of another strategy would be ignored: the run would not do what the config says.
+        if self.ddp_bf16_compress and self.strategy != "ddp":
+            raise ConfigError(f"{prefix}ddp_bf16_compress=true compresses DDP's gradient all-reduce, and "
+                              f"{prefix}strategy={self.strategy!r} has none; set {prefix}strategy=ddp, or drop it")
+        if not self.fsdp_reshard_after_forward and self.strategy != "fsdp":
+            raise ConfigError(f"{prefix}fsdp_reshard_after_forward=false applies to {prefix}strategy='fsdp', not "
+                              f"{self.strategy!r}; set {prefix}strategy=fsdp, or drop it")
 
 
 @dataclass

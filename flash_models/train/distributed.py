@@ -13,8 +13,9 @@ sharding we therefore permute the rows so that each rank's contiguous block is [
 whole) or [gate_r; up_r]; the module then runs unchanged on its local heads (its config is narrowed to
 Hq/tp, Hkv/tp heads) and SwiGLU splits the local [gate_r; up_r] in halves as usual. The permutation is
 recorded on the model and undone when the full state dict is exported (``export_state_dict``), so
-save_pretrained writes the canonical HF layout. Training checkpoints keep the permuted rows and are resumed
-with the same tensor-parallel size. Requirement: Hq and Hkv divisible by the TP size.
+save_pretrained writes the canonical HF layout; training checkpoints save the canonical rows too
+(``tp_row_layout``), so they resume under any strategy and tensor-parallel size. Requirement: Hq, Hkv and
+the MLP width divisible by the TP size (``check_tp``).
 
 A 2-GPU NCCL run (not made here; see scripts/train_2gpu.sh):
     torchrun --standalone --nproc-per-node 2 -m flash_models train configs/gpt2-small.yaml distributed.strategy=ddp
@@ -76,8 +77,19 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def launched_world() -> int:
+    """How many processes the launcher (torchrun) started for this run; 1 without one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(strategy: str, device_name: str) -> DistState:
     if strategy == "none":
+        if launched_world() > 1:  # every process would train alone and write the same output_dir
+            raise ValueError(
+                f"this process is one of {launched_world()} that torchrun started, and distributed.strategy='none' "
+                "would train a separate copy in each, all writing the same train.output_dir; set "
+                "distributed.strategy=ddp (or fsdp, tp), or run one process without torchrun"
+            )
         return DistState(device=pick_device(device_name))
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ValueError(
@@ -197,26 +209,44 @@ def tp_plan(block: nn.Module) -> dict:
     return plan
 
 
+def check_tp(model: nn.Module, tp: int) -> None:
+    """ValueError, before any work, unless ``tp`` tensor-parallel ranks can split ``model``: our decoder's blocks
+    with the query and kv heads and the MLP width divisible by ``tp``. Every rank raises it alike (no rank is
+    left waiting for the others)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or not hasattr(model, "decoder_config"):
+        raise ValueError(f"distributed.strategy='tp' splits our decoder models (GPT-2, LLaMA families), not a "
+                         f"{type(model).__name__}; use distributed.strategy=ddp or fsdp")
+    parts = {}
+    for block in blocks:
+        width = block.mlp.gate_up.out_features // 2 if hasattr(block.mlp, "gate_up") else block.mlp.fc1.out_features
+        for name, count in (("query heads", block.attn.cfg.num_heads), ("kv heads", block.attn.cfg.num_kv_heads),
+                            ("MLP width", width)):
+            parts.setdefault(name, count)
+            assert parts[name] == count, f"blocks differ in their {name}"
+    bad = [f"{name} {count}" for name, count in parts.items() if count % tp]
+    if bad:
+        fitting = [n for n in range(2, max(parts.values()) + 1) if all(count % n == 0 for count in parts.values())]
+        raise ValueError(f"distributed.strategy='tp' over {tp} ranks splits the heads and the MLP width evenly, and "
+                         f"{type(model).__name__}'s {', '.join(bad)}: not divisible by {tp}; launch a number of ranks "
+                         f"(torchrun --nproc-per-node) that divides them all ({fitting or 'none above 1'}), or use "
+                         "distributed.strategy=ddp or fsdp")
+
+
 def apply_tp(model: nn.Module, state: DistState) -> nn.Module:
     """Tensor-parallel blocks of our decoder (see the module docstring for the fused-row permutation)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = state.world
-    blocks = getattr(model, "blocks", None)
-    if blocks is None:
-        raise ValueError("distributed.strategy='tp' supports our decoder models (GPT-2, LLaMA families)")
+    check_tp(model, tp)
     orders: dict[str, torch.Tensor] = {}
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(model.blocks):
         cfg = block.attn.cfg
-        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-            raise ValueError(f"tensor parallel size {tp} must divide the heads ({cfg.num_heads} query, {cfg.num_kv_heads} kv)")
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         orders[f"blocks.{i}.attn.qkv"] = fused_row_order([q_dim, kv_dim, kv_dim], tp)
         _permute_rows(block.attn.qkv, orders[f"blocks.{i}.attn.qkv"])
         if hasattr(block.mlp, "gate_up"):
             inter = block.mlp.gate_up.out_features // 2
-            if inter % tp:
-                raise ValueError(f"tensor parallel size {tp} must divide the MLP width {inter}")
             orders[f"blocks.{i}.mlp.gate_up"] = fused_row_order([inter, inter], tp)
             _permute_rows(block.mlp.gate_up, orders[f"blocks.{i}.mlp.gate_up"])
         parallelize_module(block, state.mesh, tp_plan(block))
@@ -226,6 +256,20 @@ def apply_tp(model: nn.Module, state: DistState) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------------------------
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective: every rank calls, in the same order); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``full`` split as the DTensor ``like`` is (this rank's part, as a DTensor); for a plain ``like``, ``full``."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(like.device_mesh.device_type), like.device_mesh, like.placements)
+
+
 def export_state_dict(model: nn.Module, state: DistState) -> dict[str, torch.Tensor]:
     """The full, unsharded state dict on the CPU in the canonical row layout (collective: every rank calls), a copy:
     the weights changing afterwards (the EMA's swapped in) leave it as it was."""
@@ -237,12 +281,37 @@ def export_state_dict(model: nn.Module, state: DistState) -> dict[str, torch.Ten
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if state.device.type == "cpu":  # offloading a CPU tensor keeps it: DDP's would be the live weights
             sd = {k: v.clone() for k, v in sd.items()}
+    return tp_row_layout(sd, model, canonical=True)
+
+
+def tp_row_layout(tensors: dict, model: nn.Module, *, canonical: bool) -> dict:
+    """``tensors`` (full tensors by state-dict name, or dicts of them: an optimizer's state) with the rows of the
+    fused projections that ``apply_tp`` permuted put in the canonical order (``canonical=True``: what HF and the
+    other strategies hold) or in this model's tensor-parallel order; other entries as they are. A model without
+    tensor parallelism gives them back unchanged."""
+    out = dict(tensors)
     for prefix, order in getattr(unwrap(model), "tp_row_orders", {}).items():
-        inverse = torch.argsort(order)
-        for suffix in (".weight", ".bias"):
-            if prefix + suffix in sd:
-                sd[prefix + suffix] = sd[prefix + suffix][inverse]
-    return sd
+        index = torch.argsort(order) if canonical else order
+        for name in (prefix + ".weight", prefix + ".bias"):
+            if name in out:
+                out[name] = _rows(out[name], index)
+    return out
+
+
+def _rows(value, index: torch.Tensor):
+    if isinstance(value, dict):
+        return {key: _rows(v, index) for key, v in value.items()}
+    if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(index):  # not Adam's step count
+        return value[index.to(value.device)]
+    return value
+
+
+def state_dict_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters by their state-dict names, without DDP's ``module.`` and the activation-checkpoint
+    wrapper's prefix (what a checkpoint calls them, whatever wraps the model)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+
+    return {name.replace(_CHECKPOINT_PREFIX, ""): p for name, p in unwrap(model).named_parameters()}
 
 
 def unwrap(model: nn.Module) -> nn.Module:

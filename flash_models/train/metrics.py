@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .distributed import full_tensor, shard_like, state_dict_names
+
 log = logging.getLogger(__name__)
 
 
@@ -69,10 +71,6 @@ def _sync(device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 @torch.no_grad()
 def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """Global L2 norm of the gradients, in float32. DTensor gradients (FSDP2 shards, TP shards) reduce across
@@ -81,7 +79,7 @@ def grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     if any(hasattr(g, "full_tensor") for g in grads):
-        norms = [_local(torch.linalg.vector_norm(g.float())) for g in grads]
+        norms = [full_tensor(torch.linalg.vector_norm(g.float())) for g in grads]
     else:
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
@@ -113,20 +111,20 @@ class EMA:
 
     def __init__(self, model: nn.Module, decay: float):
         self.decay = decay
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        params = dict(model.named_parameters())
+        params = state_dict_names(model)
+        self.names = [n for n, p in params.items() if p.requires_grad]
         self.shadow = [params[n].detach().float().clone() for n in self.names]
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        params = dict(model.named_parameters())
+        params = state_dict_names(model)
         for name, s in zip(self.names, self.shadow):
             s.lerp_(params[name].detach().float(), 1.0 - self.decay)
 
     @torch.no_grad()
     def swap(self, model: nn.Module) -> None:
         """Exchange the model's weights and the averages (call twice to restore)."""
-        params = dict(model.named_parameters())
+        params = state_dict_names(model)
         for i, name in enumerate(self.names):
             p = params[name]
             kept = p.detach().float().clone()
@@ -134,19 +132,14 @@ class EMA:
             self.shadow[i] = kept
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "names": self.names, "shadow": [_local(s) for s in self.shadow]}
+        return {"decay": self.decay, "names": self.names, "shadow": [full_tensor(s) for s in self.shadow]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         if state["names"] != self.names:
             raise ValueError("the checkpoint's EMA covers different parameters than this model")
         for s, saved in zip(self.shadow, state["shadow"]):
-            if hasattr(s, "device_mesh"):  # a DTensor shard: take this rank's part of the full tensor
-                from torch.distributed.tensor import distribute_tensor
-
-                s.copy_(distribute_tensor(saved.to(s.device_mesh.device_type), s.device_mesh, s.placements))
-            else:
-                s.copy_(saved)
+            s.copy_(shard_like(saved, s))  # a DTensor shard takes this rank's part of the full tensor
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .config import OptimSection
+from .distributed import full_tensor, shard_like
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -109,9 +110,10 @@ class MasterWeights:
         return [m for _, m in self.pairs]
 
     def state_dict(self) -> list[torch.Tensor]:
-        return [m.detach().clone() for m in self.masters()]
+        """The masters whole (tensor-parallel shards gathered: a collective, every rank calls)."""
+        return [full_tensor(m.detach()).clone() for m in self.masters()]
 
     @torch.no_grad()
     def load_state_dict(self, state: list[torch.Tensor]) -> None:
         for m, saved in zip(self.masters(), state, strict=True):
-            m.copy_(saved)
+            m.copy_(shard_like(saved, m))

@@ -29,7 +29,8 @@ from ..checkpoint.files import owned_by_model_save
 from ..modules.recompute import checkpoint_blocks
 from . import distributed as D
 from .build import DataBundle, build_data, build_model
-from .checkpoint import check_no_checkpoints, find_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (check_no_checkpoints, find_checkpoint, load_checkpoint, raise_unless_every_rank_succeeded,
+                         save_checkpoint)
 from .config import ExperimentConfig, load_config
 from .data import IGNORE, StepSampler
 from ..runtime.train_graphs import GraphedLoss, check_graphable
@@ -99,6 +100,14 @@ class Trainer:
             check_no_checkpoints(Path(t.output_dir))  # a new run would interleave its checkpoints with them
         self.dist = D.setup(cfg.distributed.strategy, t.device)
         self.device = self.dist.device
+        per_rank = t.global_batch_size // self.dist.dp_world
+        if t.global_batch_size % self.dist.dp_world or per_rank % t.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} must split into {self.dist.dp_world} data-parallel "
+                f"ranks x micro_batch_size={t.micro_batch_size} x accumulation steps; set train.global_batch_size to "
+                f"a multiple of {self.dist.dp_world * t.micro_batch_size} (or change train.micro_batch_size)"
+            )
+        self.accum_steps = per_rank // t.micro_batch_size
         if t.cuda_graphs:  # refused before any data or model is built
             check_graphable(device=self.device, task=cfg.model.task, packing=cfg.data.packing, compile=t.compile,
                             activation_checkpointing=t.activation_checkpointing, strategy=self.dist.strategy)
@@ -107,6 +116,13 @@ class Trainer:
         seed_everything(t.seed)  # same on every rank: identical initial weights
         self.output_dir = Path(t.output_dir)
         raw = model if model is not None else build_model(cfg)
+        if self.dist.strategy == "tp":  # before the data is read: every rank refuses alike
+            D.check_tp(raw, self.dist.world)
+        if self.dist.dp_world > 1:
+            # The shared seed gave every rank the same initial weights. From here on each data-parallel rank
+            # draws its own dropout masks, augmentations and mixup: with the shared seed, rank r's k-th row
+            # would take rank 0's k-th row's draws. (Tensor-parallel ranks read one batch: one stream.)
+            seed_everything((t.seed + self.dist.dp_rank) % 2**32)
         if t.export and hasattr(raw.config, "to_hf"):  # known now, not after the last step
             try:
                 raw.config.to_hf()
@@ -138,13 +154,6 @@ class Trainer:
             if data is None:
                 data = build_data(cfg, vocab_size=vocab)
         self.data = data
-        per_rank = t.global_batch_size // self.dist.dp_world
-        if t.global_batch_size % self.dist.dp_world or per_rank % t.micro_batch_size:
-            raise ValueError(
-                f"train.global_batch_size={t.global_batch_size} must split into {self.dist.dp_world} data-parallel "
-                f"ranks x micro_batch_size={t.micro_batch_size} x accumulation steps"
-            )
-        self.accum_steps = per_rank // t.micro_batch_size
         if len(data.train) < t.global_batch_size:
             log.warning("the training data holds %d items (windows of data.seq_len tokens, or rows), fewer than "
                         "train.global_batch_size=%d: every step takes some of them more than once",
@@ -489,11 +498,16 @@ class Trainer:
             self.ema.swap(self.model)
             ema_state = D.export_state_dict(self.model, self.dist)
             self.ema.swap(self.model)
+        failure = None
         if self.dist.is_main:
-            self._export_folder(state, directory)
-            if ema_state is not None:
-                self._export_folder(ema_state, directory.with_name(directory.name + "_ema"))
-        D.barrier(self.dist)
+            try:
+                self._export_folder(state, directory)
+                if ema_state is not None:
+                    self._export_folder(ema_state, directory.with_name(directory.name + "_ema"))
+            except Exception as err:  # noqa: BLE001 (every rank raises, below: none waits at a barrier for rank 0)
+                failure = err
+        raise_unless_every_rank_succeeded(self.dist, failure, f"exporting {directory}",
+                                          kept="an earlier export there is kept")
         return directory if self.dist.is_main else None
 
     def _export_folder(self, state: dict, directory: Path) -> None:

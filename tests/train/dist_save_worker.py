@@ -1,7 +1,8 @@
 """Run under torchrun with 2 processes by test_train_distributed_save.py: for each run in CONFIG_JSON (a
 strategy on gloo/CPU or NCCL/CUDA), train 2 steps and save, then make the re-save of that checkpoint fail on
 one rank (rank 1's RNG file, then rank 0's training state) and record what every rank raised and whether the
-checkpoint folder changed; then resume from it and export. Rank 0 writes the results as JSON.
+checkpoint folder changed, and make rank 0's export fail; then resume from it and export. Rank 0 writes the
+results as JSON.
 
     torchrun --standalone --nproc-per-node 2 tests/train/dist_save_worker.py CONFIG_JSON OUT_JSON
 """
@@ -42,6 +43,22 @@ def save_failing_on(trainer: Trainer, rank: int, file_name: str) -> str:
     return "no error"
 
 
+def export_failing_on_rank0(trainer: Trainer) -> str:
+    """trainer.export() with rank 0's writing of the folder raising: what this rank raised."""
+    def failing(state, directory):
+        raise OSError("disk full (simulated)")
+
+    if dist.get_rank() == 0:
+        trainer._export_folder = failing
+    try:
+        trainer.export()
+    except Exception as err:  # noqa: BLE001 (recorded for the test to check)
+        return f"{type(err).__name__}: {err}"
+    finally:
+        trainer.__dict__.pop("_export_folder", None)
+    return "no error"
+
+
 def run(config: dict) -> dict:
     out = Path(config["train"]["output_dir"])
     trainer = Trainer(load_config(config))
@@ -53,6 +70,9 @@ def run(config: dict) -> dict:
         raised = [None] * dist.get_world_size()
         dist.all_gather_object(raised, save_failing_on(trainer, rank, file_name))
         result["raised"][f"fail_rank{rank}"] = raised
+    raised = [None] * dist.get_world_size()  # a rank left at a barrier for rank 0 would hang here
+    dist.all_gather_object(raised, export_failing_on_rank0(trainer))
+    result["raised"]["export_fail_rank0"] = raised
     dist.barrier()
     if dist.get_rank() == 0:
         result["unchanged"] = folder_bytes(ckpt) == before

@@ -1,7 +1,8 @@
-"""Run under torchrun with 2 processes (gloo, CPU) by test_train_distributed.py: trains the same tiny models
-with DDP (+ bf16 compression hook), FSDP2 and tensor parallelism, and writes rank 0's per-step losses as JSON.
+"""Run under torchrun (gloo, CPU) by test_train_distributed.py: trains the same tiny models with DDP (+ bf16
+compression hook), FSDP2 and tensor parallelism, and writes rank 0's per-step losses as JSON. A run marked
+``expect_error`` records what each rank raised building its Trainer instead.
 
-    torchrun --standalone --nproc-per-node 2 tests/train/dist_worker.py CONFIG_JSON OUT_JSON
+    torchrun --standalone --nproc-per-node N tests/train/dist_worker.py CONFIG_JSON OUT_JSON
 """
 
 import json
@@ -15,15 +16,34 @@ from flash_models.train import Trainer, load_config
 from flash_models.train.distributed import leave_process_group
 
 
+def refusals(config: dict) -> list[str]:
+    """What each rank raised building a Trainer from ``config`` (every rank must raise: one that went on would
+    wait forever in a collective for the others)."""
+    try:
+        Trainer(load_config(config))
+        raised = "no error"
+    except Exception as err:  # noqa: BLE001 (recorded for the test to check)
+        raised = f"{type(err).__name__}: {err}"
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, raised)
+    return gathered
+
+
 def main(config_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # here, not in the Trainer: runs that refuse still gather their errors
     runs = json.loads(open(config_path).read())
     results = {}
     for name, config in runs.items():
+        if config.pop("expect_error", False):
+            results[name] = {"raised": refusals(config)}
+            continue
         check_resume = config.pop("check_resume", False)
         trainer = Trainer(load_config(config))
+        seeds = [None] * dist.get_world_size()  # of the generators the steps draw dropout and augmentations from
+        dist.all_gather_object(seeds, torch.initial_seed())
         trainer.fit()
-        results[name] = {"losses": [h["loss"] for h in trainer.history],
+        results[name] = {"losses": [h["loss"] for h in trainer.history], "seeds": seeds,
                          "group_kinds": [sorted({type(p).__name__ for p in g["params"]}) for g in trainer.optimizer.param_groups]}
         if check_resume:  # a fresh trainer from the step-2 checkpoint continues exactly like the first one
             config["train"]["resume"] = config["train"]["output_dir"] + "/checkpoints/step_00000002"

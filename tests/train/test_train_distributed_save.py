@@ -1,19 +1,18 @@
 """Training checkpoints stay atomic per folder under torch.distributed: 2 processes under torchrun (gloo on the
 CPU here; NCCL on 2 GPUs in the gpu test) train with DDP and FSDP2, save, then fail the re-save of that
-checkpoint on one rank. Every rank must raise (none waits forever at a barrier for a rank that failed), the
-checkpoint must be byte for byte the one before, with no temporary folder left, and a resumed run and the HF
-export must still load."""
+checkpoint on one rank, and rank 0's export. Every rank must raise (none waits forever at a barrier for a rank
+that failed), the checkpoint must be byte for byte the one before, with no temporary folder left, and a resumed
+run and the HF export must still load."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import flash_models as fm
+
+from dist_launch import torchrun
 
 WORKER = Path(__file__).with_name("dist_save_worker.py")
 
@@ -28,21 +27,8 @@ def _run_workers(tiny_config, tmp_path, device, strategies):
         runs[strategy] = config
     config_file, out_file = tmp_path / "runs.json", tmp_path / "out.json"
     config_file.write_text(json.dumps(runs))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parents[2]), str(Path(__file__).parents[2] / "kernels"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-         str(config_file), str(out_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        # A rank left waiting (what this test guards against): SIGTERM lets torchrun stop its workers, which
-        # run in sessions of their own and would outlive a SIGKILL of torchrun alone.
-        proc.terminate()
-        _, stderr = proc.communicate(timeout=60)
-        pytest.fail(f"the workers did not finish in 300 s (a rank waiting for one that failed?): {stderr[-4000:]}")
-    assert proc.returncode == 0, stderr[-4000:]
+    proc = torchrun([str(WORKER), str(config_file), str(out_file)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out_file.read_text())
     for strategy in strategies:
         got = results[strategy]
@@ -52,6 +38,10 @@ def _run_workers(tiny_config, tmp_path, device, strategies):
             got["raised"]["fail_rank1"][0]
         assert got["raised"]["fail_rank0"][0] == "OSError: disk full (simulated)"
         assert "failed on rank(s) [0]" in got["raised"]["fail_rank0"][1]
+        assert got["raised"]["export_fail_rank0"] == [  # rank 1 raises too, instead of waiting for rank 0
+            "OSError: disk full (simulated)",
+            f"RuntimeError: exporting {tmp_path / strategy / 'final'} failed on rank(s) [0] (OSError: disk full "
+            "(simulated)); an earlier export there is kept"]
         assert got["unchanged"], f"{strategy}: a failed re-save changed the checkpoint"
         assert got["checkpoint_files"] == ["rng_rank0.pt", "rng_rank1.pt", "train_state.pt"]
         assert got["checkpoints_dir"] == ["latest", "step_00000002"]  # no temporary folder left beside it

@@ -125,13 +125,37 @@ def test_resume_with_another_model_or_weight_precision_is_refused_naming_the_key
         Trainer(tiny_config(**change))
 
 
-def test_tensor_parallel_checkpoints_resume_only_with_the_same_ranks():
+def test_tensor_parallel_checkpoints_in_rank_row_order_resume_only_with_the_same_ranks():
     saved = {"model": {"overrides": {}}, "distributed": {"strategy": "tp"}}
     check_resumed_config(saved, saved, saved_world=2, world=2, path=Path("ckpt"))
-    with pytest.raises(ValueError, match="per-rank row order"):
+    with pytest.raises(ValueError, match="in its tensor-parallel ranks. row order"):
         check_resumed_config(saved, saved, saved_world=2, world=4, path=Path("ckpt"))
-    with pytest.raises(ValueError, match="distributed.strategy='tp' \\(now 'ddp'\\)"):
+    with pytest.raises(ValueError, match="distributed.strategy='tp', and this run has 2 with 'ddp'"):
         check_resumed_config(saved, {**saved, "distributed": {"strategy": "ddp"}}, saved_world=2, world=2, path=Path("ckpt"))
+    # saved with the fused rows in the canonical order: any strategy and number of ranks
+    check_resumed_config(saved, {**saved, "distributed": {"strategy": "ddp"}}, saved_world=2, world=4, path=Path("ckpt"),
+                         canonical_rows=True)
+    check_resumed_config({**saved, "distributed": {"strategy": "none"}}, saved, saved_world=1, world=2, path=Path("ckpt"),
+                         canonical_rows=True)
+
+
+def test_pure_bf16_checkpoints_resume_on_their_side_of_fsdp():
+    """Pure bf16 keeps fp32 master copies in the checkpoint except under FSDP, and TP's optimizer groups its shards
+    apart: across those lines the masters or their optimizer state would not fit. fp32 and bf16 autocast
+    checkpoints move between any strategies."""
+    def config(precision, strategy):
+        return {"model": {"overrides": {}}, "train": {"precision": precision}, "distributed": {"strategy": strategy}}
+
+    for a, b in (("none", "ddp"), ("ddp", "none"), ("fsdp", "fsdp"), ("tp", "tp")):
+        check_resumed_config(config("bf16", a), config("bf16", b), saved_world=1, world=2, path=Path("ckpt"),
+                             canonical_rows=True)
+    for a, b, fix in (("none", "fsdp", "none or ddp"), ("fsdp", "ddp", "fsdp"), ("tp", "none", "tp"), ("ddp", "tp", "none or ddp")):
+        check_resumed_config(config("fp32", a), config("fp32", b), saved_world=1, world=2, path=Path("ckpt"),
+                             canonical_rows=True)
+        with pytest.raises(ValueError, match=f"precision='bf16' and distributed.strategy='{a}'.*resumes with "
+                                             f"distributed.strategy={fix}"):
+            check_resumed_config(config("bf16", a), config("bf16", b), saved_world=1, world=2, path=Path("ckpt"),
+                                 canonical_rows=True)
 
 
 def test_a_new_run_refuses_a_folder_of_checkpoints_and_starts_a_fresh_log(tiny_config, tmp_path):
