@@ -85,6 +85,17 @@ class HFModelProtocol:
 
     is_activation_checkpointing = is_gradient_checkpointing
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """HF's parameter count: each parameter once, at the real vocabulary (the pad rows of the token table and
+        LM head, modules/vocab_padding.py, are not counted); ``exclude_embeddings`` leaves out the ``nn.Embedding``
+        tables (tokens, positions, token types), ``only_trainable`` the frozen parameters. The Trainer's
+        ``total_flos`` is 6 * input tokens * ``num_parameters(exclude_embeddings=True)``, and 0 without this."""
+        embeddings = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+                      if exclude_embeddings else set())
+        real = self.state_dict(keep_vars=True)  # views without the pad rows
+        return sum(real.get(name, param).numel() for name, param in self.named_parameters()
+                   if name not in embeddings and (param.requires_grad or not only_trainable))
+
     def add_model_tags(self, tags: str | list[str]) -> None:
         """Tags for the model card (TRL adds "trl", "sft"): kept in ``model_tags``, in order, once each."""
         current = self.__dict__.setdefault("model_tags", [])

@@ -184,3 +184,27 @@ def test_use_cache_keeps_a_cache_that_grows(name):
         ours(ids[:, :1], past_key_values=cache, cache=ours.new_kv_cache(batch_size=2, max_len=8))
     ours.train()
     assert getattr(ours(ids, use_cache=True), "cache", None) is None  # a training forward keeps none
+
+
+@pytest.mark.parametrize("family", ["llama-untied", "gpt2-tied", "bert-classifier"])
+def test_num_parameters_counts_as_hf(family):
+    """HF's num_parameters, which the Trainer's total_flos reads: the real vocabulary (97, padded to 128 inside),
+    tied weights once, nn.Embedding tables (positions, token types too) out with exclude_embeddings, frozen ones out
+    with only_trainable."""
+    if family == "llama-untied":
+        hf = random_hf_model(tiny_llama_config(), seed=4)
+    elif family == "gpt2-tied":
+        hf = random_hf_model(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=24), seed=4)
+    else:
+        hf = random_hf_model(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                     intermediate_size=48, max_position_embeddings=24, num_labels=3,
+                                                     architectures=["BertForSequenceClassification"]),
+                             seed=4, auto_class="AutoModelForSequenceClassification")
+    ours = ours_from_hf(hf)
+    if family != "bert-classifier":  # decoders pad their vocabulary inside
+        assert sum(p.numel() for p in ours.parameters()) > hf.num_parameters()
+    for model in (hf, ours):
+        model.get_input_embeddings().weight.requires_grad_(False)
+        next(p for p in model.parameters() if p.dim() == 1).requires_grad_(False)
+    for options in ({}, {"exclude_embeddings": True}, {"only_trainable": True}, {"only_trainable": True, "exclude_embeddings": True}):
+        assert ours.num_parameters(**options) == hf.num_parameters(**options), options
