@@ -111,10 +111,12 @@ class HFModelProtocol:
 
     def enable_input_require_grads(self) -> None:
         """Make the embeddings' output require grad, so that checkpointed blocks of a model whose embeddings are
-        frozen (PEFT adapters) still get a backward (HF's method of the same name)."""
+        frozen (PEFT adapters) still get a backward (HF's method of the same name; PEFT calls it when it wraps a
+        checkpointed model). A model without a token table (ViT) has nothing to hook and needs nothing: our
+        checkpointed blocks make their own input require grad where reentrant checkpointing needs it."""
         table = self.get_input_embeddings()
         if table is None:
-            raise ValueError(f"{type(self).__name__} has no token embedding table to hook; freeze fewer layers instead")
+            return
         self.disable_input_require_grads()  # one hook, however often this is called
         self._require_grads_hook = table.register_forward_hook(_output_requires_grad)
 
@@ -174,6 +176,13 @@ class CheckpointedForward:
         if not (block.training and torch.is_grad_enabled()):
             return type(block).forward(block, *args, **kwargs)
         names = list(kwargs)
+        if (self.options.get("use_reentrant")
+                and not any(torch.is_tensor(a) and a.requires_grad for a in (*args, *kwargs.values()))
+                and any(p.requires_grad for p in block.parameters())):
+            # Reentrant checkpointing backpropagates into a block only through inputs that require grad: frozen
+            # embeddings (PEFT) or frozen patches (ViT, no token table to hook) would leave the block's trainable
+            # parameters without a gradient. The input has no history, so a leaf alias of it loses nothing.
+            args = (args[0].detach().requires_grad_(), *args[1:])
 
         def run(*flat):
             return type(block).forward(block, *flat[:len(args)], **dict(zip(names, flat[len(args):])))
