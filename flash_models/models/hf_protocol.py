@@ -101,6 +101,12 @@ class HFModelProtocol:
         current = self.__dict__.setdefault("model_tags", [])
         current.extend(tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in current)
 
+    @property
+    def vocab_size(self) -> int:
+        """HF's ``model.vocab_size``, which its causal LMs and every model after ``resize_token_embeddings`` carry
+        (TRL's ``clone_chat_template`` reads it after resizing): the config's, the real vocabulary."""
+        return self.config.vocab_size
+
     # ----------------------------------------------------------------------------------------------------
     def get_input_embeddings(self) -> nn.Embedding | None:
         """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``); None for a
