@@ -9,6 +9,7 @@ Every model class mixes this in; the decoder and the task heads set the class at
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.utils.checkpoint
@@ -263,10 +264,17 @@ def accepts_hf_flags(forward):
     """``forward`` that also takes HF's call flags with their default values, which change nothing here: PEFT's
     task wrappers (``task_type`` CAUSAL_LM, SEQ_CLS, TOKEN_CLS, FEATURE_EXTRACTION) call every model with
     ``inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None``. Those are dropped
-    before the forward runs; a value that asks for what our models do not take or return raises, naming it. The
-    signature, as ``inspect`` and the Trainer's column filter see it, stays the forward's."""
+    before the forward runs; a value that asks for what our models do not take or return raises, naming it.
+    ``use_cache`` goes on to a forward that takes HF's keyword arguments (``**hf_kwargs``: the decoders', which keep
+    a cache with it); the others (encoders, ViT) keep no cache, and drop it whatever its value (TRL's trainers pass
+    ``use_cache=False`` to every model, classifiers included). The signature, as ``inspect`` and the Trainer's
+    column filter see it, stays the forward's."""
+    takes_hf_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
+
     @functools.wraps(forward)
     def call(self, *args, **kwargs):
+        if not takes_hf_kwargs:
+            kwargs.pop("use_cache", None)
         if kwargs.pop("inputs_embeds", None) is not None:
             raise ValueError("inputs_embeds is not supported by flash-models models: pass input_ids (PEFT's "
                              "prompt-learning methods, which feed embeddings, are not supported; LoRA-style adapters are)")
