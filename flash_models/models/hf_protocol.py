@@ -189,6 +189,7 @@ class CheckpointedForward:
             # Reentrant checkpointing backpropagates into a block only through inputs that require grad: frozen
             # embeddings (PEFT) or frozen patches (ViT, no token table to hook) would leave the block's trainable
             # parameters without a gradient. The input has no history, so a leaf alias of it loses nothing.
+            assert args and args[0].is_floating_point(), "a block takes the hidden states as its first argument"
             args = (args[0].detach().requires_grad_(), *args[1:])
 
         def run(*flat):
