@@ -18,6 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 log = logging.getLogger(__name__)
 
+_ONE_FILE = 2**62  # bytes: more than any model holds
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -34,7 +35,10 @@ class SavePretrainedCallback(TrainerCallback):
         # scheduler, RNG and trainer state) stay where they are.
         staging = Path(tempfile.mkdtemp(prefix=".tmp-pretrained-", dir=args.output_dir))
         try:
-            model.save_pretrained(staging)
+            # One weights file, whatever the model's size: the Trainer reads a sharded checkpoint (resume, best
+            # model) shard by shard into load_state_dict, and a shard may hold only part of one of our fused
+            # parameters (q_proj without k_proj), which no load can take alone.
+            model.save_pretrained(staging, max_shard_size=_ONE_FILE)
             for name in _WEIGHT_FILES:
                 if (folder / name).exists() and not (staging / name).exists():
                     (folder / name).unlink()  # the Trainer's state dict in our internal layout

@@ -395,11 +395,13 @@ class DecoderLM(HFModelProtocol, nn.Module):
     @property
     def base_model(self):
         """What HF calls the model without its LM head: called like the forward (without labels), it returns
-        an output whose ``last_hidden_state`` is the final hidden states (B, S, hidden)."""
+        an output whose ``last_hidden_state`` is the final hidden states (B, S, hidden). ``logits_to_keep`` is taken
+        and changes nothing, as in HF's base models: it concerns the LM head (TRL's distillation passes it)."""
         return self.hidden_states
 
     @accepts_hf_flags
-    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cu_seqlens=None, **hf_kwargs) -> EncoderOutput:
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cu_seqlens=None, logits_to_keep: int = 0,
+                      **hf_kwargs) -> EncoderOutput:
         B, S = input_ids.shape
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, None, cu_seqlens, hf_kwargs)
         position_ids, mask, needed = self._positions_and_mask(input_ids, attention_mask, position_ids, kv_cache=None,

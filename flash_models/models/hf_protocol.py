@@ -9,6 +9,7 @@ Every model class mixes this in; the decoder and the task heads set the class at
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.utils.checkpoint
@@ -85,10 +86,27 @@ class HFModelProtocol:
 
     is_activation_checkpointing = is_gradient_checkpointing
 
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """HF's parameter count: each parameter once, at the real vocabulary (the pad rows of the token table and
+        LM head, modules/vocab_padding.py, are not counted); ``exclude_embeddings`` leaves out the ``nn.Embedding``
+        tables (tokens, positions, token types), ``only_trainable`` the frozen parameters. The Trainer's
+        ``total_flos`` is 6 * input tokens * ``num_parameters(exclude_embeddings=True)``, and 0 without this."""
+        embeddings = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
+                      if exclude_embeddings else set())
+        real = self.state_dict(keep_vars=True)  # views without the pad rows
+        return sum(real.get(name, param).numel() for name, param in self.named_parameters()
+                   if name not in embeddings and (param.requires_grad or not only_trainable))
+
     def add_model_tags(self, tags: str | list[str]) -> None:
         """Tags for the model card (TRL adds "trl", "sft"): kept in ``model_tags``, in order, once each."""
         current = self.__dict__.setdefault("model_tags", [])
         current.extend(tag for tag in ([tags] if isinstance(tags, str) else tags) if tag not in current)
+
+    @property
+    def vocab_size(self) -> int:
+        """HF's ``model.vocab_size``, which its causal LMs and every model after ``resize_token_embeddings`` carry
+        (TRL's ``clone_chat_template`` reads it after resizing): the config's, the real vocabulary."""
+        return self.config.vocab_size
 
     # ----------------------------------------------------------------------------------------------------
     def get_input_embeddings(self) -> nn.Embedding | None:
@@ -100,10 +118,12 @@ class HFModelProtocol:
 
     def enable_input_require_grads(self) -> None:
         """Make the embeddings' output require grad, so that checkpointed blocks of a model whose embeddings are
-        frozen (PEFT adapters) still get a backward (HF's method of the same name)."""
+        frozen (PEFT adapters) still get a backward (HF's method of the same name; PEFT calls it when it wraps a
+        checkpointed model). A model without a token table (ViT) has nothing to hook and needs nothing: our
+        checkpointed blocks make their own input require grad where reentrant checkpointing needs it."""
         table = self.get_input_embeddings()
         if table is None:
-            raise ValueError(f"{type(self).__name__} has no token embedding table to hook; freeze fewer layers instead")
+            return
         self.disable_input_require_grads()  # one hook, however often this is called
         self._require_grads_hook = table.register_forward_hook(_output_requires_grad)
 
@@ -163,6 +183,14 @@ class CheckpointedForward:
         if not (block.training and torch.is_grad_enabled()):
             return type(block).forward(block, *args, **kwargs)
         names = list(kwargs)
+        if (self.options.get("use_reentrant")
+                and not any(torch.is_tensor(a) and a.requires_grad for a in (*args, *kwargs.values()))
+                and any(p.requires_grad for p in block.parameters())):
+            # Reentrant checkpointing backpropagates into a block only through inputs that require grad: frozen
+            # embeddings (PEFT) or frozen patches (ViT, no token table to hook) would leave the block's trainable
+            # parameters without a gradient. The input has no history, so a leaf alias of it loses nothing.
+            assert args and args[0].is_floating_point(), "a block takes the hidden states as its first argument"
+            args = (args[0].detach().requires_grad_(), *args[1:])
 
         def run(*flat):
             return type(block).forward(block, *flat[:len(args)], **dict(zip(names, flat[len(args):])))
@@ -237,10 +265,17 @@ def accepts_hf_flags(forward):
     """``forward`` that also takes HF's call flags with their default values, which change nothing here: PEFT's
     task wrappers (``task_type`` CAUSAL_LM, SEQ_CLS, TOKEN_CLS, FEATURE_EXTRACTION) call every model with
     ``inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None``. Those are dropped
-    before the forward runs; a value that asks for what our models do not take or return raises, naming it. The
-    signature, as ``inspect`` and the Trainer's column filter see it, stays the forward's."""
+    before the forward runs; a value that asks for what our models do not take or return raises, naming it.
+    ``use_cache`` goes on to a forward that takes HF's keyword arguments (``**hf_kwargs``: the decoders', which keep
+    a cache with it); the others (encoders, ViT) keep no cache, and drop it whatever its value (TRL's trainers pass
+    ``use_cache=False`` to every model, classifiers included). The signature, as ``inspect`` and the Trainer's
+    column filter see it, stays the forward's."""
+    takes_hf_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(forward).parameters.values())
+
     @functools.wraps(forward)
     def call(self, *args, **kwargs):
+        if not takes_hf_kwargs:
+            kwargs.pop("use_cache", None)
         if kwargs.pop("inputs_embeds", None) is not None:
             raise ValueError("inputs_embeds is not supported by flash-models models: pass input_ids (PEFT's "
                              "prompt-learning methods, which feed embeddings, are not supported; LoRA-style adapters are)")

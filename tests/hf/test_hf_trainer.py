@@ -59,6 +59,7 @@ def test_trainer_matches_hf_and_checkpoints_load(tmp_path):
     expected, got = losses(hf_trainer), losses(ours_trainer)
     assert len(got) == 4
     assert got == pytest.approx(expected, abs=1e-5, rel=0)
+    assert ours_trainer.state.total_flos == hf_trainer.state.total_flos > 0  # num_parameters: the real vocabulary's
 
     # Each checkpoint is a model folder that both libraries read, with the trained weights.
     ids = torch.randint(0, VOCAB, (2, 9))
@@ -79,6 +80,26 @@ def test_trainer_matches_hf_and_checkpoints_load(tmp_path):
     assert losses(resumed)[-2:] == pytest.approx(got[2:], abs=1e-5, rel=0)
     with torch.no_grad():
         torch.testing.assert_close(resumed.model.eval()(ids).logits, reference, atol=1e-5, rtol=0)
+
+
+def test_a_checkpoint_of_a_model_past_the_shard_size_resumes(tmp_path, monkeypatch):
+    """The Trainer loads a sharded checkpoint shard by shard; the callback writes one file, so that no shard holds
+    part of a fused parameter. A tiny default shard size stands for a model past save_pretrained's 5GB."""
+    import flash_models.checkpoint as checkpoint
+
+    save = checkpoint.save_pretrained
+    monkeypatch.setattr(checkpoint, "save_pretrained",
+                        lambda model, folder, **kw: save(model, folder, **{"max_shard_size": 4096, **kw}))
+    data = lm_dataset(8, seed=17)
+    ours = ours_from_hf(random_hf_model(tiny_llama_config(), seed=18))
+    trainer = Trainer(model=ours, args=args(tmp_path, gradient_accumulation_steps=1), train_dataset=data,
+                      callbacks=[SavePretrainedCallback()])
+    trainer.train()
+    assert not list((tmp_path / "checkpoint-2").glob("*.index.json"))
+    resumed = Trainer(model=ours_from_hf(random_hf_model(tiny_llama_config(), seed=19)),
+                      args=args(tmp_path, gradient_accumulation_steps=1), train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert losses(resumed)[-2:] == pytest.approx(losses(trainer)[2:], abs=1e-5, rel=0)
 
 
 def test_gradient_accumulation_normalizes_by_tokens():

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 import transformers
 
+import flash_models as fm
 from flash_models.models.outputs import CausalLMOutput, HeadOutput
 from flash_models.testing import ours_from_hf, random_hf_model
 from test_hf_trainer import VOCAB, tiny_llama_config
@@ -184,3 +185,52 @@ def test_use_cache_keeps_a_cache_that_grows(name):
         ours(ids[:, :1], past_key_values=cache, cache=ours.new_kv_cache(batch_size=2, max_len=8))
     ours.train()
     assert getattr(ours(ids, use_cache=True), "cache", None) is None  # a training forward keeps none
+
+
+@pytest.mark.parametrize("family", ["llama-untied", "gpt2-tied", "bert-classifier"])
+def test_num_parameters_counts_as_hf(family):
+    """HF's num_parameters, which the Trainer's total_flos reads: the real vocabulary (97, padded to 128 inside),
+    tied weights once, nn.Embedding tables (positions, token types too) out with exclude_embeddings, frozen ones out
+    with only_trainable."""
+    if family == "llama-untied":
+        hf = random_hf_model(tiny_llama_config(), seed=4)
+    elif family == "gpt2-tied":
+        hf = random_hf_model(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=24), seed=4)
+    else:
+        hf = random_hf_model(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                     intermediate_size=48, max_position_embeddings=24, num_labels=3,
+                                                     architectures=["BertForSequenceClassification"]),
+                             seed=4, auto_class="AutoModelForSequenceClassification")
+    ours = ours_from_hf(hf)
+    if family != "bert-classifier":  # decoders pad their vocabulary inside
+        assert sum(p.numel() for p in ours.parameters()) > hf.num_parameters()
+    for model in (hf, ours):
+        model.get_input_embeddings().weight.requires_grad_(False)
+        next(p for p in model.parameters() if p.dim() == 1).requires_grad_(False)
+    for options in ({}, {"exclude_embeddings": True}, {"only_trainable": True}, {"only_trainable": True, "exclude_embeddings": True}):
+        assert ours.num_parameters(**options) == hf.num_parameters(**options), options
+
+
+def test_trl_clone_chat_template_resizes_as_for_hf(tmp_path):
+    """TRL's clone_chat_template (SFTConfig(chat_template_path=a tokenizer)) adds the source tokenizer's tokens,
+    resizes to a multiple of 64 and reads model.vocab_size to pad the tokenizer to it: ours ends where HF's does."""
+    from trl.chat_template_utils import clone_chat_template
+
+    from flash_models.checkpoint.tokenizer import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(fm.smollm2_gguf())
+    source = copy.deepcopy(tokenizer)
+    source.add_special_tokens({"additional_special_tokens": ["<|tool|>", "<|think|>", "<|end|>"]})
+    source.eos_token = "<|end|>"
+    source.save_pretrained(tmp_path)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf = random_hf_model(config, seed=5)
+    ours = ours_from_hf(hf)
+    results = [clone_chat_template(model, copy.deepcopy(tokenizer), str(tmp_path)) for model in (hf, ours)]
+    (hf, hf_tokenizer, _), (ours, ours_tokenizer, _) = results
+    assert ours.vocab_size == ours.config.vocab_size == len(ours_tokenizer) == hf.vocab_size == len(hf_tokenizer) > len(tokenizer) + 3
+    assert ours.config.eos_token_id == ours.generation_config.eos_token_id == hf.config.eos_token_id
+    ids = torch.randint(0, len(tokenizer) + 3, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, atol=1e-4, rtol=0)

@@ -155,3 +155,30 @@ def test_checkpointed_model_saves_and_loads_its_adapters(tmp_path):
 
     whole = run(resume=False)
     assert run(resume=True)[2:] == pytest.approx(whole[2:], abs=1e-6, rel=0)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_vit_adapters_get_the_gradients_of_the_plain_model(reentrant):
+    """A ViT has no token table to hook: checkpointing turned on before PEFT wraps the model (PEFT then calls
+    enable_input_require_grads) works, and with reentrant checkpointing the adapters inside the frozen blocks get
+    their gradients all the same (no input of the first block requires grad otherwise)."""
+    from test_hf_trainer_heads import vit
+
+    hf = vit()
+    pixels, labels = torch.randn(3, 3, 16, 16), torch.tensor([0, 2, 1])
+
+    def lora_grads(checkpointed: bool) -> dict:
+        torch.manual_seed(0)  # the same adapter init
+        ours = ours_from_hf(hf).train()
+        if checkpointed:
+            ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        adapted = peft.get_peft_model(ours, peft.LoraConfig(r=4, target_modules=["qkv", "fc2"], modules_to_save=["head"],
+                                                            init_lora_weights=False))
+        adapted(pixel_values=pixels, labels=labels).loss.backward()
+        return {n: p.grad for n, p in adapted.named_parameters() if "lora_" in n}
+
+    plain, checkpointed = lora_grads(False), lora_grads(True)
+    assert len(plain) == 8
+    for name, grad in checkpointed.items():
+        assert grad is not None, name
+        torch.testing.assert_close(grad, plain[name], atol=1e-6, rtol=1e-5)
