@@ -91,11 +91,19 @@ class HFModelProtocol:
         LM head, modules/vocab_padding.py, are not counted); ``exclude_embeddings`` leaves out the ``nn.Embedding``
         tables (tokens, positions, token types), ``only_trainable`` the frozen parameters. The Trainer's
         ``total_flos`` is 6 * input tokens * ``num_parameters(exclude_embeddings=True)``, and 0 without this."""
+        # The Trainer asks at every step (floating_point_ops), and the state dict behind the count costs a
+        # millisecond of host time: the count is kept until a parameter is replaced, resized or (un)frozen.
+        key = (only_trainable, exclude_embeddings, tuple((id(p), p.shape, p.requires_grad) for p in self.parameters()))
+        cached = self.__dict__.get("_num_parameters")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         embeddings = ({f"{name}.weight" for name, m in self.named_modules() if isinstance(m, nn.Embedding)}
                       if exclude_embeddings else set())
         real = self.state_dict(keep_vars=True)  # views without the pad rows
-        return sum(real.get(name, param).numel() for name, param in self.named_parameters()
-                   if name not in embeddings and (param.requires_grad or not only_trainable))
+        count = sum(real.get(name, param).numel() for name, param in self.named_parameters()
+                    if name not in embeddings and (param.requires_grad or not only_trainable))
+        self.__dict__["_num_parameters"] = (key, count)
+        return count
 
     def add_model_tags(self, tags: str | list[str]) -> None:
         """Tags for the model card (TRL adds "trl", "sft"): kept in ``model_tags``, in order, once each."""
