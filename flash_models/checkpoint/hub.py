@@ -38,8 +38,19 @@ def no_config_error(folder: Path) -> FileNotFoundError:
     return FileNotFoundError(f"{folder} has no config.json: not an HF model folder{hint}")
 
 
+GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file
+
+
 def is_gguf(name_or_path: str | Path) -> bool:
-    return str(name_or_path).lower().endswith(".gguf")
+    """A path ending in .gguf, or a local file of another name that starts as a GGUF file does (``model.bin``
+    downloaded under another name): loaded as GGUF, not looked for as a model folder."""
+    if str(name_or_path).lower().endswith(".gguf"):
+        return True
+    path = Path(name_or_path)
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def resolve_model_dir(name_or_path: str | Path, *, revision: str | None = None, subfolder: str = "",

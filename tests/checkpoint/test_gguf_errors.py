@@ -109,3 +109,19 @@ def test_convert_refuses_to_replace_the_folder_that_holds_its_source(tmp_path):
     run = run_cli("convert", str(source), str(folder / "hf"))  # into a new folder beside it: fine
     assert run.returncode == 0, run.stderr
     assert source.is_file() and (folder / "hf" / "model.safetensors").is_file()
+
+
+def test_a_gguf_file_under_another_name_loads_as_gguf(tmp_path):
+    """A GGUF file saved as ``model.bin`` (or with no suffix) is read by its magic bytes, not looked for as a model
+    folder; any other file of that name still gets the folder error."""
+    hf = tiny_llama()
+    ids = torch.randint(0, 64, (2, 7))
+    for name in ("model.bin", "model"):
+        path = tmp_path / name
+        write_gguf(path, hf, Q.F32)
+        with torch.no_grad():
+            assert (fm.from_pretrained(path)(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"\x00" * 16)
+    with pytest.raises(FileNotFoundError, match="no model folder there"):
+        fm.from_pretrained(other)
