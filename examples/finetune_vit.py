@@ -39,7 +39,10 @@ def main() -> None:
     if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    trainer = Trainer(experiment_or_usage_error(parser, CONFIG, overrides))
+    # The config keys this script sets from its options: a mistake is named by the option typed.
+    flags = {"data.train": "--train", "data.eval": "--eval", "model.num_labels": "--num-labels",
+             "train.max_steps": "--max-steps", "train.output_dir": "--output-dir"}
+    trainer = Trainer(experiment_or_usage_error(parser, CONFIG, overrides, flags=flags))
     summary = trainer.fit()
     trainer.close()
     print(f"final loss {summary['final_loss']:.3f}, eval accuracy {summary.get('eval_accuracy', float('nan')):.2f}, "

@@ -52,7 +52,10 @@ def main() -> None:
     if args.max_steps is not None:  # 0 or less is named by the config's check
         overrides.append(f"train.max_steps={args.max_steps}")
 
-    trainer = Trainer(experiment_or_usage_error(parser, CONFIG, overrides))
+    # The config keys this script sets from its options: a mistake is named by the option typed.
+    flags = {"data.train": "--data", "data.tokenizer": "--tokenizer", "train.max_steps": "--max-steps",
+             "distributed.strategy": "--strategy", "train.output_dir": "--output-dir"}
+    trainer = Trainer(experiment_or_usage_error(parser, CONFIG, overrides, flags=flags))
     summary = trainer.fit()
     trainer.close()
     if trainer.dist.is_main:  # under torchrun every rank gets here; one reports

@@ -26,13 +26,18 @@ def check_experiment(config: str | Path, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
-def experiment_or_usage_error(parser, config: str | Path, overrides: list[str]) -> ExperimentConfig:
+def experiment_or_usage_error(parser, config: str | Path, overrides: list[str], *,
+                              flags: dict[str, str] | None = None) -> ExperimentConfig:
     """``check_experiment`` for a script's own argparse ``parser``: a mistyped value or a missing data path ends
-    the script as a usage error naming it (``parser.error``), before anything loads, not as a traceback."""
+    the script as a usage error naming it (``parser.error``), before anything loads, not as a traceback.
+    ``flags`` maps the config keys the script sets to its own options (``{"data.train": "--train"}``): an error
+    naming such a key names the option too, which is what the script's user types."""
     try:
         return check_experiment(config, overrides)
     except (ValueError, FileNotFoundError) as err:
-        parser.error(str(err))
+        message = str(err)
+        named = [f"{flag} sets {key}" for key, flag in (flags or {}).items() if key in message]
+        parser.error(message + (f" (in this script, {'; '.join(named)})" if named else ""))
 
 
 def check_paths(cfg: ExperimentConfig, *, origin: str = "") -> None:

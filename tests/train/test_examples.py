@@ -51,15 +51,18 @@ def test_sft_smollm2(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize("name, args, message", [
     ("sft_smollm2.py", ["--tiny", "--max-steps", 0], "train.max_steps must be > 0, got 0"),
+    ("sft_smollm2.py", ["--tiny", "--max-steps", 0], "(in this script, --max-steps sets train.max_steps)"),
     ("train_gpt2.py", ["--data", "no-such-dir/*.txt"], "data.train: no data at 'no-such-dir/*.txt'"),
+    ("train_gpt2.py", ["--data", "no-such-dir/*.txt"], "(in this script, --data sets data.train)"),
     ("finetune_bert_classification.py", [], "give --train (and --eval) with your data, or --tiny"),
     ("finetune_vit.py", ["--train", "no-such-folder"], "data.train: no data at 'no-such-folder'"),
+    ("finetune_bert_classification.py", ["--train", "no-such.jsonl"], "(in this script, --train sets data.train)"),
     ("generate.py", [" "], "the prompt is empty"),
     ("generate.py", ["--max-new-tokens", 0, "Hi"], "--max-new-tokens must be at least 1, got 0"),
 ])
 def test_example_mistakes_are_usage_errors_before_any_load(name, args, message, monkeypatch, capsys):
     """A step count of 0 is refused (not read as "not given"), a missing --train is named (not read as the path
-    'None'), and none of them is a traceback."""
+    'None'), a config key the script sets is named with the script's option, and none of them is a traceback."""
     with pytest.raises(SystemExit) as exit_info:
         run_example(name, *args, monkeypatch=monkeypatch, capsys=capsys)
     assert exit_info.value.code == 2
