@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from .atomic import atomic_folder
-from .files import _read_safetensors, safe_torch_load
+from .files import _read_safetensors, read_json_object, safe_torch_load
 from .hub import _hub_errors, _not_here, _subfolder
 from .lora_layout import LoraWeights
 
@@ -54,12 +54,7 @@ def resolve_adapter_dir(name_or_path: str | Path, *, revision: str | None = None
 def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """The adapter's config fields and its tensors."""
     config_path = folder / ADAPTER_CONFIG
-    try:
-        fields = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path} is not valid JSON ({err}); the file is damaged") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"{config_path} must hold a JSON object, got a {type(fields).__name__}")
+    fields = read_json_object(config_path, what="adapter settings")
     if (folder / ADAPTER_SAFETENSORS).is_file():
         tensors = _read_safetensors(folder / ADAPTER_SAFETENSORS)
     elif (folder / ADAPTER_BIN).is_file():

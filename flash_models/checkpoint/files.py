@@ -98,6 +98,18 @@ class UnsafeCheckpointError(ValueError):
     """A pickled file holding objects other than tensors and plain containers: unpickling it could run code."""
 
 
+def read_json_object(path: Path, *, what: str) -> dict:
+    """A JSON file that must hold one object (a config's fields): a damaged file or another JSON value is a
+    ValueError naming the file and ``what`` it should hold."""
+    try:
+        fields = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); the file is damaged or not {what}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path} must hold a JSON object of {what}, got a {type(fields).__name__}")
+    return fields
+
+
 def safe_torch_load(path: Path, *, what: str = "PyTorch checkpoint"):
     """``torch.load`` restricted to tensors and plain containers (``weights_only=True``). A file that needs
     more is refused as unsafe; a damaged one is named as truncated or corrupt."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import copy
 import difflib
-import json
 import logging
 import warnings
 from pathlib import Path
@@ -18,7 +17,7 @@ from ..config import check_model_size, check_numbers
 from ..models.hf_config import ModelConfig
 from ..models.protocols import is_causal_decoder
 from ..registry import get_family, get_preset, rules_for
-from .files import load_state_dict, write_model_dir
+from .files import load_state_dict, read_json_object, write_model_dir
 from .gguf_file import load_gguf
 from .hub import is_gguf, no_config_error, resolve_gguf, resolve_model_dir
 from .load_options import attn_impl_from_hf, config_overrides, device_from_map
@@ -62,12 +61,7 @@ def read_hf_config(directory: Path):
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise no_config_error(directory)
-    try:
-        fields = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{config_path} is not valid JSON ({err}); the file is damaged or not a config") from None
-    if not isinstance(fields, dict):
-        raise ValueError(f"{config_path} must hold a JSON object of config fields, got a {type(fields).__name__}")
+    fields = read_json_object(config_path, what="config fields")
     if "model_type" not in fields:
         raise ValueError(f"{config_path} has no model_type: it does not say which architecture the weights are "
                          "(transformers' save_pretrained writes it)")
