@@ -19,7 +19,8 @@ Semantics follow FlashAttention-2's public functions:
 
 The Triton path is registered as ``flash_kernels::attn_fwd`` / ``attn_bwd`` custom ops with fake
 implementations and autograd, so ``torch.compile(fullgraph=True)`` traces through it. The Triton backward is
-atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group, one for dQ), hence deterministic.
+atomics-free (one kernel for dK/dV that loops over the q heads of a GQA group or a share of them, one for dQ),
+hence deterministic.
 
 The forward loads its Q, K, V tiles either with pointer loads or (``TMA``, Hopper and newer) through tensor
 descriptors that each program builds on the device over its own sequence, so rows past the sequence's end and
@@ -59,7 +60,7 @@ from ._launch_plans import LaunchPlans, bind_launch
 from ._triton_compat import TRITON_AVAILABLE, tl, triton
 from ._triton_utils import (
     cdiv, dropout_seed, dummy_pointer, eager_function, hopper_or_newer, next_power_of_2, pick, placeholder,
-    unit_last_stride,
+    sm_count, unit_last_stride,
 )
 from . import attention_hopper, attention_hopper_bwd
 from .attention_bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel, _bwd_preprocess_kernel
@@ -653,14 +654,19 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     common = dict(HEAD_DIM=d, BLOCK_D=bd, VARLEN=varlen, CAUSAL_OR_LOCAL=local, SOFTCAP=softcap > 0,
                   ALIBI=alibi is not None, DROPOUT=dropout_p > 0, DOT_F32=_dot_f32(q))
     tune = _tune_buckets(max_q, max_k)
+    shares = _group_shares(nseq, hkv, max_k, hq // hkv, q.device)
     if max_k > 0:
-        grid_kv = lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq * hkv)  # noqa: E731
+        dk_out, dv_out = (dk4, dv4) if shares == 1 else (_share_sums(dk4, shares), _share_sums(dv4, shares))
+        grid_kv = lambda meta: (cdiv(max_k, meta["BLOCK_N"]), nseq * hkv * shares)  # noqa: E731
         kv_args = (
-            q4, k4, v4, do4, dk4, dv4, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p, seed,
-            *q_s, *k_s, *v_s, *do_s, *_bsh_strides(dk4, varlen), *_bsh_strides(dv4, varlen), slb, slh, stride_ab,
-            max_q, max_k, hq, hq // hkv, left, right, *tune,
+            q4, k4, v4, do4, dk_out, dv_out, lse, delta, cu_q_t, cu_k_t, alibi_t, scale * LOG2E, softcap, dropout_p,
+            seed, *q_s, *k_s, *v_s, *do_s, *_bsh_strides(dk_out, varlen), *_bsh_strides(dv_out, varlen), slb, slh,
+            stride_ab, max_q, max_k, hq, hq // hkv, shares, left, right, *tune,
         )
         _attn_bwd_dkdv_kernel[grid_kv](*kv_args, **common)
+        if shares > 1:
+            _sum_shares(dk_out, dk4)
+            _sum_shares(dv_out, dv4)
         launches.append((_attn_bwd_dkdv_kernel, grid_kv, kv_args, common))
     else:
         launches.append(None)
@@ -672,8 +678,60 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     )
     _attn_bwd_dq_kernel[grid_q](*q_args, **common)
     launches.append((_attn_bwd_dq_kernel, grid_q, q_args, common))
-    _BWD_PLANS.consider(plan_key, lambda: _bind_all(launches, _BWD_SLOTS[varlen]))
+    _BWD_PLANS.consider(plan_key, lambda: _with_shares_summed(_bind_all(launches, _BWD_SLOTS[varlen]), shares))
     return dq, dk, dv
+
+
+# The dK/dV kernel runs one program per (key block, sequence, kv head), each summing over the q heads of its GQA
+# group. With few kv heads that grid is small, and under a causal mask uneven (the first key block is seen by
+# every query row, the last by one block of them): Qwen2-0.5B at batch 4 and 2k tokens (2 kv heads of 7 q heads)
+# made 128 programs for 132 SMs, the longest walking 7 heads x 2k rows, and dK/dV took 3x the dQ kernel. Below
+# DKDV_PROGRAMS_PER_SM programs per SM (counting 128-key blocks) the group is cut into shares, a program each;
+# each share's sum goes to a float32 buffer, and the shares are summed after (in a fixed order: deterministic).
+DKDV_PROGRAMS_PER_SM = 4
+
+
+def _group_shares(nseq: int, hkv: int, max_k: int, group: int, device: torch.device) -> int:
+    """How many programs share one kv head's GQA group in the dK/dV kernel (see DKDV_PROGRAMS_PER_SM). Under the
+    interpreter two (when the group allows), so that the tests' small shapes take the shared path."""
+    if group == 1:
+        return 1
+    if device.type != "cuda" or triton_interpreter_enabled():
+        return 2
+    programs = cdiv(max(max_k, 1), 128) * nseq * hkv
+    wanted = cdiv(DKDV_PROGRAMS_PER_SM * sm_count(device.index if device.index is not None else
+                                                     torch.cuda.current_device()), programs)
+    per_share = cdiv(group, min(group, wanted))
+    return cdiv(group, per_share)
+
+
+def _share_sums(grad4: torch.Tensor, shares: int) -> torch.Tensor:
+    """The float32 buffer of the dK (or dV) kernel's per-share sums: grad4's (B, S, H, D) with H x shares heads,
+    share s of kv head h at head h * shares + s."""
+    b, s, h, d = grad4.shape
+    return torch.empty(b, s, h * shares, d, dtype=torch.float32, device=grad4.device)
+
+
+def _sum_shares(parts: torch.Tensor, grad4: torch.Tensor) -> None:
+    """grad4 = the sum over the shares of ``parts`` (``_share_sums``'s layout), in grad4's dtype."""
+    b, s, h, d = grad4.shape
+    grad4.copy_(parts.view(b, s, h, -1, d).sum(3))
+
+
+def _with_shares_summed(plan, shares: int):
+    """A backward plan whose dK/dV launch writes per-share sums (``shares`` > 1) takes dK and dV as before: it
+    launches into fresh share buffers, then sums them into the given dK and dV."""
+    if plan is None or shares == 1 or plan[1] is None:
+        return plan
+    preprocess, dkdv, dq_only = plan
+
+    def dkdv_shared(q4, k4, v4, do4, dk4, dv4, lse, delta, *offsets):
+        dk_parts, dv_parts = _share_sums(dk4, shares), _share_sums(dv4, shares)
+        dkdv(q4, k4, v4, do4, dk_parts, dv_parts, lse, delta, *offsets)
+        _sum_shares(dk_parts, dk4)
+        _sum_shares(dv_parts, dv4)
+
+    return preprocess, dkdv_shared, dq_only
 
 
 def _bwd_delta(o4, do4, delta, cu_q, varlen, max_q, hq):

@@ -1,6 +1,6 @@
 """The attention backward's Triton kernels: the row term delta = rowsum(dO * O), dK/dV (one program per key
-block, looping over the query rows and, for GQA, the q heads of its kv head) and dQ (one program per query
-block). Atomics-free, hence deterministic. Launched by ``attention._attn_bwd_impl``."""
+block, looping over the query rows and, for GQA, the q heads of its kv head or a share of them) and dQ (one
+program per query block). Atomics-free, hence deterministic. Launched by ``attention._attn_bwd_impl``."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def _bwd_configs(kind):
 
 
 @cached_autotune
-@triton.autotune(configs=_bwd_configs("dkdv"), key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group"],
+@triton.autotune(configs=_bwd_configs("dkdv"),
+                 key=["tune_q", "tune_k", "BLOCK_D", "CAUSAL_OR_LOCAL", "DROPOUT", "group", "group_splits"],
                  prune_configs_by={"early_config_prune": _prune_big_head})
 @triton.jit
 def _attn_bwd_dkdv_kernel(
@@ -109,18 +110,24 @@ def _attn_bwd_dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh, stride_ab,
-    seqlen_q, seqlen_k, n_heads, group, left, right, tune_q, tune_k,
+    seqlen_q, seqlen_k, n_heads, group, group_splits, left, right, tune_q, tune_k,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, CAUSAL_OR_LOCAL: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One program per (key block, batch, kv head); loops over the q heads of its GQA group, so the group's
-    dK/dV sum stays in registers (no atomics)."""
+    """One program per (key block, batch, kv head, share of the GQA group): it loops over its share of the kv
+    head's q heads, so their dK/dV sum stays in registers (no atomics). With ``group_splits`` shares, share s
+    writes its sum to head ``hk * group_splits + s`` of DK and DV (float32 buffers the caller then sums over
+    the shares); with one, to head hk."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     n_kv_heads = n_heads // group
-    b = pid_bh // n_kv_heads
-    hk = pid_bh % n_kv_heads
+    share = pid_bh % group_splits
+    b = pid_bh // group_splits // n_kv_heads
+    hk = pid_bh // group_splits % n_kv_heads
+    per_share = tl.cdiv(group, group_splits)
+    g_lo = share * per_share
+    g_hi = tl.minimum(g_lo + per_share, group)
     q_start, len_q, k_start, len_k = _seq_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= len_k:
@@ -142,7 +149,7 @@ def _attn_bwd_dkdv_kernel(
         hi = len_q
         full_lo = 0
         full_hi = tl.where(keys_partial, 0, len_q // BLOCK_M * BLOCK_M)
-    for g in range(0, group):
+    for g in range(g_lo, g_hi):
         h = hk * group + g
         q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
         do_base = DO + b64 * stride_db + q_start.to(tl.int64) * stride_ds + h * stride_dh
@@ -163,9 +170,10 @@ def _attn_bwd_dkdv_kernel(
                                  seqlen_k, dropout_p, HEAD_DIM, BLOCK_D, BLOCK_M, SOFTCAP, ALIBI, DROPOUT, True, DOT_F32)
     # scores were scaled by softmax_scale before the softmax; dK picks that factor up here.
     dk = dk * (scale_log2 * _LN2)
-    _store_rows(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + hk * stride_dkh + offs_d[None, :],
+    h_out = hk * group_splits + share
+    _store_rows(DK + b64 * stride_dkb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dks + h_out * stride_dkh + offs_d[None, :],
                 dk.to(DK.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D)
-    _store_rows(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + hk * stride_dvh + offs_d[None, :],
+    _store_rows(DV + b64 * stride_dvb + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvs + h_out * stride_dvh + offs_d[None, :],
                 dv.to(DV.dtype.element_ty), offs_n, len_k, offs_d, HEAD_DIM, BLOCK_D)
 
 

@@ -70,6 +70,19 @@ def test_forward_backward(case, dtype):
     _check_fwd_bwd(q, k, v, dtype, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
 
 
+
+@pytest.mark.parametrize("shares", [1, 2, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_backward_in_shares(shares, causal, monkeypatch):
+    """dK/dV of a GQA group summed by one program a kv head, or split over programs (an uneven split: 2 shares of
+    3 q heads) whose float32 sums are added after: every way gives the reference's gradients."""
+    import flash_kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_group_shares", lambda *args: shares)
+    torch.manual_seed(shares)
+    q, k, v = _qkv(2, 37, 45, 6, 2, 32, torch.float16)
+    _check_fwd_bwd(q, k, v, torch.float16, causal=causal)
+
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 192, 256])
 def test_head_dims(d):
     torch.manual_seed(d)
@@ -331,6 +344,23 @@ def test_gpu_real_sizes(dtype, d, causal):
     q, k, v = _qkv(2, 1000, 1000, 16, 4, d, dtype)
     _check_fwd_bwd(q, k, v, dtype, causal=causal)
 
+
+
+@pytest.mark.gpu
+def test_gpu_gqa_backward_repeats():
+    """A GQA backward whose dK/dV are summed in shares (Qwen2-0.5B's heads at 2k tokens), repeated: the later calls
+    replay a launch plan, which must sum the shares into the new gradients as the first call did, bit for bit."""
+    torch.manual_seed(13)
+    q, k, v = _qkv(4, 2048, 2048, 14, 2, 64, torch.bfloat16)
+    out = flash_attn_func(q, k, v, causal=True, backend="triton")
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(3):
+        for a, b in zip(first, torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref = flash_attn_func_ref(q, k, v, causal=True)
+    for name, g, rg in zip(("dq", "dk", "dv"), first, torch.autograd.grad(ref, (q, k, v), dout)):
+        assert_close(g, rg, torch.bfloat16, scale=GRAD_SCALE, name=name)
 
 @pytest.mark.gpu
 def test_gpu_features_real_sizes():
