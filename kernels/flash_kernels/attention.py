@@ -685,24 +685,26 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
 # The dK/dV kernel runs one program per (key block, sequence, kv head), each summing over the q heads of its GQA
 # group. With few kv heads that grid is small, and under a causal mask uneven (the first key block is seen by
 # every query row, the last by one block of them): Qwen2-0.5B at batch 4 and 2k tokens (2 kv heads of 7 q heads)
-# made 128 programs for 132 SMs, the longest walking 7 heads x 2k rows, and dK/dV took 3x the dQ kernel. Below
-# DKDV_PROGRAMS_PER_SM programs per SM (counting 128-key blocks) the group is cut into shares, a program each;
-# each share's sum goes to a float32 buffer, and the shares are summed after (in a fixed order: deterministic).
-DKDV_PROGRAMS_PER_SM = 4
+# makes 128 programs for 132 SMs, the longest walking 7 heads x 2k rows. Below DKDV_SPLIT_BELOW programs per SM
+# (counting 128-key blocks) each q head of the group gets a program of its own; each writes its dK/dV to a float32
+# buffer, and the heads are summed after (in a fixed order: deterministic). On an H200 (bf16, head dim 64, causal,
+# 2k tokens, forward + backward) that took Qwen2-0.5B's shape from 0.98 to 0.69 ms (sdpa 0.67) and LLaMA-1.1B's
+# (4 kv heads of 8, 256 programs) from 1.47 to 1.35; fewer, wider shares gained less (Qwen2: 0.92 with 3 shares
+# of 2-3 heads). SmolLM2-135M's shape (8 sequences x 3 kv heads, 384 programs) was slower split (0.95 against 0.91).
+DKDV_SPLIT_BELOW = 2.5
 
 
 def _group_shares(nseq: int, hkv: int, max_k: int, group: int, device: torch.device) -> int:
-    """How many programs share one kv head's GQA group in the dK/dV kernel (see DKDV_PROGRAMS_PER_SM). Under the
-    interpreter two (when the group allows), so that the tests' small shapes take the shared path."""
+    """How many programs share one kv head's GQA group in the dK/dV kernel: the group's size where its grid is
+    small (see DKDV_SPLIT_BELOW), else one. Under the interpreter two (where the group allows), so that the
+    tests' small shapes take the shared path with more than one head in a share."""
     if group == 1:
         return 1
     if device.type != "cuda" or triton_interpreter_enabled():
         return 2
     programs = cdiv(max(max_k, 1), 128) * nseq * hkv
-    wanted = cdiv(DKDV_PROGRAMS_PER_SM * sm_count(device.index if device.index is not None else
-                                                     torch.cuda.current_device()), programs)
-    per_share = cdiv(group, min(group, wanted))
-    return cdiv(group, per_share)
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return group if programs < DKDV_SPLIT_BELOW * sms else 1
 
 
 def _share_sums(grad4: torch.Tensor, shares: int) -> torch.Tensor:
