@@ -688,9 +688,12 @@ def _attn_bwd_impl(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
 # makes 128 programs for 132 SMs, the longest walking 7 heads x 2k rows. Below DKDV_SPLIT_BELOW programs per SM
 # (counting 128-key blocks) each q head of the group gets a program of its own; each writes its dK/dV to a float32
 # buffer, and the heads are summed after (in a fixed order: deterministic). On an H200 (bf16, head dim 64, causal,
-# 2k tokens, forward + backward) that took Qwen2-0.5B's shape from 0.98 to 0.69 ms (sdpa 0.67) and LLaMA-1.1B's
-# (4 kv heads of 8, 256 programs) from 1.47 to 1.35; fewer, wider shares gained less (Qwen2: 0.92 with 3 shares
-# of 2-3 heads). SmolLM2-135M's shape (8 sequences x 3 kv heads, 384 programs) was slower split (0.95 against 0.91).
+# 2k tokens, the Triton forward + backward queued back to back) that took Qwen2-0.5B's shape from 0.82 to 0.48 ms
+# (sdpa with the kv heads repeated: 0.44) and LLaMA-1.1B's (4 kv heads of 8, 256 programs) from 1.02 to 0.96
+# (sdpa 0.87). In Qwen2-0.5B's training step the dK/dV kernel went from 7.9 to 5.4 ms, and the step's kernel time,
+# with the sums of the shares, from 64.1 to 62.8 ms. In a first, noisier measurement, shares of 2-3 heads gained
+# less on Qwen2's shape, and SmolLM2-135M's (8 sequences x 3 kv heads, 384 programs) was no faster split: it
+# stays whole.
 DKDV_SPLIT_BELOW = 2.5
 
 

@@ -70,7 +70,6 @@ def test_forward_backward(case, dtype):
     _check_fwd_bwd(q, k, v, dtype, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
 
 
-
 @pytest.mark.parametrize("shares", [1, 2, 3])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_backward_in_shares(shares, causal, monkeypatch):
@@ -82,6 +81,7 @@ def test_gqa_backward_in_shares(shares, causal, monkeypatch):
     torch.manual_seed(shares)
     q, k, v = _qkv(2, 37, 45, 6, 2, 32, torch.float16)
     _check_fwd_bwd(q, k, v, torch.float16, causal=causal)
+
 
 @pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 192, 256])
 def test_head_dims(d):
@@ -345,7 +345,6 @@ def test_gpu_real_sizes(dtype, d, causal):
     _check_fwd_bwd(q, k, v, dtype, causal=causal)
 
 
-
 @pytest.mark.gpu
 def test_gpu_gqa_backward_repeats():
     """A GQA backward whose dK/dV are summed in shares (Qwen2-0.5B's heads at 2k tokens), repeated: the later calls
@@ -362,6 +361,7 @@ def test_gpu_gqa_backward_repeats():
     ref = flash_attn_func_ref(q, k, v, causal=True)
     for name, g, rg in zip(("dq", "dk", "dv"), first, torch.autograd.grad(ref, (q, k, v), dout)):
         assert_close(g, rg, torch.bfloat16, scale=GRAD_SCALE, name=name)
+
 
 @pytest.mark.gpu
 def test_gpu_features_real_sizes():
