@@ -69,8 +69,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
         self.norm_f = self._norm() if dc.final_norm else None
         token_dim = dc.embed_dim or dc.hidden_size
         self.project_out = nn.Linear(dc.hidden_size, token_dim, bias=False) if token_dim != dc.hidden_size else None
-        self.lm_head = None
-        if not dc.tie_word_embeddings:
+        if dc.tie_word_embeddings:
+            self.lm_head = TiedOutputEmbeddings(self.embed)
+        else:
             self.lm_head = nn.Linear(token_dim, padded_vocab_size(dc.vocab_size, vocab_multiple), bias=dc.lm_head_bias)
             hide_vocab_padding(self.lm_head, dc.vocab_size)
         self.init_weights()
@@ -121,7 +122,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
             for block in self.blocks:
                 for proj in (block.attn.out_proj, getattr(block.mlp, "fc2", None) or block.mlp.down):
                     nn.init.normal_(proj.weight, mean=0.0, std=std / math.sqrt(2 * dc.num_layers))
-        for table in (self.embed.tokens, self.lm_head):
+        for table in (self.embed.tokens, None if self.head_is_tied() else self.lm_head):
             if table is not None:
                 zero_vocab_padding(table, dc.vocab_size)
         if self.embed.tokens.padding_idx is not None:
@@ -139,11 +140,15 @@ class DecoderLM(HFModelProtocol, nn.Module):
     def adapted_head(self) -> bool:
         """Whether an adapter (PEFT's LoRA on ``lm_head``, or its ``modules_to_save`` copy) has taken the LM head's
         place: its own forward computes the logits then, since ``output_embeddings()`` is the base weight."""
-        return self.lm_head is not None and not plain_linear(self.lm_head)
+        return not self.head_is_tied() and not plain_linear(self.lm_head)
+
+    def head_is_tied(self) -> bool:
+        """Whether the LM head is the token embedding table (``lm_head`` a ``TiedOutputEmbeddings``)."""
+        return isinstance(self.lm_head, TiedOutputEmbeddings)
 
     def output_embeddings(self) -> torch.Tensor:
         """The LM head's weight (V_padded, hidden): rows past ``decoder_config.vocab_size`` are zero padding."""
-        return self.embed.tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.lm_head.weight
 
     def new_kv_cache(
         self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, block_size: int | None = None,
@@ -289,7 +294,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         if self.adapted_head():
             return self.lm_head(hidden)[..., :vocab]
         weight = self.output_embeddings()
-        bias = self.lm_head.bias if self.lm_head is not None else None
+        bias = self.lm_head.bias
         aligned = weight.shape[0] // 64 * 64
         if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight, self.kernel_backend):
             logits = dense(hidden, weight, bias, backend=self.kernel_backend)  # our GEMV takes any width
@@ -374,7 +379,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         if self.adapted_head():  # the fused kernel would read the base weight only
             return self.loss(self._logits(hidden), labels, num_items_in_batch)
         weight = self.output_embeddings()
-        bias = self.lm_head.bias if self.lm_head is not None else None
+        bias = self.lm_head.bias
         if torch.is_autocast_enabled(hidden.device.type):  # a custom op: cast as autocast would for a linear
             hidden, weight, bias = autocast_like(hidden, weight, bias)
         else:
@@ -439,9 +444,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
     def get_output_embeddings(self) -> nn.Module:
         """The LM head with the real vocabulary's rows (the padding hidden: ``RealVocabHead``)."""
-        head = self.lm_head if self.lm_head is not None else TiedOutputEmbeddings(self.embed.tokens)
         vocab = self.decoder_config.vocab_size
-        return head if head.weight.shape[0] == vocab else RealVocabHead(head, vocab)
+        return self.lm_head if self.lm_head.weight.shape[0] == vocab else RealVocabHead(self.lm_head, vocab)
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
                                 mean_resizing: bool = True) -> nn.Embedding:
@@ -462,7 +466,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         self.embed.tokens = resized_table(self.embed.tokens, old, new, multiple=self.vocab_multiple,
                                           mean_resizing=mean_resizing, std=std)
         self.embed.vocab_size = new
-        if self.lm_head is not None:
+        if not self.head_is_tied():  # a tied head reads the new table itself
             self.lm_head = resized_table(self.lm_head, old, new, multiple=self.vocab_multiple,
                                          mean_resizing=mean_resizing, std=std)
         return self.get_input_embeddings()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from copy import deepcopy
 
 import torch
 import torch.utils.checkpoint
@@ -208,19 +209,42 @@ class CheckpointedForward:
 
 class TiedOutputEmbeddings(nn.Module):
     """The LM head of a model whose output projection is its token embedding table: ``weight`` is the table and
-    there is no bias. What ``get_output_embeddings()`` returns where HF's model would have a tied ``lm_head``."""
+    there is no bias. A tied model's ``lm_head``, as HF's models have one (tools that hook the output layer, such as
+    TRL's activation offloading, look for it by that name), and what its ``get_output_embeddings()`` returns.
 
-    def __init__(self, embedding: nn.Embedding):
+    It reads the table from ``embeddings.tokens`` (the model's ``Embeddings``) at each use, so it follows a resized
+    or adapter-wrapped table. It holds them outside the module registry: the table's parameter belongs to the
+    embeddings alone (one state-dict key, one entry in ``parameters()``)."""
+
+    def __init__(self, embeddings: nn.Module):
         super().__init__()
-        self.embedding = embedding
+        self._embeddings = (embeddings,)  # a tuple: not registered as a submodule
         self.bias = None
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.embedding.weight
+        return self._embeddings[0].tokens.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(hidden, self.weight)
+
+    def extra_repr(self) -> str:
+        return "tied to embed.tokens"
+
+    def __deepcopy__(self, memo):
+        """Copied with its model (``copy.deepcopy(model)``), tied to the copy's table. Copied alone, it would read
+        a hidden copy of the table that nothing trains or saves, which is what PEFT's ``modules_to_save=["lm_head"]``
+        does to train a head of its own: that is refused, naming why."""
+        embeddings = self._embeddings[0]
+        if id(embeddings) not in memo:
+            raise TypeError("the LM head of this model is its token embedding table (tie_word_embeddings): it cannot "
+                            "be copied on its own, as PEFT's modules_to_save=['lm_head'] copies it to train a separate "
+                            "head. Train the table itself (modules_to_save=['embed.tokens']; the head follows it), or "
+                            "use a checkpoint with an untied head")
+        copy = type(self).__new__(type(self))
+        memo[id(self)] = copy
+        copy.__dict__.update({name: deepcopy(value, memo) for name, value in self.__dict__.items()})
+        return copy
 
 
 def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs: dict):

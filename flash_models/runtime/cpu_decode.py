@@ -251,7 +251,7 @@ class LeanCpuStep:
         self.layers = [_Layer.of(block, transposed) for block in model.blocks]
         self.project_in = _Projection.of(model.embed.project_in, transposed) if model.embed.project_in is not None else None
         self.project_out = _Projection.of(model.project_out, transposed) if model.project_out is not None else None
-        head_bias = model.lm_head.bias if model.lm_head is not None else None
+        head_bias = model.lm_head.bias
         self.head = _Projection(transposed[model.output_embeddings()], head_bias)
         self.hq, self.hkv, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
         self.window = att.sliding_window

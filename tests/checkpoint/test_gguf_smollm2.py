@@ -33,7 +33,7 @@ def ours(gguf_path):
 def test_config_read_from_metadata(ours):
     cfg = ours.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
-    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and ours.lm_head is None
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and ours.head_is_tied()
 
 
 def test_rotary_permutation_round_trip():

@@ -39,7 +39,7 @@ def pair(name: str, seed: int = 0):
 
 
 def head_params(model):
-    return [model.embed.tokens.weight] + ([] if model.lm_head is None else list(model.lm_head.parameters()))
+    return [model.embed.tokens.weight] + list(model.lm_head.parameters())  # a tied head has none of its own
 
 
 @pytest.mark.parametrize("name", CONFIGS)
