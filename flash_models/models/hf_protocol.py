@@ -213,8 +213,8 @@ class TiedOutputEmbeddings(nn.Module):
     TRL's activation offloading, look for it by that name), and what its ``get_output_embeddings()`` returns.
 
     It reads the table from ``embeddings.tokens`` (the model's ``Embeddings``) at each use, so it follows a resized
-    or adapter-wrapped table. It holds them outside the module registry: the table's parameter belongs to the
-    embeddings alone (one state-dict key, one entry in ``parameters()``)."""
+    or adapter-wrapped table. It holds the embeddings outside the module registry: the table's parameter belongs
+    to them alone (one state-dict key, one entry in ``parameters()``)."""
 
     def __init__(self, embeddings: nn.Module):
         super().__init__()
