@@ -15,14 +15,14 @@ The launch key holds everything Triton's own specialization reads, never less:
 - per positional argument: a tensor's dtype and whether its address is 16-byte aligned; an int's three
   classes (equal to 1, a multiple of 16, fits in int32); the type of a float, a bool or None; the value itself
   for a ``tl.constexpr`` parameter;
-- a Gluon host tensor descriptor's dtype, box shape and shared-memory layout (Triton specializes on those
-  only: the base address, shape and strides become the launch's own arguments, its CUtensorMap made per launch
-  by the compiled kernel's launcher);
+- a host tensor descriptor's (Gluon's or ``triton.tools``') dtype, box shape, padding and, for Gluon's, its
+  shared-memory layout (Triton specializes on those only: the base address, shape and strides become the
+  launch's own arguments, its CUtensorMap made per launch by the compiled kernel's launcher);
 - every keyword argument's name and value (our constexprs and launch options: ``num_warps``, ``BLOCK``...);
 - the current CUDA device (a compiled kernel is loaded per device).
 It may be finer than Triton's (one compiled kernel under several keys), which costs only a first launch each.
-An argument of any other type (``triton.tools``' host descriptor, a custom object) or a tensor passed by
-keyword takes Triton's own path at every launch. A grid given as a function is called as Triton calls it.
+An argument of any other type (a custom object) or a tensor passed by keyword takes Triton's own path at every
+launch. A grid given as a function is called as Triton calls it.
 Triton's global knobs (``TRITON_DEBUG``...) are read when a key is first launched; changing them later is not
 seen here.
 
@@ -54,11 +54,16 @@ _INT32 = range(-(2**31), 2**31)  # `in range` is a constant-time bounds check fo
 _Tensor = torch.Tensor
 
 _GluonDescriptor = ()  # without Gluon's Hopper descriptor (Triton 3.6+) no argument is one
+_ToolsDescriptor = ()  # without triton.tools' host descriptor (Triton 3.3+) no argument is one
 _HookChain, _runtime_knobs = (), None  # Triton 3.5+: launch hooks are chains, empty unless a profiler registers one
 if TRITON_AVAILABLE:  # not Triton's own import where it is not loaded (see _triton_compat)
     try:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as _GluonDescriptor
     except (ImportError, AttributeError):  # pragma: no cover - depends on the installed Triton
+        pass
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor as _ToolsDescriptor
+    except ImportError:  # pragma: no cover - depends on the installed Triton
         pass
     try:
         from triton.knobs import HookChain as _HookChain
@@ -88,7 +93,10 @@ def _other_arg_key(arg) -> object:
     if kind is float or kind is bool or arg is None:
         return kind
     if isinstance(arg, _GluonDescriptor):  # (its layout is a frozen dataclass: hashable, compared by value)
-        return (kind, arg.base.dtype, tuple(arg.block_shape), arg.layout)
+        return (kind, arg.base.dtype, tuple(arg.block_shape), arg.layout, getattr(arg, "padding", "zero"))
+    if isinstance(arg, _ToolsDescriptor):  # (as Triton's: the box, not the base, shape or strides)
+        return (kind, arg.base.dtype, tuple(arg.block_shape), getattr(arg, "padding", "zero"),
+                getattr(arg, "round_f32_to_tf32", False))
     raise _Unkeyable
 
 

@@ -210,3 +210,22 @@ def test_launch_key_of_a_gluon_descriptor_holds_what_triton_specializes():
     different = [key(x, (32, 64)), key(x.half(), (64, 64)), key(x, (64, 64), narrower_swizzle)]
     assert all(other != base for other in different)
     assert len(set(different)) == len(different)
+
+
+def test_launch_key_of_a_triton_tools_descriptor_holds_what_triton_specializes():
+    """triton.tools' host descriptor (linear_act's) keys by its dtype, box and padding; like Gluon's, its base,
+    shape and strides are the launch's own arguments."""
+    tools = pytest.importorskip("triton.tools.tensor_descriptor")
+    lean = _keys()
+    kw = dict(BLOCK=16, SCALE_IT=True)
+
+    def key(t, box, shape=(64, 64), strides=(64, 1), padding="zero"):
+        desc = tools.TensorDescriptor(t, list(shape), list(strides), list(box), padding=padding)
+        return lean.launch_key((desc, t, 48, 1.5, 2), kw)
+
+    x = torch.zeros(64 * 128, dtype=torch.bfloat16)
+    base = key(x, (64, 64))
+    assert key(torch.ones(64 * 128, dtype=torch.bfloat16), (64, 64), shape=(128, 32), strides=(32, 1)) == base
+    different = [key(x, (32, 64)), key(x, (64, 32)), key(x.half(), (64, 64)), key(x.float(), (64, 64), padding="nan")]
+    assert all(other != base for other in different)
+    assert len(set(different)) == len(different)
