@@ -35,6 +35,14 @@ def _seed_per_test(request):
     random.seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def _default_backward_threading():
+    """Each test starts with autograd's default threading: a training forward of our models on CUDA leaves the
+    calling thread (pytest's) running its backward calls there (flash_models.backward), for the tests after it."""
+    yield
+    torch.autograd.set_multithreading_enabled(True)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models stepped token by token are dominated by thread start-up: on a shared 2-core CI box one

@@ -13,9 +13,9 @@ each reporting its best.
 
 Mode "finetune" is the user's path: BertForSequenceClassification (2 labels, fp32 weights, ours and HF's from
 the same random init) fine-tuned in the plain loop a tutorial shows, eager: ``loss = model(ids,
-attention_mask=mask, labels=labels).loss`` under bf16 autocast, ``loss.backward()`` inside
-``fm.backward_on_this_thread()``, a fused AdamW step and ``zero_grad``, on the same padded batches. Its
-max_diff compares the classifier logits before any step.
+attention_mask=mask, labels=labels).loss`` under bf16 autocast, ``loss.backward()`` (on the calling thread
+for ours, as its forward arranges; HF's where torch runs it), a fused AdamW step and ``zero_grad``, on the
+same padded batches. Its max_diff compares the classifier logits before any step.
 
 ``--dry-run`` runs the whole script on tiny shapes on the CPU (wall-clock timer, fp32 and HF sdpa): it checks
 the code path, not speed.
@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..backward import backward_on_this_thread
 from ..registry import get_preset
 from ..testing import ours_from_hf
 from ..train.classification import collate_packed_classification
@@ -87,8 +86,7 @@ def _finetune_step(model, ids, mask, labels):
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        with backward_on_this_thread():
-            loss.backward()
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -1,8 +1,8 @@
 """`flash-models bench train`: training throughput, ours vs HF transformers, in one process on one GPU.
 
 The ``loop:`` sides are the user's path, the headline: exactly the plain loop README.md shows (no Trainer),
-``loss = model(ids, labels=ids).loss`` under bf16 autocast, ``loss.backward()`` inside
-``fm.backward_on_this_thread()``, a fused AdamW step and ``zero_grad``, for ours and HF (sdpa) built from the
+``loss = model(ids, labels=ids).loss`` under bf16 autocast, ``loss.backward()`` (ours on the calling thread, as
+its forward arranges), a fused AdamW step and ``zero_grad``, for ours and HF (sdpa) built from the
 same random weights, and each through torch.compile; ``loop:hf+fm_attention`` is HF's model with our attention
 (``flash_models.hf.register()``), compared with ``loop:hf``. Each side runs its steps back to back, with no host read
 in between, and is timed over the whole window.
@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from ..backward import backward_on_this_thread
 from ..checkpoint.loader import build_model, create_model
 from ..checkpoint.remap import hf_to_ours
 from ..registry import rules_for
@@ -134,8 +133,7 @@ class LoopStep:
         ids = self.batches[i % len(self.batches)]
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             loss = self.model(ids, labels=ids).loss
-        with backward_on_this_thread():
-            loss.backward()
+        loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss

@@ -26,7 +26,7 @@ from ..modules.vocab_padding import (
 from ..runtime.cpu_decode import LeanCpuStep, lean_step_unsupported
 from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
 from .hf_config import ModelConfig
-from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, accepts_hf_flags, cache_argument, packed_documents
+from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, public_forward, cache_argument, packed_documents
 from .outputs import CausalLMOutput, EncoderOutput
 
 
@@ -167,7 +167,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return PagedKVCache(**shape, block_size=block_size, num_blocks=num_blocks)
 
     # ----------------------------------------------------------------------------------------------------
-    @accepts_hf_flags
+    @public_forward
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -404,7 +404,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         and changes nothing, as in HF's base models: it concerns the LM head (TRL's distillation passes it)."""
         return self.hidden_states
 
-    @accepts_hf_flags
+    @public_forward
     def hidden_states(self, input_ids, attention_mask=None, position_ids=None, *, cu_seqlens=None, logits_to_keep: int = 0,
                       **hf_kwargs) -> EncoderOutput:
         B, S = input_ids.shape

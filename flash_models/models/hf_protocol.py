@@ -16,6 +16,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ..backward import backward_on_this_thread_from_now
 from ..modules import Embeddings
 from ..modules.kv_cache import KVCache
 from .outputs import NO_CACHE
@@ -257,7 +258,7 @@ def packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqle
       begins a document (HF's rule for packed rows: a position that does not follow its predecessor), as HF's
       own models read them. This reads the positions on the host.
     - ``use_cache`` is read by the forward (True outside training: a cache that grows, as HF's); not here.
-    Unknown names raise (HF's call flags are dropped before, by ``accepts_hf_flags`` on the forward)."""
+    Unknown names raise (HF's call flags are dropped before, by ``public_forward`` on the forward)."""
     kwargs = dict(hf_kwargs)
     kwargs.pop("use_cache", None)
     cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
@@ -293,9 +294,11 @@ def cache_argument(hf_kwargs: dict, kv_cache):
     return next(iter(caches.values()), None)
 
 
-def accepts_hf_flags(forward):
-    """``forward`` that also takes HF's call flags with their default values, which change nothing here: PEFT's
-    task wrappers (``task_type`` CAUSAL_LM, SEQ_CLS, TOKEN_CLS, FEATURE_EXTRACTION) call every model with
+def public_forward(forward):
+    """A model's public ``forward``. Where it records gradients on a CUDA device (one process), later backward calls
+    on the calling thread run on that thread (``backward.backward_on_this_thread_from_now``: every loop and trainer
+    gets the faster backward). It also takes HF's call flags with their default values, which change nothing here:
+    PEFT's task wrappers (``task_type`` CAUSAL_LM, SEQ_CLS, TOKEN_CLS, FEATURE_EXTRACTION) call every model with
     ``inputs_embeds=None, output_attentions=None, output_hidden_states=None, return_dict=None``. Those are dropped
     before the forward runs; a value that asks for what our models do not take or return raises, naming it.
     ``use_cache`` goes on to a forward that takes HF's keyword arguments (``**hf_kwargs``: the decoders', which keep
@@ -318,6 +321,7 @@ def accepts_hf_flags(forward):
         if kwargs.pop("return_dict", None) is False:
             raise ValueError("return_dict=False is not supported: the output already indexes like a tuple "
                              "(out[0], out.to_tuple())")
+        backward_on_this_thread_from_now(self)
         return forward(self, *args, **kwargs)
 
     return call

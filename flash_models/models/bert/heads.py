@@ -17,7 +17,7 @@ from ...config import activation_name
 from ...modules import Norm
 from ...modules.mlp import activation
 from ...modules.vocab_padding import resized_table
-from ..hf_protocol import accepts_hf_flags
+from ..hf_protocol import public_forward
 from ..losses import classification_loss, cross_entropy
 from ..outputs import HeadOutput
 from .config import ARCHITECTURES, BertConfig
@@ -144,7 +144,7 @@ class BertForMaskedLM(_BertWithHead):
     def head(self, config):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
                 cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -161,7 +161,7 @@ class BertForPreTraining(_BertWithHead):
         self.mlm = MaskedLMHead(config, kernel_backend=self.kernel_backend)
         self.nsp = nn.Linear(config.hidden_size, 2)
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None,
                 next_sentence_label=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -182,7 +182,7 @@ class BertForSequenceClassification(_BertWithHead):
     def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
                 cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         out = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -199,7 +199,7 @@ class BertForTokenClassification(_BertWithHead):
     def head(self, config):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None, *,
                 cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         hidden = self.bert(input_ids, attention_mask, token_type_ids, position_ids, cu_seqlens=cu_seqlens,
@@ -230,7 +230,7 @@ class BertForQuestionAnswering(_BertWithHead):
             num_labels = 2
         return super().on_encoder(base, num_labels=num_labels, labels=labels, problem_type=problem_type)
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, start_positions=None,
                 end_positions=None, *, cu_seqlens=None, max_seqlen=None) -> HeadOutput:
         scored = start_positions is not None and end_positions is not None  # HF: a loss only when both are given

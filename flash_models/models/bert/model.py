@@ -20,7 +20,7 @@ from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
 from ...modules.vocab_padding import resized_table, resized_vocab_size
-from ..hf_protocol import accepts_hf_flags
+from ..hf_protocol import public_forward
 from ..outputs import EncoderOutput
 from ..pretrained import PretrainedModel
 from .config import BertConfig
@@ -90,7 +90,7 @@ class BertModel(BertPreTrainedModel):
         if type(self) is BertModel:
             self.init_weights()
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None, *,
                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> EncoderOutput:

@@ -14,7 +14,7 @@ from torch import nn
 from ...config import AttentionConfig, MLPConfig, head_dim_of
 from ...modules import MLP, Attention, Norm, PreNormBlock, build_attention_mask
 from ...runtime.cuda_graphs import GraphedInference, replays_graph
-from ..hf_protocol import accepts_hf_flags
+from ..hf_protocol import public_forward
 from ..losses import classification_loss, cross_entropy
 from ..outputs import VisionOutput
 from ..pretrained import PretrainedModel
@@ -76,7 +76,7 @@ class VisionTransformer(PretrainedModel):
             if param is not None:
                 nn.init.trunc_normal_(param, std=std)
 
-    @accepts_hf_flags
+    @public_forward
     def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None, *,
                 interpolate_pos_encoding: bool = False) -> VisionOutput:
         """pixel_values (B, C, H, W) at the config's image size; labels for ``loss``.
