@@ -19,6 +19,10 @@ What it reads from HF's call, as HF's FlashAttention-2 integration does:
 Attention sinks (``s_aux``, ``sinks``), additive biases (T5's relative ``position_bias``), sparse key selections
 (``indices``, ``block_indices``), 4D masks and returned attention weights are not supported and raise, naming
 the argument: an attention that ignored them would compute another function without a word.
+
+A call that records gradients on CUDA in one process runs the calling thread's later backward calls on that
+thread, as our models' forwards do (``flash_models.backward``): our attention's autograd node then pays no GIL
+hand-off from autograd's worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 
 import flash_kernels
 
+from ..backward import backward_on_this_thread_from_now
 from ..models.hf_protocol import offsets_from_positions
 from ..modules.varlen import UnpaddedBatch
 
@@ -75,6 +80,7 @@ def flash_models_attention(
                              f"{type(module).__name__}); load this model with attn_implementation='eager' or 'sdpa'")
     if kwargs.get("output_attentions"):
         raise ValueError("attn_implementation='fm_attention' does not return attention weights; use 'eager'")
+    backward_on_this_thread_from_now(module)  # our attention's autograd node, as our models' forwards do
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(f"attn_implementation='fm_attention' takes a (batch, keys) padding mask, got a mask of shape "
                          f"{tuple(attention_mask.shape)}: a 4D (custom) attention mask is not supported (use 'sdpa' "

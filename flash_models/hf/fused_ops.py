@@ -36,6 +36,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import flash_kernels
 
+from ..backward import backward_on_this_thread_from_now
+
 # The HF model types whose every norm class is below (and which the tests cover); others are refused rather
 # than left half swapped.
 SUPPORTED_MODEL_TYPES = ("gemma", "gemma2", "gpt2", "llama", "mistral", "qwen2", "qwen3")
@@ -77,6 +79,7 @@ class FusedNorm(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        backward_on_this_thread_from_now(self)  # its autograd node, as our models' forwards do
         fn = flash_kernels.rms_norm if self.kind == "rms_norm" else flash_kernels.layer_norm
         return fn(x, self.weight, self.bias, eps=self.eps, zero_centered_weight=self.zero_centered_weight,
                   backend=self.backend)

@@ -179,3 +179,25 @@ def test_cross_attention_equals_eager(decoder_len):
     inputs["decoder_attention_mask"][1, -2:] = 0
     real = inputs["decoder_attention_mask"].bool()
     assert_same(logits_and_grads(ours, **inputs, labels_mask=real), logits_and_grads(eager, **inputs, labels_mask=real))
+
+
+@pytest.mark.parametrize("fused_ops", [False, True], ids=["attention", "attention+fused_ops"])
+def test_a_cuda_training_forward_moves_later_backwards_to_this_thread(monkeypatch, fused_ops):
+    """HF's model with our attention (and our fused norms) switches the calling thread's backward as our own
+    models' forwards do (flash_models.backward; the device is faked here, tests/test_backward_thread.py runs a
+    real one); HF's own attention leaves torch's default."""
+    from flash_models import backward
+
+    monkeypatch.setattr(backward, "_on_cuda", lambda module: True)
+    sdpa, ours = pair("llama", seed=7)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    sdpa(input_ids=ids).logits.sum().backward()
+    assert torch._C._is_multithreading_enabled()
+    if fused_ops:
+        ours.set_attn_implementation("sdpa")
+        flash_models.hf.use_fused_ops(ours, backend="reference")
+    with torch.no_grad():
+        ours(input_ids=ids)
+    assert torch._C._is_multithreading_enabled()
+    ours(input_ids=ids).logits.sum().backward()
+    assert not torch._C._is_multithreading_enabled()
