@@ -178,6 +178,19 @@ def apply_fsdp(model: nn.Module, blocks: list[nn.Module], state: DistState, *, b
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """An FSDP2 model's parameters back to their sharded DTensors. A forward that no backward follows (an
+    evaluation) leaves the root's unsharded, and with ``fsdp_reshard_after_forward=false`` every block's too;
+    code that reads the parameters afterwards (the EMA's swap, a checkpoint) expects the shards."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def fused_row_order(sizes: list[int], tp: int) -> torch.Tensor:
     """Row permutation of a fused projection with parts of ``sizes`` rows so that rank r's contiguous block
     (of sum(sizes)/tp rows) holds the r-th slice of every part, in order: [a_r; b_r; c_r]."""

@@ -440,27 +440,36 @@ class Trainer:
             t = self.cfg.train
             ds = self.data.eval
             n_batches = min(t.eval_batches, math.ceil(len(ds) / t.micro_batch_size))
-            loss_sum = torch.zeros(2, device=self.device)  # loss * units, units
-            correct = 0
-            for k in range(n_batches):
-                idx = list(range(k * t.micro_batch_size, min(len(ds), (k + 1) * t.micro_batch_size)))
-                batch = self.data.collate([ds[i] for i in idx])
-                n = self.loss_units(batch, self.task)
+            # Data-parallel ranks take every dp_world-th batch and add up their totals. Each runs as many forwards,
+            # a rank past the last batch running the first again, uncounted: DDP broadcasts buffers and FSDP2
+            # gathers parameters inside every forward, collectives every rank must join. Tensor-parallel ranks
+            # (dp_world 1) all run every batch, as they train.
+            ranks, rank = self.dist.dp_world, self.dist.dp_rank
+            totals = torch.zeros(3, device=self.device)  # loss * units, units, correct predictions
+            for k in range(rank, ranks * math.ceil(n_batches / ranks), ranks):
+                counted = k < n_batches
+                first = (k if counted else 0) * t.micro_batch_size
+                batch = self.data.collate([ds[i] for i in range(first, min(len(ds), first + t.micro_batch_size))])
+                n = self.loss_units(batch, self.task) if counted else 0
                 loss, extra = self.forward(batch, train=False)
                 if n:  # no labelled token: a NaN mean loss with no weight (as in training)
-                    loss_sum += torch.stack([loss * n, torch.tensor(float(n), device=self.device)])
-                correct += extra.get("correct", 0)
+                    totals += torch.stack([loss * n, torch.tensor(float(n), device=self.device),
+                                           torch.tensor(float(extra.get("correct", 0)), device=self.device)])
+            if ranks > 1:
+                torch.distributed.all_reduce(totals)  # (every rank is a data-parallel one: ddp, fsdp)
         finally:
+            D.reshard(self.model)
             self.model.train()
             if use_ema:
                 self.ema.swap(self.model)
-        loss = (loss_sum[0] / loss_sum[1].clamp(min=1)).item()
+        loss_sum, units, correct = totals.tolist()
+        loss = loss_sum / max(units, 1.0)
         prefix = "eval_ema_" if use_ema else "eval_"
         out = {prefix + "loss": loss}
         if self.task == "causal_lm":
             out[prefix + "perplexity"] = math.exp(min(loss, 50.0))
         else:
-            out[prefix + "accuracy"] = correct / max(1.0, loss_sum[1].item())
+            out[prefix + "accuracy"] = correct / max(1.0, units)
         return out
 
     def evaluate_all(self) -> dict:

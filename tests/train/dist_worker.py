@@ -45,6 +45,13 @@ def main(config_path: str, out_path: str) -> None:
         trainer.fit()
         results[name] = {"losses": [h["loss"] for h in trainer.history], "seeds": seeds,
                          "group_kinds": [sorted({type(p).__name__ for p in g["params"]}) for g in trainer.optimizer.param_groups]}
+        if trainer.data.eval is not None:  # the forwards each rank runs in an evaluation, and its result
+            forward, calls = trainer.forward, []
+            trainer.forward = lambda batch, train: calls.append(train) or forward(batch, train=train)
+            results[name]["eval"] = trainer.evaluate()
+            trainer.forward = forward
+            results[name]["eval_forwards"] = [None] * dist.get_world_size()
+            dist.all_gather_object(results[name]["eval_forwards"], len(calls))
         if check_resume:  # a fresh trainer from the step-2 checkpoint continues exactly like the first one
             config["train"]["resume"] = config["train"]["output_dir"] + "/checkpoints/step_00000002"
             config["train"]["export"] = False

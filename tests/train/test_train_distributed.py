@@ -82,10 +82,11 @@ def test_train_closes_without_the_barrier_after_an_error(tiny_config, monkeypatc
     assert closed == [False, True]
 
 
-def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
+def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path, corpus):
     configs = {}
     for family, overrides, name in (("gpt2", None, "gpt2"), ("llama", LLAMA, "llama-1b")):
-        base = tiny_config(data={"packing": "documents"}, train={"max_steps": 4, "global_batch_size": 4, "micro_batch_size": 2})
+        base = tiny_config(data={"packing": "documents", "eval": str(corpus)},
+                           train={"max_steps": 4, "global_batch_size": 4, "micro_batch_size": 2, "eval_batches": 5})
         base = base.to_dict()
         if overrides is not None:
             base["model"] = {"name": name, "overrides": overrides, "attn_impl": "sdpa"}
@@ -131,6 +132,12 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
                 assert abs(a - b) <= tol * abs(b), f"{key} step {step}: {a} vs single-process {b}"
             if "resumed_losses" in results[key]:
                 assert results[key]["resumed_losses"] == got[2:], f"{key}: resumed run differs"
+            # evaluation: data-parallel ranks split the 5 batches (3 forwards each, the last one uncounted),
+            # tensor-parallel ranks run them all; the loss is the single process's on the same weights
+            micro = 2 if key.startswith("tp") else 1
+            expected = single.evaluate() if micro == 2 else evaluate_with_micro_batch(single, micro)
+            assert results[key]["eval_forwards"] == ([5, 5] if key.startswith("tp") else [3, 3]), key
+            assert abs(results[key]["eval"]["eval_loss"] - expected["eval_loss"]) <= tol * expected["eval_loss"], key
             # data-parallel ranks draw their own dropout masks and augmentations; tensor-parallel ranks share one
             seeds = results[key]["seeds"]
             assert len(set(seeds)) == (1 if key.startswith("tp") else 2), (key, seeds)
@@ -145,6 +152,15 @@ def test_ddp_fsdp_tp_match_single_process(tiny_config, tmp_path):
         ids = torch.randint(0, 257, (1, 16))
         with torch.no_grad():
             assert torch.allclose(hf(ids).logits, single.model(ids).logits, atol=1e-4)
+
+
+def evaluate_with_micro_batch(trainer, micro: int) -> dict:
+    """``trainer.evaluate()`` with another micro-batch size (the distributed runs' own), for the same batches."""
+    saved, trainer.cfg.train.micro_batch_size = trainer.cfg.train.micro_batch_size, micro
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.cfg.train.micro_batch_size = saved
 
 
 def test_bert_classifier_ddp_and_fsdp_match_single_process(tmp_path, bert_example, tiny_bert_overrides):
