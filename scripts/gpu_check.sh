@@ -4,7 +4,9 @@
 # suite does not fit one call). Logs and JSON results go to $OUT (default ./gpu-check).
 #
 #   bash scripts/gpu_check.sh tests-models   # GPU tests: generation, models, runtime, train, bench
-#   bash scripts/gpu_check.sh tests-kernels  # GPU tests: kernels (builds fused_dense)
+#   bash scripts/gpu_check.sh tests-attention         # GPU tests: the attention kernels (Triton, decode, plans)
+#   bash scripts/gpu_check.sh tests-attention-hopper  # GPU tests: FA2's API, TMA, the Gluon Hopper kernels
+#   bash scripts/gpu_check.sh tests-kernels   # GPU tests: every other kernel (builds fused_dense)
 #   bash scripts/gpu_check.sh bench-models   # bench bert (with ours+graphs), bench train (eager sides), bench overhead
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
 #   bash scripts/gpu_check.sh bench-loop [CASE...]  # the README's plain loop per real-vocabulary case, one process each
@@ -22,13 +24,24 @@ export PYTHONPATH=.:kernels${PYTHONPATH:+:$PYTHONPATH}  # a caller's path kept: 
 OUT=${OUT:-gpu-check}
 mkdir -p "$OUT"
 # A slow test prints its stack after 60 s instead of silently eating the call; -v names each test as it ends.
-pytest_gpu() { timeout 560 python -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 "$@"; }
+pytest_gpu() { timeout 560 python -m pytest -v -m gpu -p no:cacheprovider -o faulthandler_timeout=60 --durations=15 "$@"; }
+# The attention kernels autotune every shape their tests take on a fresh machine: the kernel tests run in three
+# parts (all of them in one call ran past 540 s after 40 attention tests).
+ATTENTION_TESTS=(tests/kernels/test_attention.py tests/kernels/test_attention_packed.py tests/kernels/test_launch_plans.py
+                 tests/kernels/test_attention_decode.py tests/kernels/test_attention_dtypes.py)
+HOPPER_TESTS=(tests/kernels/test_attention_fa2.py tests/kernels/test_attention_tma.py tests/kernels/test_attention_hopper.py
+              tests/kernels/test_attention_hopper_bwd.py)
 
 case "${1:-}" in
     tests-models)
         pytest_gpu tests/generation tests/models tests/runtime tests/train tests/bench 2>&1 | tee "$OUT/tests-models.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
+    tests-attention)
+        pytest_gpu "${ATTENTION_TESTS[@]}" 2>&1 | tee "$OUT/tests-attention.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
+    tests-attention-hopper)
+        pytest_gpu "${HOPPER_TESTS[@]}" 2>&1 | tee "$OUT/tests-attention-hopper.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     tests-kernels)
-        pytest_gpu tests/kernels 2>&1 | tee "$OUT/tests-kernels.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
+        pytest_gpu tests/kernels $(printf -- '--ignore=%s ' "${ATTENTION_TESTS[@]}" "${HOPPER_TESTS[@]}") 2>&1 \
+            | tee "$OUT/tests-kernels.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     bench-models)
         timeout 200 python -m flash_models bench bert --models bert-base --repeats 10 --out "$OUT" 2>&1 | tee "$OUT/bench-bert.log" | grep "^|"
         timeout 200 python -m flash_models bench train --cases gpt2,llama-1b --sides ours,hf --steps 8 --warmup 3 \
@@ -73,6 +86,6 @@ case "${1:-}" in
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-attention|tests-attention-hopper|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
         exit 2 ;;
 esac
