@@ -182,3 +182,20 @@ def test_callback_refuses_a_transformers_model_before_training(tmp_path):
     with pytest.raises(ValueError, match=r"is transformers\.models\.llama\.modeling_llama\.LlamaForCausalLM.*leave the callback out"):
         trainer.train()
     assert trainer.state.global_step == 0
+
+
+@pytest.mark.gpu
+def test_gpu_the_trainers_backward_runs_on_the_calling_thread(tmp_path):
+    """transformers.Trainer calls loss.backward() itself: on CUDA our model's forward has made it run on the
+    Trainer's thread (flash_models.backward), not on autograd's worker, where each of our autograd nodes would
+    take the GIL from another thread."""
+    import threading
+
+    model = ours_from_hf(random_hf_model(tiny_llama_config(), seed=5))
+    threads = []
+    model.embed.tokens.weight.register_hook(lambda grad: threads.append(threading.get_ident()))
+    trainer = Trainer(model=model, args=args(tmp_path, use_cpu=False, max_steps=2, save_strategy="no"),
+                      train_dataset=lm_dataset(8, seed=5))
+    trainer.train()
+    assert threads and set(threads) == {threading.get_ident()}
+    assert next(model.parameters()).is_cuda
