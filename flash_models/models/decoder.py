@@ -15,7 +15,7 @@ from ..modules import (
     Attention, Embeddings, KVCache, Norm, ParallelBlock, PostNormBlock, PreNormBlock, RotaryEmbedding, build_attention_mask,
     build_mlp,
 )
-from ..modules.attention import build_cached_attention_mask
+from ..modules.attention import build_cached_attention_mask, without_padding
 from ..modules.linear import autocast_like, dense, plain_linear
 from ..modules.varlen import positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
@@ -329,6 +329,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
             mask = build_cached_attention_mask(new_mask, kv_cache, q_len=S, sliding_window=window)
             derived, needed = mask.cache_slots, kv_cache.upper_bound + S
         else:
+            if attention_mask is not None and attention_mask.shape[1] == S:  # (a longer one is refused below)
+                attention_mask = without_padding(attention_mask)
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=True, sliding_window=window,
                                         cu_seqlens=cu_seqlens)
             needed = S

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import flash_kernels
+from flash_kernels._backend import capturing_cuda_graph
 
 from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
@@ -116,6 +117,16 @@ class AttentionMask:
             self._unpad = (queries.index, keys.index, queries.cu_seqlens, keys.cu_seqlens,
                            queries.max_seqlen, keys.max_seqlen)
         return self._unpad
+
+
+def without_padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """HF's (B, S) attention_mask, or None where it marks every token real: the layers then attend with no mask,
+    the kernels' fastest path (no unpadding, gathers or host reads in each layer), as HF's own models drop such a
+    mask. Tokenizers and collators give one with every batch, padded or not. It costs one host read; under
+    torch.compile or a CUDA graph capture, which cannot make it, the mask is kept."""
+    if attention_mask is None or torch.compiler.is_compiling() or capturing_cuda_graph():
+        return attention_mask
+    return None if bool(attention_mask.all()) else attention_mask
 
 
 def build_attention_mask(

@@ -211,3 +211,27 @@ def test_explicit_flash_on_float32_says_what_to_change():
         run(layer, x)
     with pytest.raises(ValueError, match="load the model with dtype=torch.bfloat16"):
         run(layer, x, torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]))
+
+
+def test_a_mask_without_padding_is_dropped_and_one_with_padding_kept(monkeypatch):
+    """Tokenizers give an all-ones attention_mask with every unpadded batch: the forward drops it (one host
+    read), so the layers attend with no mask, as for no mask at all; any padding keeps it; under
+    torch.compile nothing is read and it is kept."""
+    import flash_models as fm
+    from flash_models.modules import attention
+
+    model = fm.create_model("llama-1b", hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=64).eval()
+    ids, ones = torch.randint(0, 64, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    seen = []
+    original = attention.build_attention_mask
+    monkeypatch.setattr(fm.models.decoder, "build_attention_mask",
+                        lambda mask, **kw: seen.append(mask) or original(mask, **kw))
+    with torch.no_grad():
+        assert torch.equal(model(ids, attention_mask=ones).logits, model(ids).logits)
+        padded = ones.clone()
+        padded[1, :2] = 0
+        model(ids, attention_mask=padded)
+    assert seen[0] is None and seen[1] is None and seen[2] is padded
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert attention.without_padding(ones) is ones

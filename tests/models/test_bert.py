@@ -132,6 +132,22 @@ def test_flash_path_unpads_once_and_matches_hf():
     assert ok, f"ours bf16 error {ours_err:.3g} vs HF's own bf16 error {hf_err:.3g}"
 
 
+def test_a_batch_without_padding_runs_as_without_a_mask():
+    """An all-ones attention_mask (what a tokenizer gives an unpadded batch) is dropped: on the flash path the
+    layers see the batch as it is, not unpadded, and the output is the maskless call's."""
+    ours = ours_from_hf(hf_bert(seed=6, num_attention_heads=2), attn_impl="flash", dtype=torch.bfloat16)
+    ids, _, types = padded_batch(6)
+    seen = []
+    for block in ours.blocks:
+        block.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        out = ours(ids, attention_mask=torch.ones_like(ids), token_type_ids=types)
+        plain = ours(ids, token_type_ids=types)
+    assert seen == [(*ids.shape, 64)] * 4
+    assert torch.equal(out.last_hidden_state, plain.last_hidden_state)
+    assert torch.equal(out.pooler_output, plain.pooler_output)
+
+
 @pytest.mark.parametrize("architecture", AUTO)
 def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(architecture):
     assert_round_trip_bit_identical(hf_bert(architecture, seed=6))

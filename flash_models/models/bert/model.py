@@ -16,6 +16,7 @@ from flash_kernels._backend import check_ids_in_range
 
 from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
+from ...modules.attention import without_padding
 from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
@@ -126,19 +127,20 @@ class BertModel(BertPreTrainedModel):
             # Packed, checked, encoded inside the graph, which also makes the default positions and types.
             hidden = self.graphed(input_ids, position_ids, token_type_ids, attention_mask)
             return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
+        attention_mask = without_padding(attention_mask)  # a batch without padding: no mask, nothing to unpad
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        if not flash:
-            mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
-            hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
-        else:  # every layer runs on the real tokens only
+        if flash and attention_mask is not None:  # every layer runs on the real tokens only
             unpadded = UnpaddedBatch.from_mask(attention_mask)
             input_ids, position_ids, token_type_ids = (unpadded.unpad(t) for t in (input_ids, position_ids, token_type_ids))
             mask = build_attention_mask(None, q_len=unpadded.total, past_len=0, causal=False, sliding_window=None,
                                         cu_seqlens=unpadded.cu_seqlens)
             hidden = unpadded.pad(self._encode(input_ids, position_ids, token_type_ids, mask))
+        else:
+            mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=False, sliding_window=None)
+            hidden = self._encode(input_ids, position_ids, token_type_ids, mask)
         return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
 
     def _forward_packed(self, input_ids, token_type_ids, position_ids, attention_mask, cu_seqlens, max_seqlen):
