@@ -320,9 +320,14 @@ class Attention(nn.Module):
 
     def backend_for(self, x: torch.Tensor) -> str:
         """The backend for inputs on x's device and dtype (x: q, or the hidden states about to come in)."""
+        return self.backend_on(x.device, x.dtype)
+
+    def backend_on(self, device: torch.device, dtype: torch.dtype) -> str:
+        """The backend for inputs on ``device`` in ``dtype``: a model deciding before its layers run passes the
+        dtype they will compute in (autocast's, over float32 weights)."""
         if self.attn_impl != "auto":
             return self.attn_impl
-        flash_ok = (self.kernel_backend != "reference" and x.is_cuda and x.dtype in FLASH_DTYPES
+        flash_ok = (self.kernel_backend != "reference" and device.type == "cuda" and dtype in FLASH_DTYPES
                     and self.cfg.head_dim <= FLASH_MAX_HEAD_DIM)
         return "flash" if flash_ok else "sdpa"
 

@@ -235,3 +235,13 @@ def test_a_mask_without_padding_is_dropped_and_one_with_padding_kept(monkeypatch
     assert seen[0] is None and seen[1] is None and seen[2] is padded
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert attention.without_padding(ones) is ones
+
+
+def test_backend_on_a_device_and_dtype_as_the_layer_will_see_them():
+    """A model decides before its layers run (BERT, whether to unpad): under autocast over float32 weights
+    they compute in bf16 on CUDA, where "auto" takes our kernels (a device and dtype, no tensor needed)."""
+    layer = Attention(CFG, layer_idx=0, attn_impl="auto", kernel_backend="auto")
+    assert layer.backend_on(torch.device("cuda"), torch.bfloat16) == "flash"
+    assert layer.backend_on(torch.device("cuda"), torch.float32) == "sdpa"
+    assert layer.backend_on(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    assert layer.backend_for(torch.zeros(1, dtype=torch.bfloat16)) == "sdpa"  # on the CPU

@@ -148,6 +148,21 @@ def test_a_batch_without_padding_runs_as_without_a_mask():
     assert torch.equal(out.pooler_output, plain.pooler_output)
 
 
+@pytest.mark.gpu
+def test_gpu_float32_weights_under_autocast_unpad_once():
+    """Fine-tuning's usual setup (float32 weights, bf16 autocast: HF Trainer's bf16=True) takes the unpadded
+    path: its layers compute in bf16, where our attention runs."""
+    ours = ours_from_hf(hf_bert(seed=7, num_attention_heads=2)).cuda()
+    assert ours.blocks[0].attn.backend_on(torch.device("cuda"), torch.bfloat16) == "flash"
+    ids, mask, types = (t.cuda() for t in padded_batch(7))
+    seen = []
+    for block in ours.blocks:
+        block.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ours(ids, attention_mask=mask, token_type_ids=types).last_hidden_state.float().sum().backward()
+    assert seen == [(1, int(mask.sum()), 64)] * 2
+
+
 @pytest.mark.parametrize("architecture", AUTO)
 def test_to_hf_of_from_hf_is_bit_identical_and_meta_keys_match(architecture):
     assert_round_trip_bit_identical(hf_bert(architecture, seed=6))

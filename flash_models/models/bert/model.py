@@ -17,6 +17,7 @@ from flash_kernels._backend import check_ids_in_range
 from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ...modules.attention import without_padding
+from ...modules.linear import compute_dtype
 from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
@@ -122,17 +123,19 @@ class BertModel(BertPreTrainedModel):
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids {tuple(input_ids.shape)}")
         if token_type_ids is not None and token_type_ids.shape != input_ids.shape:
             raise ValueError(f"token_type_ids shape {tuple(token_type_ids.shape)} != input_ids {tuple(input_ids.shape)}")
-        flash = attention_mask is not None and self.blocks[0].attn.backend_for(self.embed.tokens.weight) == "flash"
-        if flash and replays_graph(self, self.graphed, input_ids):
+        attn, weight = self.blocks[0].attn, self.embed.tokens.weight
+        if attention_mask is not None and attn.backend_for(weight) == "flash" and replays_graph(self, self.graphed, input_ids):
             # Packed, checked, encoded inside the graph, which also makes the default positions and types.
             hidden = self.graphed(input_ids, position_ids, token_type_ids, attention_mask)
             return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
         attention_mask = without_padding(attention_mask)  # a batch without padding: no mask, nothing to unpad
+        # The layers attend with our kernels in the weights' dtype, or autocast's over float32 weights.
+        unpad = attention_mask is not None and attn.backend_on(weight.device, compute_dtype(weight)) == "flash"
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        if flash and attention_mask is not None:  # every layer runs on the real tokens only
+        if unpad:  # every layer runs on the real tokens only
             unpadded = UnpaddedBatch.from_mask(attention_mask)
             input_ids, position_ids, token_type_ids = (unpadded.unpad(t) for t in (input_ids, position_ids, token_type_ids))
             mask = build_attention_mask(None, q_len=unpadded.total, past_len=0, causal=False, sliding_window=None,
