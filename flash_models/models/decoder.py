@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import flash_kernels
+from flash_kernels._backend import capturing_cuda_graph
 
 from ..config import ATTN_IMPLS, DecoderConfig, check_choice
 from ..modules import (
@@ -16,8 +17,8 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask, without_padding
-from ..modules.linear import autocast_like, dense, plain_linear
-from ..modules.varlen import positions_in_documents
+from ..modules.linear import autocast_like, compute_dtype, dense, plain_linear
+from ..modules.varlen import UnpaddedBatch, positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
     VOCAB_MULTIPLE, RealVocabHead, hide_vocab_padding, padded_vocab_size, resized_table, resized_vocab_size,
@@ -28,6 +29,11 @@ from ..runtime.decode_chain import chained_block_step, chains, gemv_in_chain
 from .hf_config import ModelConfig
 from .hf_protocol import HFModelProtocol, TiedOutputEmbeddings, public_forward, cache_argument, packed_documents
 from .outputs import CausalLMOutput, EncoderOutput
+
+
+def _next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """labels (B, S) as the token each position predicts: shifted left by one, -100 after each row's last."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
 
 
 def positions_from_mask(attention_mask: torch.Tensor, *, pad_position: int | None = None) -> torch.Tensor:
@@ -227,14 +233,25 @@ class DecoderLM(HFModelProtocol, nn.Module):
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, kv_cache, cu_seqlens, hf_kwargs)
         if cu_seqlens is not None and B != 1:
             raise ValueError(f"packed documents (cu_seqlens) come as one row: input_ids (1, total), got {tuple(input_ids.shape)}")
+        if return_logits is None:
+            return_logits = labels is None or not self.training
+        fused = labels is not None and not return_logits
+        rows = None  # a padded batch whose layers run on its real tokens alone (``_real_rows``)
+        if fused and kv_cache is None and cu_seqlens is None:
+            attention_mask, rows = self._real_rows(input_ids, attention_mask, labels)
         position_ids, mask, positions_needed = self._positions_and_mask(
             input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens, mask_positions=mask_positions
         )
+        if rows is not None:  # each row a document of one packed row, as padding-free training runs
+            input_ids, position_ids = rows.unpad(input_ids), rows.unpad(position_ids)
+            mask = build_attention_mask(None, q_len=rows.total, past_len=0, causal=True, cu_seqlens=rows.cu_seqlens,
+                                        sliding_window=self.decoder_config.attention.sliding_window, max_seqlen=S)
         rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
         hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
-        if return_logits is None:
-            return_logits = labels is None or not self.training
-        if labels is not None and not return_logits:
+        if fused and rows is not None:
+            loss = self._token_loss(hidden[0], rows.unpad(_next_tokens(labels))[0], num_items_in_batch)
+            return CausalLMOutput(loss=loss, last_hidden_state=rows.pad(hidden))
+        if fused:
             return CausalLMOutput(loss=self.fused_loss(hidden, labels, num_items_in_batch), last_hidden_state=hidden)
         # Whole, not a view of the padded head's output: HF-style callers .view() the logits.
         logits = self._logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden).contiguous()
@@ -378,20 +395,46 @@ class DecoderLM(HFModelProtocol, nn.Module):
         """The shifted LM loss straight from the final hidden states (B, S, H), without the logits."""
         if labels.shape != hidden.shape[:2]:
             raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids {tuple(hidden.shape[:2])}")
+        return self._token_loss(hidden[:, :-1], labels[:, 1:], num_items_in_batch)
+
+    def _token_loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        """The LM loss of hidden states (..., H) against the token each predicts (...; -100: none): their mean, or
+        their sum / ``num_items_in_batch``. Through the fused LM head + loss, unless an adapter wraps the head."""
+        hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        reduction = "mean" if num_items_in_batch is None else "sum"
         if self.adapted_head():  # the fused kernel would read the base weight only
-            return self.loss(self._logits(hidden), labels, num_items_in_batch)
-        weight = self.output_embeddings()
-        bias = self.lm_head.bias
-        if torch.is_autocast_enabled(hidden.device.type):  # a custom op: cast as autocast would for a linear
-            hidden, weight, bias = autocast_like(hidden, weight, bias)
+            loss = flash_kernels.cross_entropy(self._logits(hidden).contiguous(), targets, backend=self.kernel_backend,
+                                               reduction=reduction)
         else:
-            hidden = hidden.to(weight.dtype)
-        loss = flash_kernels.linear_cross_entropy(
-            hidden[:, :-1].reshape(-1, hidden.shape[-1]), weight, labels[:, 1:].reshape(-1), bias=bias,
-            vocab_size=self.decoder_config.vocab_size, backend=self.kernel_backend,
-            reduction="mean" if num_items_in_batch is None else "sum",
-        )
+            weight = self.output_embeddings()
+            bias = self.lm_head.bias
+            if torch.is_autocast_enabled(hidden.device.type):  # a custom op: cast as autocast would for a linear
+                hidden, weight, bias = autocast_like(hidden, weight, bias)
+            else:
+                hidden = hidden.to(weight.dtype)
+            loss = flash_kernels.linear_cross_entropy(hidden, weight, targets, bias=bias, reduction=reduction,
+                                                      vocab_size=self.decoder_config.vocab_size,
+                                                      backend=self.kernel_backend)
         return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+    def _real_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor):
+        """For a training forward with the fused loss: (attention_mask, None) as given; (None, None) where the mask
+        marks every token real; or (attention_mask, the rows' real tokens) where no loss term is read at a padding
+        position (its next-token label is -100, as collators pad labels): the layers then run on the real tokens
+        alone (no GEMM on padding, no unpadding around each attention), and the loss and gradients are the padded
+        forward's. One host read. Only where our attention kernels run the layers (their varlen path), and not
+        under torch.compile or a CUDA graph capture, which keep the mask."""
+        if (attention_mask is None or attention_mask.shape != input_ids.shape or labels.shape != input_ids.shape
+                or torch.compiler.is_compiling() or capturing_cuda_graph()):
+            return attention_mask, None
+        weight = self.embed.tokens.weight  # the layers compute in its dtype, or autocast's over float32 weights
+        if self.blocks[0].attn.backend_on(weight.device, compute_dtype(weight)) != "flash":
+            return attention_mask, None
+        real = attention_mask.bool()
+        all_real, no_loss_at_padding = torch.stack([real.all(), (real | (_next_tokens(labels) == -100)).all()]).tolist()
+        if all_real:
+            return None, None
+        return attention_mask, UnpaddedBatch.from_mask(attention_mask) if no_loss_at_padding else None
 
     # ----------------------------------------------------------------------------------------------------
     # HF names TRL's fused LM head uses: the backbone's final hidden states, and the LM head's weight and bias.

@@ -1,0 +1,90 @@
+"""A padded batch in a decoder's fused-loss training forward (TRL's SFT collator, a tokenizer's padded batch): on
+our attention kernels (here through Triton's interpreter) the layers run on the real tokens alone, each row a
+document of one packed row, where no loss term is read at a padding position; the loss and gradients are then
+the rows' own, as if each ran alone. Padding that a loss term reads keeps the padded path."""
+
+import pytest
+import torch
+
+import flash_models as fm
+
+VOCAB = 97
+
+
+def tiny(preset: str):
+    torch.manual_seed(0)
+    shape = (dict(n_layer=2, n_embd=64, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                  bos_token_id=0, eos_token_id=0)
+             if preset == "gpt2" else
+             dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1))
+    return fm.create_model(preset, vocab_size=VOCAB, attn_impl="flash", dtype=torch.bfloat16, **shape).train()
+
+
+def batch():
+    """Three rows: right-padded, left-padded (its first real token predicted by no one: label -100, as after
+    padding), and full; labels -100 wherever a token is padding."""
+    ids = torch.randint(0, VOCAB, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[1, 4] = -100
+    return ids, mask, labels
+
+
+def blocks_see(model) -> list:
+    seen = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+    return seen
+
+
+@pytest.mark.parametrize("preset", ["llama-1b", "gpt2"])
+def test_padded_rows_train_as_their_real_tokens_alone(preset):
+    model = tiny(preset)
+    ids, mask, labels = batch()
+    counted = int((labels[:, 1:] != -100).sum())
+    seen = blocks_see(model)
+    out = model(ids, attention_mask=mask, labels=labels, num_items_in_batch=counted)
+    assert seen == [(1, int(mask.sum()), 64)] * 2
+    assert out.logits is None and out.last_hidden_state.shape == (3, 11, 64)
+    assert (out.last_hidden_state[mask == 0] == 0).all()
+    out.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    alone = 0.0
+    for row in range(3):
+        real = mask[row].bool()
+        # a left-padded row alone starts at position 0, while the padded forward numbers it from its padding:
+        # give it those positions
+        positions = torch.arange(11)[real].unsqueeze(0)
+        loss = model(ids[row, real].unsqueeze(0), position_ids=positions, labels=labels[row, real].unsqueeze(0),
+                     num_items_in_batch=counted).loss
+        loss.backward()
+        alone += loss.item()
+    assert out.loss.item() == pytest.approx(alone, rel=1e-5)
+    for name, p in model.named_parameters():  # bf16 gradients: within 2% of each tensor's largest
+        if name in grads:
+            scale = p.grad.float().abs().max().item()
+            torch.testing.assert_close(grads[name].float(), p.grad.float(), rtol=0, atol=2e-2 * scale, msg=name)
+
+
+def test_padding_a_loss_term_reads_keeps_the_padded_rows():
+    """Labels = input ids on padding too (a plain ``labels=ids``): the padded positions' terms count, so the
+    layers run the padded batch as before."""
+    model = tiny("llama-1b")
+    ids, mask, _ = batch()
+    seen = blocks_see(model)
+    model(ids, attention_mask=mask, labels=ids)
+    assert seen == [(3, 11, 64)] * 2
+
+
+def test_eval_and_logits_keep_the_padded_rows():
+    """Only the fused training loss runs on the real tokens: logits come back for every position."""
+    model = tiny("llama-1b")
+    ids, mask, labels = batch()
+    seen = blocks_see(model)
+    assert model(ids, attention_mask=mask, labels=labels, return_logits=True).logits.shape == (3, 11, VOCAB)
+    with torch.no_grad():
+        model.eval()(ids, attention_mask=mask, labels=labels)
+    assert seen == [(3, 11, 64)] * 4
