@@ -10,6 +10,7 @@
 #   bash scripts/gpu_check.sh bench-models   # bench bert (with ours+graphs), bench train (eager sides), bench overhead
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
 #   bash scripts/gpu_check.sh bench-loop [CASE...]  # the README's plain loop per real-vocabulary case, one process each
+#   bash scripts/gpu_check.sh bench-sft      # the plain loop on SFT-style padded batches (the @sft cases)
 #   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
 #   bash scripts/gpu_check.sh bench-vit      # bench vit (ours, ours+graphs, timm eager, timm compile)
 #   bash scripts/gpu_check.sh bench-ops      # bench ops, every group, eager (liger's side where its wheel is installed)
@@ -61,6 +62,11 @@ case "${1:-}" in
                 --steps 8 --warmup 3 --out "$OUT/loop-$case.json" 2>&1 | tee -a "$OUT/bench-loop.log" | grep "^|"
         done
         python -m flash_models.bench.page --merge "$OUT/train.json" "$OUT"/loop-*.json ;;
+    bench-sft)
+        # The loop on SFT-style padded batches (right padding, labels -100 there): ours runs the real tokens only.
+        timeout 560 python -m flash_models bench train --cases llama-1b@sft,smollm2-360m@sft \
+            --sides loop:ours,loop:hf,loop:hf+compile --steps 8 --warmup 3 --out "$OUT/train-sft.json" 2>&1 \
+            | tee "$OUT/bench-sft.log" | grep "^|" ;;
     bench-generate)
         timeout 560 python -m flash_models bench generate --batches 1 16 --prompts 128 512 --repeats 3 --out "$OUT" 2>&1 \
             | tee "$OUT/bench-generate.log" | grep "^|" ;;
@@ -88,6 +94,6 @@ case "${1:-}" in
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-attention|tests-attention-hopper|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-attention|tests-attention-hopper|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-sft|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
         exit 2 ;;
 esac

@@ -15,7 +15,9 @@ queued before the previous loss is read), every side alike.
 
 Cases are real checkpoints' shapes with their real vocabularies: GPT-2 124M (16x1024) and 355M (8x1024) at
 50257, LLaMA 1.1B (4x2048) at 32000, SmolLM2-135M and 360M (8x2048) at 49152, Qwen2-0.5B (4x2048) at 151936.
-The ``@50304`` cases pad GPT-2's vocabulary in the config (not a real checkpoint's): extra rows, labelled.
+The ``@50304`` cases pad GPT-2's vocabulary in the config (not a real checkpoint's): extra rows, labelled. The
+``@sft`` cases feed the loop an SFT collator's batches: rows right-padded to random lengths (30% padding on
+average), the attention mask, labels -100 at the padding; their tokens/s counts the real tokens.
 Reported: tokens/s, MFU (6N + 12*L*D*S FLOPs per token against a measured bf16 matmul peak), peak memory.
 
     flash-models bench train [--cases gpt2,llama-1b] [--sides loop:ours,loop:hf] [--steps 20] [--out bench-train.json]
@@ -53,11 +55,13 @@ class Case:
     seq_len: int
     overrides: tuple = ()
     note: str = ""  # what sets the case apart from the real checkpoint, shown in the table
+    padding: float = 0.0  # mean share of right padding per row (labels -100 there): an SFT batch; loop sides only
 
 
 SMOLLM2_360M = (("hidden_size", 960), ("intermediate_size", 2560), ("num_hidden_layers", 32),
                 ("num_attention_heads", 15), ("num_key_value_heads", 5))
 PADDED = "vocabulary padded to 50304 in the config (not the checkpoint's)"
+SFT = "right-padded rows, ~30% padding with labels -100 there (an SFT collator's batch); tokens/s counts real tokens"
 CASES = {
     "gpt2": Case("gpt2", 16, 1024),
     "gpt2-medium": Case("gpt2-medium", 8, 1024),
@@ -65,13 +69,17 @@ CASES = {
     "smollm2-135m": Case("smollm2-135m", 8, 2048),
     "smollm2-360m": Case("smollm2-135m", 8, 2048, SMOLLM2_360M),
     "qwen2-0.5b": Case("qwen2-0.5b", 4, 2048),
+    "llama-1b@sft": Case("llama-1b", 4, 2048, note=SFT, padding=0.3),
+    "smollm2-360m@sft": Case("smollm2-135m", 8, 2048, SMOLLM2_360M, note=SFT, padding=0.3),
     "gpt2@50304": Case("gpt2", 16, 1024, (("vocab_size", 50304),), note=PADDED),
     "gpt2-medium@50304": Case("gpt2-medium", 8, 1024, (("vocab_size", 50304),), note=PADDED),
 }
+_DRY_LLAMA = (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96), ("num_attention_heads", 4),
+              ("num_key_value_heads", 2), ("vocab_size", 301))
 DRY_CASES = {  # odd vocabularies, as the real ones: the padded LM head runs
     "gpt2": Case("gpt2", 2, 32, (("n_layer", 2), ("n_embd", 64), ("n_head", 4), ("vocab_size", 257))),
-    "llama-1b": Case("llama-1b", 2, 32, (("num_hidden_layers", 2), ("hidden_size", 64), ("intermediate_size", 96),
-                                           ("num_attention_heads", 4), ("num_key_value_heads", 2), ("vocab_size", 301))),
+    "llama-1b": Case("llama-1b", 2, 32, _DRY_LLAMA),
+    "llama-1b@sft": Case("llama-1b", 2, 32, _DRY_LLAMA, note=SFT, padding=0.3),
 }
 LOOP_SIDES = ("loop:ours", "loop:ours+compile", "loop:hf", "loop:hf+compile", "loop:hf+fm_attention")
 SIDES = LOOP_SIDES + ("ours", "ours+graphs", "ours+compile", "hf", "hf+compile")
@@ -126,17 +134,29 @@ class LoopStep:
         self.device = device
         gen = torch.Generator(device).manual_seed(1)
         vocab = hf_config_for(case).vocab_size
-        self.batches = [torch.randint(0, vocab, (case.batch, case.seq_len), device=device, generator=gen)
-                        for _ in range(4)]
+        self.batches = [_batch(case, vocab, device, gen) for _ in range(4)]
+        self.tokens_per_step = sum(int(b.get("attention_mask", b["input_ids"]).bool().sum()) for b in self.batches) / 4
 
     def __call__(self, i: int) -> torch.Tensor:
-        ids = self.batches[i % len(self.batches)]
+        batch = self.batches[i % len(self.batches)]
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            loss = self.model(ids, labels=ids).loss
+            loss = self.model(**batch).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
+
+
+def _batch(case: Case, vocab: int, device: torch.device, gen: torch.Generator) -> dict:
+    """One step's keyword arguments: random tokens as their own labels; for an SFT case, rows right-padded to
+    random lengths (a mean share ``case.padding`` of padding), with the attention mask and labels -100 there."""
+    ids = torch.randint(0, vocab, (case.batch, case.seq_len), device=device, generator=gen)
+    if not case.padding:
+        return {"input_ids": ids, "labels": ids}
+    shortest = max(1, round(case.seq_len * (1 - 2 * case.padding)))
+    lengths = torch.randint(shortest, case.seq_len + 1, (case.batch, 1), device=device, generator=gen)
+    mask = (torch.arange(case.seq_len, device=device) < lengths).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
@@ -152,14 +172,17 @@ def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, war
         loss = step(i)
     _sync(device)
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    row = _row(side, case, step_ms, step.flops_per_token, peak_flops, device, final_loss=loss.item())
+    row = _row(side, case, step_ms, step.flops_per_token, peak_flops, device, tokens=step.tokens_per_step,
+               final_loss=loss.item())
     del step, loss
     _release(device)
     return row
 
 
-def _row(side: str, case: Case, step_ms: float, fpt: float, peak_flops: float, device: torch.device, **extra) -> dict:
-    tokens_per_s = case.batch * case.seq_len / (step_ms * 1e-3)
+def _row(side: str, case: Case, step_ms: float, fpt: float, peak_flops: float, device: torch.device, *,
+         tokens: float | None = None, **extra) -> dict:
+    """A table row; ``tokens``: the real tokens of a step (default: the whole batch)."""
+    tokens_per_s = (case.batch * case.seq_len if tokens is None else tokens) / (step_ms * 1e-3)
     # A graph's activations live in its private pool, allocated once at capture: replays allocate nothing, so
     # the allocated peak misses them. The reserved peak counts the pool.
     peak_mem, reserved = ((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()) if device.type == "cuda"
@@ -209,6 +232,9 @@ def step_for(side: str, case: Case, device: torch.device):
 
 
 def measure(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
+    if case.padding and side not in LOOP_SIDES:
+        raise SystemExit(f"side {side!r}: the padded (SFT) cases run the loop: sides only (the Trainer's sides "
+                         "train on packed synthetic tokens)")
     if side in LOOP_SIDES:
         return measure_loop(side, case, device, steps=steps, warmup=warmup, peak_flops=peak_flops)
     trainer = trainer_for(side, case, device)

@@ -34,3 +34,22 @@ def test_cases_use_real_vocabularies_and_label_the_padded_ones():
     assert (vocabs["llama-1b"], vocabs["smollm2-135m"], vocabs["smollm2-360m"], vocabs["qwen2-0.5b"]) == (32000, 49152, 49152, 151936)
     assert all(case.note for name, case in train.CASES.items() if vocabs[name] == 50304)
     assert train.hf_config_for(train.CASES["smollm2-360m"]).hidden_size == 960
+
+
+def test_train_bench_dry_run_sft_case_pads_rows_and_counts_real_tokens(tmp_path):
+    """An @sft case: right-padded rows with the attention mask and labels -100 at the padding, the same batches
+    for both sides (the same first loss); tokens/s counts the real tokens; the Trainer's sides refuse it."""
+    import pytest
+
+    out = tmp_path / "sft.json"
+    train.main(["--dry-run", "--cases", "llama-1b@sft", "--sides", "loop:ours,loop:hf", "--steps", "1", "--warmup", "0",
+                "--out", str(out)])
+    ours, hf = json.loads(out.read_text())["rows"]
+    assert math.isclose(ours["final_loss"], hf["final_loss"], rel_tol=2e-2)
+    case = train.DRY_CASES["llama-1b@sft"]
+    batch = train._batch(case, 301, train.torch.device("cpu"), train.torch.Generator().manual_seed(0))
+    real = batch["attention_mask"].bool()
+    assert not real.all() and (batch["labels"][~real] == -100).all() and (batch["labels"][real] >= 0).all()
+    assert ours["tokens_per_s"] * ours["step_ms"] * 1e-3 < case.batch * case.seq_len
+    with pytest.raises(SystemExit, match="loop: sides only"):
+        train.main(["--dry-run", "--cases", "llama-1b@sft", "--sides", "ours", "--out", str(tmp_path / "x.json")])
