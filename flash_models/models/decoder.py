@@ -242,10 +242,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
         position_ids, mask, positions_needed = self._positions_and_mask(
             input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens, mask_positions=mask_positions
         )
-        if rows is not None:  # each row a document of one packed row, as padding-free training runs
-            input_ids, position_ids = rows.unpad(input_ids), rows.unpad(position_ids)
-            mask = build_attention_mask(None, q_len=rows.total, past_len=0, causal=True, cu_seqlens=rows.cu_seqlens,
-                                        sliding_window=self.decoder_config.attention.sliding_window, max_seqlen=S)
+        if rows is not None:
+            input_ids, position_ids, mask = self._packed_rows(rows, input_ids, position_ids)
         rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
         hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
         if fused and rows is not None:
@@ -417,24 +415,36 @@ class DecoderLM(HFModelProtocol, nn.Module):
                                                       backend=self.kernel_backend)
         return loss if num_items_in_batch is None else loss / num_items_in_batch
 
-    def _real_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor):
-        """For a training forward with the fused loss: (attention_mask, None) as given; (None, None) where the mask
-        marks every token real; or (attention_mask, the rows' real tokens) where no loss term is read at a padding
+    def _real_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None):
+        """For a training forward with the fused loss (``labels``), or the backbone alone (TRL's fused LM head, which
+        projects only the positions it scores): (attention_mask, None) as given; (None, None) where the mask marks
+        every token real; or (attention_mask, the rows' real tokens) where no loss term is read at a padding
         position (its next-token label is -100, as collators pad labels): the layers then run on the real tokens
         alone (no GEMM on padding, no unpadding around each attention), and the loss and gradients are the padded
-        forward's. One host read. Only where our attention kernels run the layers (their varlen path), and not
+        forward's. One host read. Only where our attention kernels run the layers: their padded path already gives
+        the padding positions no attention, so what changes there (zeros now) was not HF's before either. Not
         under torch.compile or a CUDA graph capture, which keep the mask."""
-        if (attention_mask is None or attention_mask.shape != input_ids.shape or labels.shape != input_ids.shape
+        if (attention_mask is None or attention_mask.shape != input_ids.shape
+                or (labels is not None and labels.shape != input_ids.shape)
                 or torch.compiler.is_compiling() or capturing_cuda_graph()):
             return attention_mask, None
         weight = self.embed.tokens.weight  # the layers compute in its dtype, or autocast's over float32 weights
         if self.blocks[0].attn.backend_on(weight.device, compute_dtype(weight)) != "flash":
             return attention_mask, None
         real = attention_mask.bool()
-        all_real, no_loss_at_padding = torch.stack([real.all(), (real | (_next_tokens(labels) == -100)).all()]).tolist()
+        checks = [real.all()] if labels is None else [real.all(), (real | (_next_tokens(labels) == -100)).all()]
+        all_real, *no_loss_at_padding = torch.stack(checks).tolist()
         if all_real:
             return None, None
-        return attention_mask, UnpaddedBatch.from_mask(attention_mask) if no_loss_at_padding else None
+        return attention_mask, UnpaddedBatch.from_mask(attention_mask) if all(no_loss_at_padding) else None
+
+    def _packed_rows(self, rows: UnpaddedBatch, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """The real tokens of a padded batch, their positions and mask: each row a document of one packed row, as
+        padding-free training runs (the rows are no longer than the batch's sequence: no host read)."""
+        mask = build_attention_mask(None, q_len=rows.total, past_len=0, causal=True, cu_seqlens=rows.cu_seqlens,
+                                    sliding_window=self.decoder_config.attention.sliding_window,
+                                    max_seqlen=input_ids.shape[1])
+        return rows.unpad(input_ids), rows.unpad(position_ids), mask
 
     # ----------------------------------------------------------------------------------------------------
     # HF names TRL's fused LM head uses: the backbone's final hidden states, and the LM head's weight and bias.
@@ -454,10 +464,16 @@ class DecoderLM(HFModelProtocol, nn.Module):
                       **hf_kwargs) -> EncoderOutput:
         B, S = input_ids.shape
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, None, cu_seqlens, hf_kwargs)
+        rows = None  # in training, a padded batch whose layers run on its real tokens alone (``_real_rows``)
+        if self.training and torch.is_grad_enabled() and cu_seqlens is None:
+            attention_mask, rows = self._real_rows(input_ids, attention_mask, None)
         position_ids, mask, needed = self._positions_and_mask(input_ids, attention_mask, position_ids, kv_cache=None,
                                                               cu_seqlens=cu_seqlens)
+        if rows is not None:
+            input_ids, position_ids, mask = self._packed_rows(rows, input_ids, position_ids)
         rope_tables = self.rotary.tables(needed, input_ids.device) if self.rotary is not None else None
-        return EncoderOutput(last_hidden_state=self._backbone(input_ids, position_ids, mask, rope_tables, None))
+        hidden = self._backbone(input_ids, position_ids, mask, rope_tables, None)
+        return EncoderOutput(last_hidden_state=hidden if rows is None else rows.pad(hidden))
 
     @property
     def generation_config(self):

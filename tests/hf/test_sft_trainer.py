@@ -80,3 +80,28 @@ def test_sft_with_a_peft_config_saves_the_trained_adapter(tmp_path, tokenizer):
     ids = torch.randint(0, len(tokenizer), (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, trainer.model.eval()(input_ids=ids).logits, atol=0, rtol=0)
+
+
+def test_sft_padded_batches_run_their_real_tokens_on_our_kernels(tmp_path, tokenizer):
+    """SFTTrainer's default collator pads (labels -100 there) and its fused LM head calls the backbone: on our
+    attention kernels (Triton's interpreter here) the layers run the batch's real tokens alone, with the losses
+    of the padded path (sdpa)."""
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                                      tie_word_embeddings=True)
+    hf = random_hf_model(config, seed=3)
+    losses, shapes = {}, {}
+    for attn_impl in ("sdpa", "flash"):
+        ours = ours_from_hf(hf, attn_impl=attn_impl)
+        seen = []
+        ours.blocks[0].register_forward_hook(lambda module, args, output: seen.append(tuple(args[0].shape)))
+        args = SFTConfig(output_dir=str(tmp_path / attn_impl), max_steps=2, per_device_train_batch_size=4,
+                         learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no",
+                         max_length=64, seed=0, data_seed=0, disable_tqdm=True, bf16=True, gradient_checkpointing=False)
+        trainer = SFTTrainer(model=ours, args=args, train_dataset=chat_dataset(seed=0), processing_class=tokenizer)
+        trainer.train()
+        losses[attn_impl] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        shapes[attn_impl] = seen[:2]
+    assert all(rows == 4 for rows, _, _ in shapes["sdpa"])
+    assert all(rows == 1 and tokens < 4 * padded for (rows, tokens, _), (_, padded, _) in zip(shapes["flash"], shapes["sdpa"]))
+    assert losses["flash"] == pytest.approx(losses["sdpa"], rel=1e-3)

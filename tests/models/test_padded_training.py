@@ -88,3 +88,19 @@ def test_eval_and_logits_keep_the_padded_rows():
     with torch.no_grad():
         model.eval()(ids, attention_mask=mask, labels=labels)
     assert seen == [(3, 11, 64)] * 4
+
+
+def test_the_backbone_in_training_runs_the_real_tokens_alone():
+    """TRL's fused LM head calls ``model.base_model`` (the backbone) and projects only the positions it scores:
+    in training the backbone runs a padded batch's real tokens alone, with the padded path's values there."""
+    model = tiny("llama-1b")
+    ids, mask, _ = batch()
+    seen = blocks_see(model)
+    packed = model.base_model(ids, attention_mask=mask).last_hidden_state
+    assert seen == [(1, int(mask.sum()), 64)] * 2 and packed.shape == (3, 11, 64)
+    with torch.no_grad():
+        padded = model.eval().base_model(ids, attention_mask=mask).last_hidden_state
+    assert seen[2:] == [(3, 11, 64)] * 2
+    real = mask.bool()
+    torch.testing.assert_close(packed[real].float(), padded[real].float(), rtol=2e-2, atol=2e-2)
+    assert (packed[~real] == 0).all()
