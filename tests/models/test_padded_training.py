@@ -104,3 +104,39 @@ def test_the_backbone_in_training_runs_the_real_tokens_alone():
     real = mask.bool()
     torch.testing.assert_close(packed[real].float(), padded[real].float(), rtol=2e-2, atol=2e-2)
     assert (packed[~real] == 0).all()
+
+
+FAMILIES = {  # each family's own block, positions and attention options
+    "gptj-6b": dict(n_layer=2, n_embd=64, n_head=2, rotary_dim=16, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+                    attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+    "pythia-160m": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                        max_position_embeddings=32, bos_token_id=0, eos_token_id=0),
+    "opt-125m": dict(num_hidden_layers=2, hidden_size=64, ffn_dim=96, num_attention_heads=2, word_embed_proj_dim=64,
+                     max_position_embeddings=32, dropout=0.0, attention_dropout=0.0, bos_token_id=0, eos_token_id=0,
+                     pad_token_id=1),
+    "mistral-7b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                       num_key_value_heads=1, sliding_window=4),
+    "qwen3-0.6b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_every_family_trains_its_padded_rows_as_alone(preset):
+    """GPT-J's and Pythia's parallel blocks, OPT's positions counted from the mask, Mistral's window, Qwen3's
+    q/k norms: the packed real tokens give each row's own loss."""
+    torch.manual_seed(0)
+    model = fm.create_model(preset, vocab_size=VOCAB, attn_impl="flash", dtype=torch.bfloat16, **FAMILIES[preset]).train()
+    ids, mask, labels = batch()
+    counted = int((labels[:, 1:] != -100).sum())
+    seen = blocks_see(model)
+    loss = model(ids, attention_mask=mask, labels=labels, num_items_in_batch=counted).loss
+    assert seen[0] == (1, int(mask.sum()), 64)
+    alone = 0.0
+    for row in range(3):
+        real = mask[row].bool()
+        # the padded forward's positions (OPT counts them from the mask: a row alone gets the same ones)
+        positions = None if model.decoder_config.positions_from_mask else torch.arange(11)[real].unsqueeze(0)
+        alone += model(ids[row, real].unsqueeze(0), position_ids=positions, labels=labels[row, real].unsqueeze(0),
+                       num_items_in_batch=counted).loss.item()
+    assert loss.item() == pytest.approx(alone, rel=1e-5)
