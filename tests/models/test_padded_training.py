@@ -140,3 +140,24 @@ def test_every_family_trains_its_padded_rows_as_alone(preset):
         alone += model(ids[row, real].unsqueeze(0), position_ids=positions, labels=labels[row, real].unsqueeze(0),
                        num_items_in_batch=counted).loss.item()
     assert loss.item() == pytest.approx(alone, rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_padded_rows_train_as_their_real_tokens_alone():
+    """The same on CUDA with the compiled kernels, float32 weights under bf16 autocast (the Trainer's bf16=True)."""
+    torch.manual_seed(0)
+    model = fm.create_model("llama-1b", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1, device="cuda").train()
+    ids, mask, labels = (t.cuda() for t in batch())
+    counted = int((labels[:, 1:] != -100).sum())
+    seen = blocks_see(model)
+    positions = torch.arange(11, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(ids, attention_mask=mask, labels=labels, num_items_in_batch=counted).loss
+        alone = 0.0
+        for row in range(3):
+            real = mask[row].bool()
+            alone += model(ids[row, real].unsqueeze(0), position_ids=positions[real].unsqueeze(0),
+                           labels=labels[row, real].unsqueeze(0), num_items_in_batch=counted).loss.item()
+    assert seen[0] == (1, int(mask.sum()), 128)
+    assert loss.item() == pytest.approx(alone, rel=1e-3)
