@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.outputs import ModelOutput
+from ..modules.attention import without_padding
 from ..models.protocols import CausalDecoder
 from .settings import GenerationSettings
 
@@ -84,8 +85,9 @@ def prefill_logits(model: CausalDecoder, input_ids: torch.Tensor, attention_mask
     """The prompt into ``cache`` -> (B, V) logits at each row's last real token: the last column for an
     unpadded or left-padded row, an earlier one for a right-padded row. The cache holds only real tokens,
     compacted, so every row continues right after its own last real token."""
-    lean = model.lean_decode_step(cache) if cache.empty else None  # None off the CPU: no mask read there
-    if lean is not None and (attention_mask is None or bool(attention_mask.all())):
+    attention_mask = without_padding(attention_mask)  # an unpadded prompt (a tokenizer's mask of ones): no mask
+    lean = model.lean_decode_step(cache) if cache.empty else None
+    if lean is not None and attention_mask is None:
         # the CPU's lean step takes unpadded prompts too (runtime/cpu_decode.py)
         cache.reserve(input_ids.shape[1])
         tables = model.rotary.tables(input_ids.shape[1], input_ids.device) if model.rotary is not None else None

@@ -119,3 +119,17 @@ def test_the_position_limit_counts_real_tokens():
         assert torch.equal(out[row, 10:], alone[0, 6:])
     with pytest.raises(ValueError, match=r"prompt \(6 tokens\) \+ max_new_tokens \(19\) exceeds the model's 24 positions"):
         model.generate(ids, attention_mask=mask, max_new_tokens=19)
+
+
+def test_a_prompt_mask_of_ones_prefills_without_a_mask(model, monkeypatch):
+    """A tokenizer's mask for an unpadded prompt is all ones: the prefill drops it (the maskless attention) and
+    generates what no mask gives. (The CPU's lean step is set aside: the forward, as on a GPU, prefills.)"""
+    monkeypatch.setattr(type(model), "lean_decode_step", lambda self, cache: None)
+    want = model.generate(PROMPT, max_new_tokens=4, eos_token_id=[])
+    masks = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward",
+                        lambda self, *args, **kwargs: masks.append(kwargs.get("attention_mask")) or forward(self, *args, **kwargs))
+    got = model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=4, eos_token_id=[])
+    assert torch.equal(got, want)
+    assert masks and all(mask is None for mask in masks)
