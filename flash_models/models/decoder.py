@@ -17,7 +17,7 @@ from ..modules import (
     build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask, without_padding
-from ..modules.linear import autocast_like, compute_dtype, dense, plain_linear
+from ..modules.linear import autocast_like, dense, plain_linear
 from ..modules.varlen import UnpaddedBatch, positions_in_documents
 from ..modules.paged_kv_cache import PagedKVCache
 from ..modules.vocab_padding import (
@@ -428,8 +428,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
                 or (labels is not None and labels.shape != input_ids.shape)
                 or torch.compiler.is_compiling() or capturing_cuda_graph()):
             return attention_mask, None
-        weight = self.embed.tokens.weight  # the layers compute in its dtype, or autocast's over float32 weights
-        if self.blocks[0].attn.backend_on(weight.device, compute_dtype(weight)) != "flash":
+        if self.blocks[0].attn.backend_computing(self.embed.tokens.weight) != "flash":
             return attention_mask, None
         real = attention_mask.bool()
         checks = [real.all()] if labels is None else [real.all(), (real | (_next_tokens(labels) == -100)).all()]

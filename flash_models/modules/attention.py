@@ -27,7 +27,7 @@ from flash_kernels._backend import capturing_cuda_graph
 
 from ..config import ATTN_IMPLS, AttentionConfig, RopeConfig, check_choice
 from .kv_cache import KVCache
-from .linear import linear
+from .linear import compute_dtype, linear
 from .norm import Norm
 from .recompute import NormedInput, projection_of
 from .varlen import UnpaddedBatch
@@ -322,9 +322,13 @@ class Attention(nn.Module):
         """The backend for inputs on x's device and dtype (x: q, or the hidden states about to come in)."""
         return self.backend_on(x.device, x.dtype)
 
+    def backend_computing(self, weight: torch.Tensor) -> str:
+        """The backend the layers of a model with this ``weight`` will take, decided before they run: they compute
+        in its dtype, or autocast's over float32 weights."""
+        return self.backend_on(weight.device, compute_dtype(weight))
+
     def backend_on(self, device: torch.device, dtype: torch.dtype) -> str:
-        """The backend for inputs on ``device`` in ``dtype``: a model deciding before its layers run passes the
-        dtype they will compute in (autocast's, over float32 weights)."""
+        """The backend for inputs on ``device`` in ``dtype``."""
         if self.attn_impl != "auto":
             return self.attn_impl
         flash_ok = (self.kernel_backend != "reference" and device.type == "cuda" and dtype in FLASH_DTYPES

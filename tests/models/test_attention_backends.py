@@ -245,3 +245,10 @@ def test_backend_on_a_device_and_dtype_as_the_layer_will_see_them():
     assert layer.backend_on(torch.device("cuda"), torch.float32) == "sdpa"
     assert layer.backend_on(torch.device("cpu"), torch.bfloat16) == "sdpa"
     assert layer.backend_for(torch.zeros(1, dtype=torch.bfloat16)) == "sdpa"  # on the CPU
+    asked = []
+    layer.backend_on = lambda device, dtype: asked.append(dtype) or "sdpa"
+    weight = torch.zeros(2, 2)
+    layer.backend_computing(weight)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer.backend_computing(weight)
+    assert asked == [torch.float32, torch.bfloat16]  # the weights' dtype, then autocast's over them

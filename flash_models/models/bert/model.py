@@ -17,7 +17,6 @@ from flash_kernels._backend import check_ids_in_range
 from ...config import MLPConfig
 from ...modules import MLP, Attention, Embeddings, Norm, PostNormBlock, build_attention_mask
 from ...modules.attention import without_padding
-from ...modules.linear import compute_dtype
 from ...runtime.cuda_graphs import replays_graph
 from ...runtime.encoder_graphs import GraphedEncoder
 from ...modules.varlen import UnpaddedBatch, positions_in_documents
@@ -129,8 +128,7 @@ class BertModel(BertPreTrainedModel):
             hidden = self.graphed(input_ids, position_ids, token_type_ids, attention_mask)
             return EncoderOutput(last_hidden_state=hidden, pooler_output=self._pool(hidden[:, 0]))
         attention_mask = without_padding(attention_mask)  # a batch without padding: no mask, nothing to unpad
-        # The layers attend with our kernels in the weights' dtype, or autocast's over float32 weights.
-        unpad = attention_mask is not None and attn.backend_on(weight.device, compute_dtype(weight)) == "flash"
+        unpad = attention_mask is not None and attn.backend_computing(weight) == "flash"
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         if token_type_ids is None:
