@@ -44,6 +44,13 @@ class HFModelProtocol:
                              "use flash_models.from_pretrained to get whichever class the checkpoint names")
         return model
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The class names of the transformer blocks, HF's attribute for the unit that is sharded or placed whole:
+        accelerate's transformer-based FSDP wrapping (``transformers.Trainer`` with ``fsdp_config``) gives each
+        block its own FSDP unit by these names, and without them would shard the model as one unit."""
+        return sorted({type(block).__name__ for block in self._transformer_blocks()})
+
     # ----------------------------------------------------------------------------------------------------
     def _transformer_blocks(self) -> nn.ModuleList:
         blocks = [m for name, m in self.named_modules() if name.rsplit(".", 1)[-1] == "blocks" and isinstance(m, nn.ModuleList)]

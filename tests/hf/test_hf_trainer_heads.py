@@ -175,3 +175,31 @@ def test_a_base_checkpoint_loads_under_a_fresh_head(head, tmp_path):
     ours_from_hf(random_hf_model(llama)).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="holds a LlamaForCausalLM, not a BertPreTrainedModel"):
         cls.from_pretrained(tmp_path / "llama")
+
+
+@pytest.mark.parametrize("family", ["llama", "gptj", "bert", "vit"])
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_fsdp_wraps_each_block_by_the_models_no_split_modules(family, fsdp_version):
+    """transformers.Trainer with fsdp_config (transformer-based wrap) shards by accelerate's policy, which finds the
+    block classes from ``_no_split_modules``: each block is its own unit, and nothing else (a CPU Trainer does not
+    run FSDP, so the policy is checked on the model)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    model = {
+        "llama": lambda: fm.create_model("llama-1b", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, device="meta"),
+        "gptj": lambda: fm.create_model("gptj-6b", vocab_size=VOCAB, n_layer=2, n_embd=32, n_head=2, rotary_dim=8,
+                                        n_positions=32, device="meta"),
+        "bert": lambda: ours_from_hf(bert("BertForSequenceClassification", "AutoModelForSequenceClassification")),
+        "vit": lambda: ours_from_hf(vit()),
+    }[family]()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp_version, auto_wrap_policy="transformer_based_wrap")
+    if fsdp_version == 2:
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    else:
+        plugin.set_auto_wrap_policy(model)
+        classes = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+        policy = lambda module: isinstance(module, tuple(classes))  # noqa: E731
+    blocks = [name for name, _ in model.named_modules() if name.rsplit(".", 2)[-2:-1] == ["blocks"]]
+    assert len(blocks) == 2 and [name for name, module in model.named_modules() if policy(module)] == blocks
