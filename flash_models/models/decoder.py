@@ -237,7 +237,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
             return_logits = labels is None or not self.training
         fused = labels is not None and not return_logits
         rows = None  # a padded batch whose layers run on its real tokens alone (``_real_rows``)
-        if fused and kv_cache is None and cu_seqlens is None:
+        if kv_cache is None and cu_seqlens is None:
             attention_mask, rows = self._real_rows(input_ids, attention_mask, labels)
         position_ids, mask, positions_needed = self._positions_and_mask(
             input_ids, attention_mask, position_ids, kv_cache=kv_cache, cu_seqlens=cu_seqlens, mask_positions=mask_positions
@@ -249,6 +249,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
         if fused and rows is not None:
             loss = self._token_loss(hidden[0], rows.unpad(_next_tokens(labels))[0], num_items_in_batch)
             return CausalLMOutput(loss=loss, last_hidden_state=rows.pad(hidden))
+        if rows is not None:
+            hidden = rows.pad(hidden)
         if fused:
             return CausalLMOutput(loss=self.fused_loss(hidden, labels, num_items_in_batch), last_hidden_state=hidden)
         # Whole, not a view of the padded head's output: HF-style callers .view() the logits.
@@ -344,8 +346,6 @@ class DecoderLM(HFModelProtocol, nn.Module):
             mask = build_cached_attention_mask(new_mask, kv_cache, q_len=S, sliding_window=window)
             derived, needed = mask.cache_slots, kv_cache.upper_bound + S
         else:
-            if attention_mask is not None and attention_mask.shape[1] == S:  # (a longer one is refused below)
-                attention_mask = without_padding(attention_mask)
             mask = build_attention_mask(attention_mask, q_len=S, past_len=0, causal=True, sliding_window=window,
                                         cu_seqlens=cu_seqlens)
             needed = S
@@ -416,20 +416,22 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return loss if num_items_in_batch is None else loss / num_items_in_batch
 
     def _real_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor | None):
-        """For a training forward with the fused loss (``labels``), or the backbone alone (TRL's fused LM head, which
-        projects only the positions it scores): (attention_mask, None) as given; (None, None) where the mask marks
-        every token real; or (attention_mask, the rows' real tokens) where no loss term is read at a padding
-        position (its next-token label is -100, as collators pad labels): the layers then run on the real tokens
-        alone (no GEMM on padding, no unpadding around each attention), and the loss and gradients are the padded
-        forward's. One host read. Only where our attention kernels run the layers: their padded path already gives
-        the padding positions no attention, so what changes there (zeros now) was not HF's before either. Not
-        under torch.compile or a CUDA graph capture, which keep the mask."""
+        """The mask of a forward without a cache (training or not, the backbone alone too), as its layers take it,
+        with one host read: (None, None) where the mask marks every token real (``without_padding``); else
+        (attention_mask, None), or, where our attention kernels run the layers and no loss term is read at a
+        padding position (no ``labels``, or a next-token label of -100 there, as collators pad labels),
+        (attention_mask, the rows' real tokens): the layers then run on the real tokens alone (no GEMM on padding,
+        no unpadding around each attention), and the loss, gradients and the real positions' logits are the
+        padded forward's. Our kernels' padded path already gives the padding positions no attention, so what
+        changes there (the hidden states are zeros now, the logits the head's of a zero state) was not HF's
+        before either. Under torch.compile or a CUDA graph capture the mask is kept as given; one of the wrong
+        shape too (the mask's checks refuse it)."""
         if (attention_mask is None or attention_mask.shape != input_ids.shape
                 or (labels is not None and labels.shape != input_ids.shape)
                 or torch.compiler.is_compiling() or capturing_cuda_graph()):
             return attention_mask, None
         if self.blocks[0].attn.backend_computing(self.embed.tokens.weight) != "flash":
-            return attention_mask, None
+            return without_padding(attention_mask), None
         real = attention_mask.bool()
         checks = [real.all()] if labels is None else [real.all(), (real | (_next_tokens(labels) == -100)).all()]
         all_real, *no_loss_at_padding = torch.stack(checks).tolist()
@@ -463,8 +465,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
                       **hf_kwargs) -> EncoderOutput:
         B, S = input_ids.shape
         cu_seqlens = packed_documents(input_ids, attention_mask, position_ids, None, cu_seqlens, hf_kwargs)
-        rows = None  # in training, a padded batch whose layers run on its real tokens alone (``_real_rows``)
-        if self.training and torch.is_grad_enabled() and cu_seqlens is None:
+        rows = None  # a padded batch whose layers run on its real tokens alone (``_real_rows``)
+        if cu_seqlens is None:
             attention_mask, rows = self._real_rows(input_ids, attention_mask, None)
         position_ids, mask, needed = self._positions_and_mask(input_ids, attention_mask, position_ids, kv_cache=None,
                                                               cu_seqlens=cu_seqlens)

@@ -1,7 +1,7 @@
-"""A padded batch in a decoder's fused-loss training forward (TRL's SFT collator, a tokenizer's padded batch): on
-our attention kernels (here through Triton's interpreter) the layers run on the real tokens alone, each row a
-document of one packed row, where no loss term is read at a padding position; the loss and gradients are then
-the rows' own, as if each ran alone. Padding that a loss term reads keeps the padded path."""
+"""A padded batch in a decoder's forward without a cache (TRL's SFT collator, a tokenizer's padded batch; training
+or eval): on our attention kernels (here through Triton's interpreter) the layers run on the real tokens alone,
+each row a document of one packed row, where no loss term is read at a padding position; the loss, gradients and
+logits are then the rows' own, as if each ran alone. Padding that a loss term reads keeps the padded path."""
 
 import pytest
 import torch
@@ -79,30 +79,67 @@ def test_padding_a_loss_term_reads_keeps_the_padded_rows():
     assert seen == [(3, 11, 64)] * 2
 
 
-def test_eval_and_logits_keep_the_padded_rows():
-    """Only the fused training loss runs on the real tokens: logits come back for every position."""
-    model = tiny("llama-1b")
+def rows_alone(forward, ids, mask):
+    """Each row's real tokens run alone through ``forward`` (a model, or its backbone), at the positions the
+    padded forward gives them: its outputs."""
+    positions = torch.arange(ids.shape[1])
+    return [forward(ids[row, real].unsqueeze(0), position_ids=positions[real].unsqueeze(0))
+            for row, real in enumerate(mask.bool())]
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_logits_of_padded_rows_are_each_rows_own(mode):
+    """Eval forwards (a Trainer's evaluation, a reference model's scores) and training forwards that keep the
+    logits run the real tokens alone too: the logits at real positions are each row's own, the loss (read at real
+    positions only) the padded forward's; at the padding the hidden states are zeros and the logits the head's
+    of a zero state (no attention reached them before either). A row of padding alone gives zeros."""
+    model = getattr(tiny("llama-1b"), mode)()
     ids, mask, labels = batch()
+    mask[2, 9:] = 0  # the full row gets two padding tokens, which no label reads
+    labels[2, 9:] = -100
     seen = blocks_see(model)
-    assert model(ids, attention_mask=mask, labels=labels, return_logits=True).logits.shape == (3, 11, VOCAB)
     with torch.no_grad():
-        model.eval()(ids, attention_mask=mask, labels=labels)
-    assert seen == [(3, 11, 64)] * 4
+        out = model(ids, attention_mask=mask, labels=labels, return_logits=True)
+        alone = rows_alone(model, ids, mask)
+    assert seen[:2] == [(1, int(mask.sum()), 64)] * 2 and out.logits.shape == (3, 11, VOCAB)
+    for row, single in enumerate(alone):
+        real = mask[row].bool()
+        torch.testing.assert_close(out.logits[row, real].float(), single.logits[0].float(), rtol=2e-2, atol=2e-2)
+    assert (out.last_hidden_state[mask == 0] == 0).all() and (out.logits[mask == 0] == 0).all()
+    shifted = labels[:, 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, VOCAB).float(), shifted, ignore_index=-100)
+    assert out.loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    seen.clear()
+    with torch.no_grad():
+        empty = model(ids, attention_mask=torch.zeros_like(mask).index_fill_(0, torch.tensor([0]), 1)).logits
+    assert seen[0] == (1, 11, 64) and (empty[1:] == 0).all()
 
 
-def test_the_backbone_in_training_runs_the_real_tokens_alone():
-    """TRL's fused LM head calls ``model.base_model`` (the backbone) and projects only the positions it scores:
-    in training the backbone runs a padded batch's real tokens alone, with the padded path's values there."""
-    model = tiny("llama-1b")
+def test_eval_with_labels_on_padding_keeps_the_padded_rows():
+    """``labels=ids`` on padding (no -100 there): the padding positions' loss terms count, so the layers run the
+    padded batch."""
+    model = tiny("llama-1b").eval()
+    ids, mask, _ = batch()
+    seen = blocks_see(model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, labels=ids)
+    assert seen == [(3, 11, 64)] * 2
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_the_backbone_runs_the_real_tokens_alone(mode):
+    """TRL's fused LM head calls ``model.base_model`` (the backbone) and projects only the positions it scores;
+    its reference scores come from the same call in eval: the backbone runs a padded batch's real tokens alone,
+    each row's own hidden states, zeros at the padding."""
+    model = getattr(tiny("llama-1b"), mode)()
     ids, mask, _ = batch()
     seen = blocks_see(model)
     packed = model.base_model(ids, attention_mask=mask).last_hidden_state
     assert seen == [(1, int(mask.sum()), 64)] * 2 and packed.shape == (3, 11, 64)
     with torch.no_grad():
-        padded = model.eval().base_model(ids, attention_mask=mask).last_hidden_state
-    assert seen[2:] == [(3, 11, 64)] * 2
+        alone = torch.cat([out.last_hidden_state[0] for out in rows_alone(model.base_model, ids, mask)])
     real = mask.bool()
-    torch.testing.assert_close(packed[real].float(), padded[real].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(packed[real].float(), alone.float(), rtol=2e-2, atol=2e-2)
     assert (packed[~real] == 0).all()
 
 
@@ -144,7 +181,8 @@ def test_every_family_trains_its_padded_rows_as_alone(preset):
 
 @pytest.mark.gpu
 def test_gpu_padded_rows_train_as_their_real_tokens_alone():
-    """The same on CUDA with the compiled kernels, float32 weights under bf16 autocast (the Trainer's bf16=True)."""
+    """The same on CUDA with the compiled kernels, float32 weights under bf16 autocast (the Trainer's bf16=True),
+    and an eval forward's logits."""
     torch.manual_seed(0)
     model = fm.create_model("llama-1b", vocab_size=VOCAB, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                             num_attention_heads=2, num_key_value_heads=1, device="cuda").train()
@@ -161,3 +199,11 @@ def test_gpu_padded_rows_train_as_their_real_tokens_alone():
                            labels=labels[row, real].unsqueeze(0), num_items_in_batch=counted).loss.item()
     assert seen[0] == (1, int(mask.sum()), 128)
     assert loss.item() == pytest.approx(alone, rel=1e-3)
+    seen.clear()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # an eval forward's logits, row by row
+        logits = model.eval()(ids, attention_mask=mask).logits
+        assert seen[0] == (1, int(mask.sum()), 128)
+        for row in range(3):
+            real = mask[row].bool()
+            single = model(ids[row, real].unsqueeze(0), position_ids=positions[real].unsqueeze(0)).logits[0]
+            torch.testing.assert_close(logits[row, real].float(), single.float(), rtol=2e-2, atol=2e-2)
