@@ -300,8 +300,9 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(..., hidden) -> (..., V), V the real vocabulary: with a padded head, a view of its output (row stride
-        V_padded), so the pad columns never reach a softmax or an argmax.
+        """(..., hidden) -> (..., V), V the real vocabulary. On CUDA, with a padded head, a view of its output (row
+        stride V_padded, aligned GEMMs), so the pad columns never reach a softmax or an argmax; on the CPU, the
+        head's real rows alone.
 
         With an unpadded head (``vocab_multiple=1``) on CUDA whose vocabulary is not a multiple of 64 (GPT-2's
         50257), the rows up to the last multiple of 64 and the few after it are two GEMMs, concatenated: for an
@@ -312,8 +313,12 @@ class DecoderLM(HFModelProtocol, nn.Module):
             return self.lm_head(hidden)[..., :vocab]
         weight = self.output_embeddings()
         bias = self.lm_head.bias
+        if not hidden.is_cuda:
+            # A CPU GEMM runs at any width: the real rows give the logits whole, where a view of the padded output
+            # would be copied whole by the forward (GPT-2's eval forward: a sixth of its time).
+            return dense(hidden, weight[:vocab], None if bias is None else bias[:vocab], backend=self.kernel_backend)
         aligned = weight.shape[0] // 64 * 64
-        if not hidden.is_cuda or aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight, self.kernel_backend):
+        if aligned in (0, weight.shape[0]) or gemv_in_chain(hidden, weight, self.kernel_backend):
             logits = dense(hidden, weight, bias, backend=self.kernel_backend)  # our GEMV takes any width
             return logits if weight.shape[0] == vocab else logits[..., :vocab]
         parts = [nn.functional.linear(hidden, weight[rows], bias[rows] if bias is not None else None)
