@@ -11,6 +11,7 @@
 #   bash scripts/gpu_check.sh bench-compile  # bench train with the torch.compile sides too
 #   bash scripts/gpu_check.sh bench-loop [CASE...]  # the README's plain loop per real-vocabulary case, one process each
 #   bash scripts/gpu_check.sh bench-sft      # the plain loop on SFT-style padded batches (the @sft cases)
+#   bash scripts/gpu_check.sh bench-eval     # the evaluation forward of ours and HF (eval: sides), padded and not
 #   bash scripts/gpu_check.sh bench-generate # bench generate (ours, HF, HF static)
 #   bash scripts/gpu_check.sh bench-vit      # bench vit (ours, ours+graphs, timm eager, timm compile)
 #   bash scripts/gpu_check.sh bench-ops      # bench ops, every group, eager (liger's side where its wheel is installed)
@@ -67,6 +68,11 @@ case "${1:-}" in
         timeout 560 python -m flash_models bench train --cases llama-1b@sft,smollm2-360m@sft \
             --sides loop:ours,loop:hf,loop:hf+compile --steps 8 --warmup 3 --out "$OUT/train-sft.json" 2>&1 \
             | tee "$OUT/bench-sft.log" | grep "^|" ;;
+    bench-eval)
+        # The evaluation forward (eval mode, no grad, logits and loss) on padded and unpadded batches.
+        timeout 560 python -m flash_models bench train --cases llama-1b@sft,smollm2-360m@sft,llama-1b \
+            --sides eval:ours,eval:hf --steps 8 --warmup 3 --out "$OUT/train-eval.json" 2>&1 \
+            | tee "$OUT/bench-eval.log" | grep "^|" ;;
     bench-generate)
         timeout 560 python -m flash_models bench generate --batches 1 16 --prompts 128 512 --repeats 3 --out "$OUT" 2>&1 \
             | tee "$OUT/bench-generate.log" | grep "^|" ;;
@@ -94,6 +100,6 @@ case "${1:-}" in
         for mode in plain pdl; do timeout 90 python scripts/profile/decode_kernels.py llama-1.1b 1 $mode; done \
             2>&1 | tee "$OUT/decode-kernels-pdl.log" | grep -E "kernels and|us/step" | head -40 ;;
     *)
-        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-attention|tests-attention-hopper|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-sft|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
+        echo "usage: bash scripts/gpu_check.sh {tests-models|tests-attention|tests-attention-hopper|tests-kernels|bench-models|bench-compile|bench-loop [CASE...]|bench-sft|bench-eval|bench-generate|bench-vit|bench-ops|bench-ops-graphs|gemv|gemv-chain|activations|decode-pdl}" >&2
         exit 2 ;;
 esac

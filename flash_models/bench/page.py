@@ -59,7 +59,8 @@ SECTIONS = (
             tuple(ops.COLUMNS)),
     Section("train.json", "Training",
             "Tokens/s of a training step, ours against HF transformers from the same random weights, bf16 autocast, "
-            "fused AdamW; MFU against the measured bf16 matmul peak; peak memory.",
+            "fused AdamW; MFU against the measured bf16 matmul peak; peak memory. `eval:` rows time the evaluation "
+            "forward (eval mode, no grad, logits and loss; MFU of forward FLOPs).",
             tuple(train.COLUMNS), "train.png"),
     Section("train_hf.json", "Training in transformers' Trainer",
             "Tokens/s of `transformers.Trainer` steps with the same `TrainingArguments` (bf16, fused AdamW, the same "

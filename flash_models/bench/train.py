@@ -4,8 +4,10 @@ The ``loop:`` sides are the user's path, the headline: exactly the plain loop RE
 ``loss = model(ids, labels=ids).loss`` under bf16 autocast, ``loss.backward()`` (ours on the calling thread, as
 its forward arranges), a fused AdamW step and ``zero_grad``, for ours and HF (sdpa) built from the
 same random weights, and each through torch.compile; ``loop:hf+fm_attention`` is HF's model with our attention
-(``flash_models.hf.register()``), compared with ``loop:hf``. Each side runs its steps back to back, with no host read
-in between, and is timed over the whole window.
+(``flash_models.hf.register()``), compared with ``loop:hf``. The ``eval:`` sides run the forward a Trainer's evaluation
+(or a reference model's scoring) runs on the same batches: eval mode, no grad, bf16 autocast, logits and loss; their
+MFU counts forward FLOPs. Each side runs its steps back to back, with no host read in between, and is timed over
+the whole window.
 
 The other sides run the same ``flash_models.train.Trainer`` step (same synthetic batches, same fused AdamW, same
 global batch, bf16 autocast, gradient clipping) and differ only in the model: ours (fused kernels, flash
@@ -81,7 +83,8 @@ DRY_CASES = {  # odd vocabularies, as the real ones: the padded LM head runs
     "llama-1b": Case("llama-1b", 2, 32, _DRY_LLAMA),
     "llama-1b@sft": Case("llama-1b", 2, 32, _DRY_LLAMA, note=SFT, padding=0.3),
 }
-LOOP_SIDES = ("loop:ours", "loop:ours+compile", "loop:hf", "loop:hf+compile", "loop:hf+fm_attention")
+LOOP_SIDES = ("loop:ours", "loop:ours+compile", "loop:hf", "loop:hf+compile", "loop:hf+fm_attention", "eval:ours",
+              "eval:hf")
 SIDES = LOOP_SIDES + ("ours", "ours+graphs", "ours+compile", "hf", "hf+compile")
 COLUMNS = ["case", "side", "vocab", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "peak_GiB", "reserved_GiB",
            "x_vs_hf", "x_vs_hf_compile", "note"]
@@ -115,7 +118,7 @@ def same_weights_model(side: str, case: Case, device: torch.device) -> torch.nn.
         from ..hf import register
 
         hf.set_attn_implementation(register())
-    if side.startswith("loop:hf"):
+    if side.startswith(("loop:hf", "eval:hf")):
         return hf.train()
     ours = build_model(hf.config, device=device)
     ours.load_state_dict(hf_to_ours(hf.state_dict(), rules_for(ours.config)), strict=True)
@@ -128,7 +131,7 @@ class LoopStep:
     def __init__(self, side: str, case: Case, device: torch.device):
         self.model = same_weights_model(side, case, device)
         self.flops_per_token = flops_per_token(self.model, case.seq_len)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda") if self.trains else None
         if side.endswith("+compile"):
             self.model = torch.compile(self.model)
         self.device = device
@@ -136,6 +139,8 @@ class LoopStep:
         vocab = hf_config_for(case).vocab_size
         self.batches = [_batch(case, vocab, device, gen) for _ in range(4)]
         self.tokens_per_step = sum(int(b.get("attention_mask", b["input_ids"]).bool().sum()) for b in self.batches) / 4
+
+    trains = True
 
     def __call__(self, i: int) -> torch.Tensor:
         batch = self.batches[i % len(self.batches)]
@@ -145,6 +150,27 @@ class LoopStep:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
+
+
+class EvalStep(LoopStep):
+    """The forward of an ``eval:`` side: eval mode, no grad, the logits and the loss."""
+
+    trains = False
+
+    def __init__(self, side: str, case: Case, device: torch.device):
+        super().__init__(side, case, device)
+        self.model.eval()
+        self.flops_per_token /= 3  # a forward: a third of a training step's FLOPs
+
+    def __call__(self, i: int) -> torch.Tensor:
+        batch = self.batches[i % len(self.batches)]
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16):
+            return self.model(**batch).loss
+
+
+def loop_step(side: str, case: Case, device: torch.device) -> LoopStep:
+    """The callable step of a ``loop:`` or ``eval:`` side (its argument: the step's index)."""
+    return (EvalStep if side.startswith("eval:") else LoopStep)(side, case, device)
 
 
 def _batch(case: Case, vocab: int, device: torch.device, gen: torch.Generator) -> dict:
@@ -161,7 +187,7 @@ def _batch(case: Case, vocab: int, device: torch.device, gen: torch.Generator) -
 
 def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
     """The plain loop README.md shows, timed over ``steps`` back-to-back steps after ``warmup`` (compilation)."""
-    step = LoopStep(side, case, device)
+    step = loop_step(side, case, device)
     for i in range(warmup):
         step(i)
     _sync(device)
@@ -226,7 +252,7 @@ def step_for(side: str, case: Case, device: torch.device):
     """A callable running one training step of ``side`` (its argument: the step's index), for the profilers in
     scripts/profile/."""
     if side in LOOP_SIDES:
-        return LoopStep(side, case, device)
+        return loop_step(side, case, device)
     trainer = trainer_for(side, case, device)
     return lambda i: trainer.train_step()
 
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None) -> BenchResult:
                 for side in sides]
         base = {r["side"]: r["tokens_per_s"] for r in rows}
         for row in rows:
-            prefix = "loop:" if row["side"] in LOOP_SIDES else ""  # a loop side against HF's loop side
+            prefix = row["side"].partition(":")[0] + ":" if row["side"] in LOOP_SIDES else ""  # loop: against loop:hf
             for column, side in (("x_vs_hf", prefix + "hf"), ("x_vs_hf_compile", prefix + "hf+compile")):
                 if side in base:  # a ratio against a side that did not run is left blank, not NaN
                     row[column] = row["tokens_per_s"] / base[side]

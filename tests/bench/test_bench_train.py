@@ -53,3 +53,22 @@ def test_train_bench_dry_run_sft_case_pads_rows_and_counts_real_tokens(tmp_path)
     assert ours["tokens_per_s"] * ours["step_ms"] * 1e-3 < case.batch * case.seq_len
     with pytest.raises(SystemExit, match="loop: sides only"):
         train.main(["--dry-run", "--cases", "llama-1b@sft", "--sides", "ours", "--out", str(tmp_path / "x.json")])
+
+
+def test_train_bench_dry_run_eval_sides(tmp_path):
+    """The eval: sides run the evaluation forward (eval mode, no grad, logits and loss) on an @sft case's padded
+    batches: the same loss for the same weights on both sides, the model untouched (no optimizer step), the MFU
+    of forward FLOPs, and the ratio against eval:hf."""
+    out = tmp_path / "eval.json"
+    train.main(["--dry-run", "--cases", "llama-1b@sft", "--sides", "eval:ours,eval:hf,loop:ours", "--steps", "2",
+                "--warmup", "1", "--out", str(out)])
+    ours, hf, loop = json.loads(out.read_text())["rows"]
+    assert (ours["side"], hf["side"]) == ("eval:ours", "eval:hf")
+    assert math.isclose(ours["final_loss"], hf["final_loss"], rel_tol=2e-2)
+    assert ours["x_vs_hf"] == ours["tokens_per_s"] / hf["tokens_per_s"] and "x_vs_hf" not in loop
+    assert math.isclose(ours["flops_per_token"] * 3, loop["flops_per_token"])
+    step = train.loop_step("eval:ours", train.DRY_CASES["llama-1b@sft"], train.torch.device("cpu"))
+    before = [p.clone() for p in step.model.parameters()]
+    first = step(0)
+    assert not step.model.training and not first.requires_grad and step.opt is None
+    assert all(train.torch.equal(a, b) for a, b in zip(before, step.model.parameters())) and step(0) == first
