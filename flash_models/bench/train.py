@@ -128,6 +128,8 @@ def same_weights_model(side: str, case: Case, device: torch.device) -> torch.nn.
 class LoopStep:
     """One step of the plain loop README.md shows, for a ``loop:`` side: call it with the step's index."""
 
+    trains = True  # with an optimizer step
+
     def __init__(self, side: str, case: Case, device: torch.device):
         self.model = same_weights_model(side, case, device)
         self.flops_per_token = flops_per_token(self.model, case.seq_len)
@@ -139,8 +141,6 @@ class LoopStep:
         vocab = hf_config_for(case).vocab_size
         self.batches = [_batch(case, vocab, device, gen) for _ in range(4)]
         self.tokens_per_step = sum(int(b.get("attention_mask", b["input_ids"]).bool().sum()) for b in self.batches) / 4
-
-    trains = True
 
     def __call__(self, i: int) -> torch.Tensor:
         batch = self.batches[i % len(self.batches)]
