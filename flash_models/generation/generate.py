@@ -42,6 +42,15 @@ class _StopStrings:
                              for text, start in zip(texts, self.tail_chars)])
 
 
+def _rope_switches_next(model: CausalDecoder, cache) -> bool:
+    """Whether the next token takes the longest row past the length where LongRoPE changes its frequencies
+    (Phi-3's 128k models). HF's generate then recomputes the whole cache once with the long factors (its Phi-3
+    ``prepare_inputs_for_generation``), so that every cached key is rotated as one forward over the sequence
+    rotates it; a cache that just went on would keep the short factors' keys."""
+    rope = model.decoder_config.rope
+    return rope is not None and rope.rope_type == "longrope" and cache.upper_bound == rope.original_length
+
+
 class Generation:
     """One generate call as an iterator over steps: each ``next`` yields the (B,) tokens of one step."""
 
@@ -140,7 +149,17 @@ class Generation:
                 seen.scatter_(1, token.unsqueeze(1), True)
             if history is not None:
                 history.push(token)
-            logits = runner(token)
+            logits = self._refill(cache) if _rope_switches_next(model, cache) else runner(token)
+
+    def _refill(self, cache) -> torch.Tensor:
+        """The sequence so far (prompt and every new token, finished rows' pad ids too, as HF's mask counts them)
+        prefilled into the emptied cache -> the next logits."""
+        ids = torch.cat([self.input_ids, torch.stack(self.tokens, dim=1)], dim=1)
+        mask = None
+        if self.attention_mask is not None:
+            mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(ids.shape[0], len(self.tokens))], dim=1)
+        cache.reset()
+        return prefill_logits(self.model, ids, mask, cache)
 
     def running_at(self, step: int) -> bool:
         """Whether any row was still generating at ``step`` (as a per-step stop check sees it): on a GPU the loop

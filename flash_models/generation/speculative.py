@@ -46,6 +46,12 @@ def speculative_generate(target: CausalDecoder, draft: CausalDecoder, input_ids,
     check_prompt(draft, input_ids, attention_mask, settings)  # the draft's own position table must hold it too
     B, S = input_ids.shape
     k, max_new, device = settings.num_draft_tokens, settings.max_new_tokens, input_ids.device
+    for role, model in (("model", target), ("draft_model", draft)):
+        rope = model.decoder_config.rope
+        if rope is not None and rope.rope_type == "longrope" and S <= rope.original_length < S + max_new + k:
+            raise ValueError(f"the {role} rotates with LongRoPE, whose frequencies change past {rope.original_length} "
+                             "tokens, where its whole cache is recomputed (as HF's generate does), which speculative "
+                             "decoding does not do: generate without draft_model, or fewer max_new_tokens")
     V = target.decoder_config.vocab_size
     if max_new == 0:  # what plain greedy returns for no step
         if not (settings.return_dict_in_generate or settings.output_scores):

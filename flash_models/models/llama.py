@@ -67,10 +67,13 @@ class LlamaConfig:
     def to_hf(self):
         return hf_class(self.hf_config_class)(
             **{name: getattr(self, name) for name in self._PLAIN},
-            rope_parameters=self.rope_or_default().to_hf_parameters(),
+            rope_parameters=self.hf_rope_parameters(),
             bos_token_id=hf_token_ids(self.bos_token_id),
             eos_token_id=hf_token_ids(self.eos_token_id),
         )
+
+    def hf_rope_parameters(self) -> dict:
+        return self.rope_or_default().to_hf_parameters()
 
     def rope_or_default(self) -> RopeConfig:
         return self.rope or RopeConfig(rotary_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings)
@@ -126,7 +129,6 @@ class LlamaForCausalLM(DecoderLM):
 
 def llama_rules(config: LlamaConfig) -> RuleSet:
     """HF's separate q/k/v and gate/up projections <-> our fused ones; Qwen2's bias on q/k/v only."""
-    p = "model."
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     qkv_sizes = (hq * d, hkv * d, hkv * d)
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -145,6 +147,13 @@ def llama_rules(config: LlamaConfig) -> RuleSet:
     if config.mlp_bias:
         mlp["mlp.gate_up.bias"] = (("mlp.gate_proj.bias", "mlp.up_proj.bias"), concat((inter, inter)))
         mlp["mlp.down.bias"] = (("mlp.down_proj.bias",), IDENTITY)
+    return llama_layout_rules(config, attn, mlp)
+
+
+def llama_layout_rules(config, attn: dict, mlp: dict) -> RuleSet:
+    """HF's LLaMA layout (``model.layers.N``, its two norms, embeddings, final norm, head) around a block's
+    attention and MLP keys (``layer_rules`` dicts), which differ between the families that share the rest."""
+    p = "model."
     norms = {"norm1.weight": (("input_layernorm.weight",), IDENTITY), "norm2.weight": (("post_attention_layernorm.weight",), IDENTITY)}
     rules = layer_rules(p, "layers", attn, mlp, norms) + [
         Rule("embed.tokens.weight", f"{p}embed_tokens.weight"),
