@@ -308,6 +308,9 @@ class DecoderConfig:
     # Layers that attend to every earlier key although ``attention`` has a sliding window (Qwen2's layers below
     # max_window_layers); empty: the window, if any, applies to every layer.
     full_attention_layers: tuple[int, ...] = ()
+    # Generation recomputes the whole KV cache once a sequence passes LongRoPE's original length (HF's Phi-3
+    # generate does; its LLaMA keeps the keys cached before the switch as they were rotated).
+    recompute_cache_at_rope_switch: bool = False
 
     def __post_init__(self):
         check_choice("norm", self.norm, ("layer_norm", "rms_norm"))

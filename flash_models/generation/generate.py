@@ -43,12 +43,13 @@ class _StopStrings:
 
 
 def _rope_switches_next(model: CausalDecoder, cache) -> bool:
-    """Whether the next token takes the longest row past the length where LongRoPE changes its frequencies
-    (Phi-3's 128k models). HF's generate then recomputes the whole cache once with the long factors (its Phi-3
-    ``prepare_inputs_for_generation``), so that every cached key is rotated as one forward over the sequence
-    rotates it; a cache that just went on would keep the short factors' keys."""
-    rope = model.decoder_config.rope
-    return rope is not None and rope.rope_type == "longrope" and cache.upper_bound == rope.original_length
+    """Whether the next token takes the longest row past the length where LongRoPE changes its frequencies, in a
+    model whose generation then recomputes the whole cache once with the long factors (Phi-3's 128k models, as
+    HF's Phi-3 ``prepare_inputs_for_generation`` does), so that every cached key is rotated as one forward over
+    the sequence rotates it. Other families keep the keys cached before the switch, as HF's do."""
+    dc = model.decoder_config
+    return (dc.recompute_cache_at_rope_switch and dc.rope is not None and dc.rope.rope_type == "longrope"
+            and cache.upper_bound == dc.rope.original_length)
 
 
 class Generation:

@@ -48,7 +48,8 @@ def speculative_generate(target: CausalDecoder, draft: CausalDecoder, input_ids,
     k, max_new, device = settings.num_draft_tokens, settings.max_new_tokens, input_ids.device
     for role, model in (("model", target), ("draft_model", draft)):
         rope = model.decoder_config.rope
-        if rope is not None and rope.rope_type == "longrope" and S <= rope.original_length < S + max_new + k:
+        if (model.decoder_config.recompute_cache_at_rope_switch and rope is not None and rope.rope_type == "longrope"
+                and S <= rope.original_length < S + max_new + k):
             raise ValueError(f"the {role} rotates with LongRoPE, whose frequencies change past {rope.original_length} "
                              "tokens, where its whole cache is recomputed (as HF's generate does), which speculative "
                              "decoding does not do: generate without draft_model, or fewer max_new_tokens")

@@ -63,7 +63,7 @@ class Phi3Config(LlamaConfig):
         return self.sliding_window
 
     def decoder(self) -> DecoderConfig:
-        return replace(super().decoder(), residual_dropout_p=self.resid_pdrop)
+        return replace(super().decoder(), residual_dropout_p=self.resid_pdrop, recompute_cache_at_rope_switch=True)
 
 
 assert set(Phi3Config._PLAIN) <= {f.name for f in fields(Phi3Config)}
