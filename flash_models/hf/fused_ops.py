@@ -2,7 +2,7 @@
 
 Two swaps, both on the one model instance passed in, through what transformers and torch offer for it:
 
-- every norm module of the model (Llama/Mistral/Qwen2/Qwen3 ``*RMSNorm``, Gemma/Gemma2's zero-centred
+- every norm module of the model (Llama/Mistral/Phi-3/Qwen2/Qwen3 ``*RMSNorm``, Gemma/Gemma2's zero-centred
   ``*RMSNorm``, GPT-2's ``nn.LayerNorm``) is replaced by a ``FusedNorm`` that holds the SAME parameter objects
   under the same names and runs ``flash_kernels.rms_norm`` / ``layer_norm``: state-dict keys, ``save_pretrained``,
   tied or shared parameters and an optimizer built before the swap are unchanged;
@@ -31,6 +31,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
@@ -40,9 +41,9 @@ from ..backward import backward_on_this_thread_from_now
 
 # The HF model types whose every norm class is below (and which the tests cover); others are refused rather
 # than left half swapped.
-SUPPORTED_MODEL_TYPES = ("gemma", "gemma2", "gpt2", "llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("gemma", "gemma2", "gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3")
 # weight * norm(x), with the epsilon in ``variance_epsilon``.
-_RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
+_RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Phi3RMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
 # (1 + weight) * norm(x), with the epsilon in ``eps``.
 _ZERO_CENTERED_RMS_NORMS = (GemmaRMSNorm, Gemma2RMSNorm)
 

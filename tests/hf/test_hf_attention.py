@@ -17,6 +17,11 @@ CONFIGS = {
     # A window shorter than the sequences, so it masks keys.
     "mistral": lambda: transformers.MistralConfig(**COMMON, intermediate_size=40, num_attention_heads=4,
                                                   num_key_value_heads=2, sliding_window=5),
+    # Fused qkv_proj, partial rotary and a window.
+    "phi3": lambda: transformers.Phi3Config(**COMMON, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
+                                            sliding_window=5, pad_token_id=0,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 0.5}),
     "gemma2": lambda: transformers.Gemma2Config(**COMMON, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2,
                                                 head_dim=8, sliding_window=5, attn_logit_softcapping=3.0,
                                                 query_pre_attn_scalar=8),

@@ -20,6 +20,7 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**COMMON, **GQA, sliding_window=5),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, **GQA),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, **GQA, head_dim=8),  # q_norm / k_norm per head too
+    "phi3": lambda: transformers.Phi3Config(**COMMON, **GQA, pad_token_id=0),  # fused qkv_proj and gate_up_proj
     "gemma": lambda: transformers.GemmaConfig(**COMMON, **GQA, head_dim=8),  # (1 + weight) norms
     "gemma2": lambda: transformers.Gemma2Config(**COMMON, **GQA, head_dim=8, query_pre_attn_scalar=8,
                                                 final_logit_softcapping=5.0),
