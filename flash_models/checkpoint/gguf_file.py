@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp): metadata -> an HF config, tensors dequantized -> an HF-named state dict.
 
-Four architectures. Three share llama.cpp's tensor names and HF's LLaMA module names:
+Five architectures. Four share llama.cpp's LLaMA tensor names and HF's LLaMA module names:
 - ``llama`` (LLaMA, and Mistral and SmolLM2, which llama.cpp writes as llama). llama.cpp's converter permutes
   the rows of the Q and K projections (it pairs rotary channels as interleaved, where HF pairs them
   half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
@@ -8,6 +8,9 @@ Four architectures. Three share llama.cpp's tensor names and HF's LLaMA module n
   rotary half-split), so nothing is permuted.
 - ``qwen3``: Qwen2's block with an RMSNorm over each q and k head and a head dim of its own
   (``attention.key_length``), biases optional; rows as HF has them.
+- ``phi3``: the LLaMA layout with fused ``attn_qkv`` and ``ffn_up`` ([gate; up]) as HF's Phi-3 holds them, rows
+  unpermuted (llama.cpp runs its rotary half-split), part of each head rotating where ``rope.dimension_count``
+  says so, an optional window. LongRoPE files (the 128k models: ``rope_factors_*`` tensors) are not read.
 And ``gpt2``, whose projections llama.cpp stores as (out, in) matrices where HF's Conv1D layers hold
 (in, out): they are transposed back.
 """
@@ -24,22 +27,32 @@ from tqdm.auto import tqdm
 
 from .gguf_reader import GGUFFile
 
-# GGUF tensor name -> HF (LLaMA layout) name.
-_LLAMA_NAMES = {
+# GGUF tensor name -> HF name, for what every LLaMA-layout architecture shares.
+_LLAMA_LAYOUT = {
     r"token_embd\.weight": "model.embed_tokens.weight",
     r"output_norm\.weight": "model.norm.weight",
     r"output\.weight": "lm_head.weight",
     r"blk\.(\d+)\.attn_norm\.weight": "model.layers.{}.input_layernorm.weight",
     r"blk\.(\d+)\.ffn_norm\.weight": "model.layers.{}.post_attention_layernorm.weight",
+    r"blk\.(\d+)\.attn_output\.(weight|bias)": "model.layers.{}.self_attn.o_proj.{}",
+    r"blk\.(\d+)\.ffn_down\.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+# LLaMA's separate projections (and Qwen3's q/k norms).
+_LLAMA_NAMES = {
+    **_LLAMA_LAYOUT,
     r"blk\.(\d+)\.attn_q\.(weight|bias)": "model.layers.{}.self_attn.q_proj.{}",
     r"blk\.(\d+)\.attn_k\.(weight|bias)": "model.layers.{}.self_attn.k_proj.{}",
     r"blk\.(\d+)\.attn_v\.(weight|bias)": "model.layers.{}.self_attn.v_proj.{}",
-    r"blk\.(\d+)\.attn_output\.(weight|bias)": "model.layers.{}.self_attn.o_proj.{}",
     r"blk\.(\d+)\.attn_q_norm\.weight": "model.layers.{}.self_attn.q_norm.weight",
     r"blk\.(\d+)\.attn_k_norm\.weight": "model.layers.{}.self_attn.k_norm.weight",
     r"blk\.(\d+)\.ffn_gate\.weight": "model.layers.{}.mlp.gate_proj.weight",
     r"blk\.(\d+)\.ffn_up\.weight": "model.layers.{}.mlp.up_proj.weight",
-    r"blk\.(\d+)\.ffn_down\.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+# Phi-3's fused [q; k; v] and [gate; up] projections, as HF holds them.
+_PHI3_NAMES = {
+    **_LLAMA_LAYOUT,
+    r"blk\.(\d+)\.attn_qkv\.weight": "model.layers.{}.self_attn.qkv_proj.weight",
+    r"blk\.(\d+)\.ffn_up\.weight": "model.layers.{}.mlp.gate_up_proj.weight",
 }
 # GGUF tensor name -> HF GPT2LMHeadModel name.
 _GPT2_NAMES = {
@@ -67,6 +80,7 @@ _ARCHITECTURES = {
     "llama": _Architecture(_LLAMA_NAMES, permuted_rotary=True),
     "qwen2": _Architecture(_LLAMA_NAMES),
     "qwen3": _Architecture(_LLAMA_NAMES),
+    "phi3": _Architecture(_PHI3_NAMES),
     "gpt2": _Architecture(_GPT2_NAMES, conv1d_transposed=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
@@ -131,7 +145,24 @@ def hf_config_dict(reader) -> dict:
         return {**common, "n_embd": hidden, "n_layer": a("block_count", int), "n_head": a("attention.head_count", int),
                 "n_positions": a("context_length", int), "n_inner": a("feed_forward_length", int, 4 * hidden),
                 "layer_norm_epsilon": a("attention.layer_norm_epsilon", float, 1e-5)}
-    return {**common, **_llama_style_config(a, tensor_names, arch)}
+    config = {**common, **_llama_style_config(a, tensor_names, arch)}
+    if arch == "phi3":
+        config.update(_phi3_config(a, config))
+    return config
+
+
+def _phi3_config(a, config: dict) -> dict:
+    """Phi-3's fields over the LLaMA-style ones: its head dim is hidden / heads, of which the rope's dimension
+    count may rotate a part; an optional window; no bias switch (its projections have none)."""
+    head_dim = config.pop("head_dim")
+    config.pop("attention_bias")
+    rotated = a("rope.dimension_count", int, head_dim)
+    rope = dict(config["rope_parameters"])
+    if rotated != head_dim:
+        rope["partial_rotary_factor"] = rotated / head_dim
+    return {"rope_parameters": rope, "sliding_window": a("attention.sliding_window", int, None),
+            "original_max_position_embeddings": a("rope.scaling.original_context_length", int,
+                                                  config["max_position_embeddings"])}
 
 
 def _llama_style_config(a, tensor_names: set[str], arch: str) -> dict:

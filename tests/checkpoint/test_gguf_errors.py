@@ -52,14 +52,14 @@ def test_bpe_vocabulary_without_merges_is_named(llama_gguf, tmp_path):
 
 
 def test_unsupported_architecture_is_named_before_the_tokenizer(tmp_path):
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi3")
+    path = tmp_path / "falcon.gguf"
+    w = gguf.GGUFWriter(str(path), "falcon")
     w.add_block_count(1), w.add_tokenizer_model("gpt2"), w.add_token_list(["a", "b"])
     w.add_tensor("token_embd.weight", np.zeros((2, 4), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
-    assert_short_error(run_cli("chat", str(path), "hi"), "GGUF architecture 'phi3' is not supported",
-                       "llama, qwen2, qwen3, gpt2")
+    assert_short_error(run_cli("chat", str(path), "hi"), "GGUF architecture 'falcon' is not supported",
+                       "llama, qwen2, qwen3, phi3, gpt2")
 
 
 def test_unknown_tensor_is_named_before_any_dequantizing(tmp_path):

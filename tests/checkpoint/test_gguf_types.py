@@ -1,4 +1,4 @@
-"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, gpt2), written from random HF models:
+"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, phi3, gpt2), written from random HF models:
 ours equals transformers' own GGUF load of the same file (logits and config), tied and untied heads."""
 
 import numpy as np
@@ -16,7 +16,8 @@ Q = gguf.GGMLQuantizationType
 LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (the last two: Phi-3's fused ones)
 
 
 def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
@@ -36,7 +37,10 @@ def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
     w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_rope_dimension_count(head_dim), w.add_key_length(head_dim), w.add_value_length(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    w.add_key_length(head_dim), w.add_value_length(head_dim)
+    if getattr(c, "sliding_window", None) is not None:
+        w.add_sliding_window(c.sliding_window)
     if vocabulary:
         w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
         w.add_token_types([1] * c.vocab_size), w.add_token_merges([])
@@ -208,21 +212,51 @@ def test_gpt2_gguf_matches_the_source_and_transformers_gguf_load(tmp_path, tied,
         assert (fm.from_pretrained(tmp_path / "q.gguf")(ids).logits - hf(ids).logits).abs().max().item() < 0.05
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_phi3_gguf_matches_the_source_and_transformers_gguf_load(tmp_path, tied):
+    """llama.cpp's phi3: fused attn_qkv and ffn_up, rows as HF holds them. Ours equals the source model with a
+    window and half of each head rotating, and transformers' GGUF load on a config it reads whole (it drops the
+    window and the rotary dimension count)."""
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=64,
+                  tie_word_embeddings=tied, pad_token_id=5)
+    ids = torch.randint(0, 96, (2, 13))
+    for name, extra in (("whole", {}), ("window", dict(sliding_window=5, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}))):
+        hf = random_hf_model(transformers.Phi3Config(**common, **extra), seed=9)
+        write_gguf(tmp_path / f"{name}.gguf", hf, Q.F32)
+        ours = fm.from_pretrained(tmp_path / f"{name}.gguf")
+        assert ours.config.model_type == "phi3" and ours.decoder_config.attention.sliding_window == extra.get("sliding_window")
+        assert ours.decoder_config.rope.rotary_dim == (8 if extra else 16)
+        with torch.no_grad():
+            assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4, name
+        if not extra:
+            theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"{name}.gguf").eval()
+            with torch.no_grad():
+                assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+
+
 def test_an_unsupported_gguf_architecture_is_named(tmp_path):
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "phi3")
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "falcon")
     w.add_block_count(1), w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: .*qwen3.*gpt2"):
+    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported: .*qwen3.*phi3.*gpt2"):
         fm.from_pretrained(tmp_path / "m.gguf")
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "llama", "phi3"])
 def test_compare_reference_reads_what_transformers_gguf_loader_drops(tmp_path, arch):
     """``flash-models compare``'s transformers side of a GGUF file: transformers' loader keeps a Qwen3's default
-    head dim (128), GPT-2's default context and MLP width and no rope scaling, so such files failed to load there
-    (size mismatch) or ran another model; with the file's architecture given, it equals the source model."""
-    if arch == "qwen3":
+    head dim (128), GPT-2's default context and MLP width, no rope scaling, and no Phi-3 window or partial rotary,
+    so such files failed to load there (size mismatch) or ran another model; with the file's architecture given,
+    it equals the source model."""
+    if arch == "phi3":
+        config = transformers.Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, max_position_embeddings=64, sliding_window=7,
+                                         pad_token_id=5, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                          "partial_rotary_factor": 0.5})
+    elif arch == "qwen3":
         config = transformers.Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=1, head_dim=48,
                                           max_position_embeddings=64)
