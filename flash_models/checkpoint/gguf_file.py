@@ -10,7 +10,7 @@ Five architectures. Four share llama.cpp's LLaMA tensor names and HF's LLaMA mod
   (``attention.key_length``), biases optional; rows as HF has them.
 - ``phi3``: the LLaMA layout with fused ``attn_qkv`` and ``ffn_up`` ([gate; up]) as HF's Phi-3 holds them, rows
   unpermuted (llama.cpp runs its rotary half-split), part of each head rotating where ``rope.dimension_count``
-  says so, an optional window. LongRoPE files (the 128k models: ``rope_factors_*`` tensors) are not read.
+  says so, an optional window, and LongRoPE (the 128k models) from its ``rope_factors_long/short`` tensors.
 And ``gpt2``, whose projections llama.cpp stores as (out, in) matrices where HF's Conv1D layers hold
 (in, out): they are transposed back.
 """
@@ -84,7 +84,9 @@ _ARCHITECTURES = {
     "gpt2": _Architecture(_GPT2_NAMES, conv1d_transposed=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
-_IGNORED = (r"rope_freqs\.weight",)  # llama.cpp's precomputed Llama-3 frequencies; we compute our own
+# Tensors that are no weight: llama.cpp's precomputed Llama-3 frequencies (we compute our own), and LongRoPE's
+# per-frequency factors (Phi-3's 128k models), which ``_phi3_config`` reads into the config.
+_IGNORED = (r"rope_freqs\.weight", r"rope_factors_(long|short)\.weight")
 
 
 def permute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -147,22 +149,31 @@ def hf_config_dict(reader) -> dict:
                 "layer_norm_epsilon": a("attention.layer_norm_epsilon", float, 1e-5)}
     config = {**common, **_llama_style_config(a, tensor_names, arch)}
     if arch == "phi3":
-        config.update(_phi3_config(a, config))
+        config.update(_phi3_config(a, config, tensors))
     return config
 
 
-def _phi3_config(a, config: dict) -> dict:
+def _phi3_config(a, config: dict, tensors: dict) -> dict:
     """Phi-3's fields over the LLaMA-style ones: its head dim is hidden / heads, of which the rope's dimension
-    count may rotate a part; an optional window; no bias switch (its projections have none)."""
+    count may rotate a part; an optional window; no bias switch (its projections have none); LongRoPE where the
+    file holds its factors (the 128k models), with the original length and attention factor llama.cpp wrote."""
     head_dim = config.pop("head_dim")
     config.pop("attention_bias")
     rotated = a("rope.dimension_count", int, head_dim)
+    original = a("rope.scaling.original_context_length", int, config["max_position_embeddings"])
     rope = dict(config["rope_parameters"])
+    if "rope_factors_long.weight" in tensors:
+        rope.update(rope_type="longrope", original_max_position_embeddings=original,
+                    **{f"{kind}_factor": _dequantize(tensors[f"rope_factors_{kind}.weight"]).flatten().tolist()
+                       for kind in ("long", "short")})
+        rope.pop("factor", None)  # HF's: max_position_embeddings / the original length
+        attention_factor = a("rope.scaling.attn_factor", float, None)
+        if attention_factor is not None:
+            rope["attention_factor"] = attention_factor
     if rotated != head_dim:
         rope["partial_rotary_factor"] = rotated / head_dim
     return {"rope_parameters": rope, "sliding_window": a("attention.sliding_window", int, None),
-            "original_max_position_embeddings": a("rope.scaling.original_context_length", int,
-                                                  config["max_position_embeddings"])}
+            "original_max_position_embeddings": original}
 
 
 def _llama_style_config(a, tensor_names: set[str], arch: str) -> dict:

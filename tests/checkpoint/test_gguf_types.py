@@ -1,6 +1,8 @@
 """GGUF files of several tensor types and architectures (llama, qwen2, qwen3, phi3, gpt2), written from random HF models:
 ours equals transformers' own GGUF load of the same file (logits and config), tied and untied heads."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +30,14 @@ def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
     arch = c.model_type
     w = gguf.GGUFWriter(str(path), arch)
     rope = c.rope_parameters
-    if rope["rope_type"] != "default":
+    if rope["rope_type"] == "longrope":  # as llama.cpp writes Phi-3's: the factors as tensors, no scaling type
+        original = rope["original_max_position_embeddings"]
+        factor = c.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
+        extra_tensors = {**(extra_tensors or {}), **{f"rope_factors_{kind}.weight": np.array(rope[f"{kind}_factor"], np.float32)
+                                                     for kind in ("long", "short")}}
+    elif rope["rope_type"] != "default":
         w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"])), w.add_rope_scaling_factor(rope["factor"])
         if "original_max_position_embeddings" in rope:
             w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -234,6 +243,29 @@ def test_phi3_gguf_matches_the_source_and_transformers_gguf_load(tmp_path, tied)
             theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"{name}.gguf").eval()
             with torch.no_grad():
                 assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+
+
+def test_phi3_longrope_gguf_matches_the_source_past_the_original_length(tmp_path):
+    """Phi-3-128k's files: LongRoPE's factors as tensors, the original length and attention factor in the
+    metadata. Ours equals the source model on both sides of the original length (16), and generates its tokens
+    across it (transformers' GGUF loader reads no LongRoPE: no reference there)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
+            "long_factor": [2.0 + i for i in range(8)]}
+    config = transformers.Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64,
+                                     original_max_position_embeddings=16, rope_parameters=rope, pad_token_id=5)
+    hf = random_hf_model(config, seed=10)
+    write_gguf(tmp_path / "m.gguf", hf, Q.F32)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    got = ours.decoder_config.rope
+    assert (got.rope_type, got.original_length, got.long_factor) == ("longrope", 16, tuple(rope["long_factor"]))
+    for length in (11, 30):
+        ids = torch.randint(0, 96, (2, length))
+        with torch.no_grad():
+            assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4, length
+    prompt = torch.randint(2, 96, (1, 12))
+    expected = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, max_new_tokens=10, eos_token_id=[]), expected)
 
 
 def test_an_unsupported_gguf_architecture_is_named(tmp_path):
