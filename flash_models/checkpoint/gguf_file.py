@@ -157,8 +157,9 @@ def _phi3_config(a, config: dict, tensors: dict) -> dict:
     """Phi-3's fields over the LLaMA-style ones: its head dim is hidden / heads, of which the rope's dimension
     count may rotate a part; an optional window; no bias switch (its projections have none); LongRoPE where the
     file holds its factors (the 128k models), with the original length and attention factor llama.cpp wrote."""
-    head_dim = config.pop("head_dim")
     config.pop("attention_bias")
+    config.pop("head_dim")  # the LLaMA-style default is the rotated count, which for Phi-3 may be a part of it
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
     rotated = a("rope.dimension_count", int, head_dim)
     original = a("rope.scaling.original_context_length", int, config["max_position_embeddings"])
     rope = dict(config["rope_parameters"])

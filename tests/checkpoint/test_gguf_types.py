@@ -47,7 +47,8 @@ def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
     w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    w.add_key_length(head_dim), w.add_value_length(head_dim)
+    if arch != "phi3":  # llama.cpp's Phi-3 converter writes no head dim: hidden / heads
+        w.add_key_length(head_dim), w.add_value_length(head_dim)
     if getattr(c, "sliding_window", None) is not None:
         w.add_sliding_window(c.sliding_window)
     if vocabulary:
