@@ -126,9 +126,9 @@ class HFModelProtocol:
         return self.config.vocab_size
 
     # ----------------------------------------------------------------------------------------------------
-    def get_input_embeddings(self) -> nn.Embedding | None:
-        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``); None for a
-        model that reads no tokens (ViT)."""
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``); ViT, which reads
+        no tokens, returns the module of its patch tokens, as HF's ViT does."""
         tables = [m.tokens for m in self.modules() if isinstance(m, Embeddings)]
         assert len(tables) <= 1, f"{type(self).__name__} has one token table at most"
         return tables[0] if tables else None
@@ -136,8 +136,8 @@ class HFModelProtocol:
     def enable_input_require_grads(self) -> None:
         """Make the embeddings' output require grad, so that checkpointed blocks of a model whose embeddings are
         frozen (PEFT adapters) still get a backward (HF's method of the same name; PEFT calls it when it wraps a
-        checkpointed model). A model without a token table (ViT) has nothing to hook and needs nothing: our
-        checkpointed blocks make their own input require grad where reentrant checkpointing needs it."""
+        checkpointed model); ViT's patch tokens take the same hook, as HF's do (our checkpointed blocks also make
+        their own input require grad where reentrant checkpointing needs it)."""
         table = self.get_input_embeddings()
         if table is None:
             return

@@ -639,9 +639,9 @@ def _vocab_size(model: nn.Module) -> int | None:
     """The vocabulary of an LM (ours: the token table; HF: its input embeddings); None for vision models."""
     if hasattr(model, "decoder_config"):
         return model.decoder_config.vocab_size
-    if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
-        return model.get_input_embeddings().num_embeddings
-    return None
+    table = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # A vision model's input embeddings are its patch tokens (ours, and HF's ViTPatchEmbeddings): no vocabulary.
+    return table.num_embeddings if isinstance(table, nn.Embedding) else None
 
 
 def _save_pretrained(model: nn.Module, state: dict, directory: Path, *, label_names: list[str] | None = None) -> None:

@@ -1,6 +1,8 @@
 """BERT sequence / token classification and ViT image classification in transformers.Trainer: the same
 losses as HF's models, evaluation predictions, checkpoints that load as models."""
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -125,6 +127,41 @@ def test_head_in_trainer_matches_hf(case, tmp_path):
     predictions = trainer.predict(data)
     assert predictions.predictions.shape == prediction_shape  # logits only, no hidden states
     assert predictions.label_ids.shape[0] == 8
+
+
+def test_neftune_on_vit_noises_the_patch_tokens(tmp_path):
+    """transformers.Trainer's NEFTune (``neftune_noise_alpha``) hooks the model's input embeddings: on a ViT, the
+    patch tokens (HF's ViTPatchEmbeddings), where ours hand theirs on through a module too. Its hook adds uniform
+    noise of alpha / sqrt(patches * width) to them in training, none in eval (HF's patch tokens are a transposed
+    view, so the same draws land on other elements there: the same noise, not the same sample). The Trainer's
+    run differs from one without it, and takes its hook off after."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    hf, data, _ = CASES["image"]()
+    ours = ours_from_hf(hf)
+    tokens = ours.get_input_embeddings()
+    assert tokens is ours.patch_tokens and not list(tokens.parameters())
+    pixels = torch.stack([row["pixel_values"] for row in data[:4]])
+    tokens.neftune_noise_alpha = 5.0
+    hook = tokens.register_forward_hook(neftune_post_forward_hook)
+    with torch.no_grad():
+        clean = ours.eval()(pixel_values=pixels).logits
+        assert torch.equal(ours(pixel_values=pixels).logits, clean)  # eval: no noise
+        torch.manual_seed(3)
+        noisy = ours.train()(pixel_values=pixels).logits
+    hook.remove()
+    patches = (16 // 4) ** 2
+    torch.manual_seed(3)
+    bound = 5.0 / math.sqrt(patches * 32)
+    noise = torch.zeros(4, patches, 32).uniform_(-bound, bound)
+    tokens.register_forward_hook(lambda module, args, out: out + noise)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(pixel_values=pixels).logits, noisy, rtol=0, atol=1e-6)
+    assert (noisy - clean).abs().max() > 1e-4
+    _, plain = train(ours_from_hf(hf), data, tmp_path / "plain")
+    model = ours_from_hf(hf)
+    _, noised = train(model, data, tmp_path / "neftune", neftune_noise_alpha=50.0)
+    assert abs(plain[0] - noised[0]) > 1e-4 and not model.patch_tokens._forward_hooks
 
 
 def test_bert_checkpoint_loads_as_a_model(tmp_path):

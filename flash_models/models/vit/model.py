@@ -21,6 +21,15 @@ from ..pretrained import PretrainedModel
 from .config import ViTConfig
 
 
+class PatchTokens(nn.Module):
+    """The patch tokens (B, N, D) handed on unchanged, as a module call: forward hooks on a model's input
+    embeddings then see them, as they see the output of HF's ``ViTPatchEmbeddings``. No parameters (the patch
+    embedding's weight stays ``patch_embed``, whose GEMM ``_patchify`` runs)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+
 class VisionTransformer(PretrainedModel):
     main_input_name = "pixel_values"
 
@@ -34,6 +43,7 @@ class VisionTransformer(PretrainedModel):
             return Norm(d, kind="layer_norm", eps=c.layer_norm_eps, kernel_backend=kernel_backend)
 
         self.patch_embed = nn.Conv2d(c.num_channels, d, c.patch_size, stride=c.patch_size, bias=c.patch_bias)
+        self.patch_tokens = PatchTokens()
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if c.class_token else None
         self.reg_token = nn.Parameter(torch.zeros(1, c.reg_tokens, d)) if c.reg_tokens else None
         embedded = c.num_patches + (0 if c.no_embed_class else c.num_prefix_tokens)
@@ -56,6 +66,11 @@ class VisionTransformer(PretrainedModel):
         self.head = nn.Linear(d, c.num_classes) if c.num_classes else None
         self.graphed: GraphedInference | None = None  # set by use_cuda_graphs()
         self.init_weights()
+
+    def get_input_embeddings(self) -> PatchTokens:
+        """What HF's ViT returns here (its ``ViTPatchEmbeddings``): the module whose output is the patch tokens, where
+        transformers.Trainer's NEFTune adds its noise and ``enable_input_require_grads`` hooks."""
+        return self.patch_tokens
 
     def no_weight_decay(self) -> set[str]:
         """timm's convention: the learned tokens and position table are not decayed (an embedding, not a weight)."""
@@ -155,7 +170,7 @@ class VisionTransformer(PretrainedModel):
         ``pos_embed`` is the position table for an image of another grid than the config's."""
         c = self.config
         pos_embed = self.pos_embed if pos_embed is None else pos_embed
-        x = self._patchify(pixel_values)  # (B, N, D)
+        x = self.patch_tokens(self._patchify(pixel_values))  # (B, N, D)
         B = x.shape[0]
         prefix = [t.expand(B, -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
         if c.no_embed_class:
