@@ -246,11 +246,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
             input_ids, position_ids, mask = self._packed_rows(rows, input_ids, position_ids)
         rope_tables = self.rotary.tables(positions_needed, input_ids.device) if self.rotary is not None else None
         hidden = self._backbone(input_ids, position_ids, mask, rope_tables, kv_cache)
-        if fused and rows is not None:
-            loss = self._token_loss(hidden[0], rows.unpad(_next_tokens(labels))[0], num_items_in_batch)
-            return CausalLMOutput(loss=loss, last_hidden_state=rows.pad(hidden))
         if rows is not None:
-            hidden = rows.pad(hidden)
+            packed, hidden = hidden, rows.pad(hidden)  # (1, real tokens, H), and (B, S, H) with zeros at the padding
+            if fused:
+                loss = self._token_loss(packed[0], rows.unpad(_next_tokens(labels))[0], num_items_in_batch)
+                return CausalLMOutput(loss=loss, last_hidden_state=hidden)
         if fused:
             return CausalLMOutput(loss=self.fused_loss(hidden, labels, num_items_in_batch), last_hidden_state=hidden)
         # Whole, not a view of the padded head's output: HF-style callers .view() the logits.

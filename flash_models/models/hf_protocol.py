@@ -127,8 +127,8 @@ class HFModelProtocol:
 
     # ----------------------------------------------------------------------------------------------------
     def get_input_embeddings(self) -> nn.Module | None:
-        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``); ViT, which reads
-        no tokens, returns the module of its patch tokens, as HF's ViT does."""
+        """The token embedding table (PEFT and TRL hook it, e.g. ``enable_input_require_grads``), None without one.
+        ViT, which reads no tokens, overrides it with the module of its patch tokens, as HF's ViT does."""
         tables = [m.tokens for m in self.modules() if isinstance(m, Embeddings)]
         assert len(tables) <= 1, f"{type(self).__name__} has one token table at most"
         return tables[0] if tables else None
