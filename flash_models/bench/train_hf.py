@@ -14,7 +14,8 @@ in the model:
   cross-entropy), everything of ours that plugs into HF's model.
 
 Cases: GPT-2 124M (vocabulary 50257, as the checkpoint has it) at 16x1024 and LLaMA-1.1B at 4x2048. A step is
-timed from the end of one optimizer step to the end of the next (a callback synchronizes the GPU there); the
+timed on the GPU from the end of one optimizer step to the end of the next (a callback records a CUDA event
+there, and nothing waits for it until the run ends: the Trainer's own host reads are its only syncs); the
 mean over the timed steps is reported, with tokens/s, MFU (6N + 12*L*D*S FLOPs per token against a measured
 bf16 matmul peak) and peak memory.
 """
@@ -43,18 +44,30 @@ COLUMNS = ["case", "side", "batch", "seq", "step_ms", "tokens_per_s", "mfu", "pe
 
 
 class _StepTimer(transformers.TrainerCallback):
-    """Wall time at the end of every optimizer step, after the GPU has finished it; the peak memory from the
-    first timed step on."""
+    """The end of every optimizer step, as a CUDA event on the GPU's stream (a wall clock on the CPU): nothing
+    here waits for the GPU, so the Trainer's host work overlaps the GPU's as it does in a user's run. The peak
+    memory counts from the first timed step on."""
 
     def __init__(self, warmup: int):
         self.warmup, self.ends = warmup, []
 
     def on_step_end(self, args, state, control, **kwargs):
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.ends.append(time.perf_counter())
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.ends.append(end)
+        else:
+            self.ends.append(time.perf_counter())
         if len(self.ends) == self.warmup and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+
+    def intervals_ms(self) -> list[float]:
+        """Each timed step's time, from the end of the step before it."""
+        ends = self.ends[self.warmup - 1:]
+        if ends and isinstance(ends[0], torch.cuda.Event):
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(ends, ends[1:])]
+        return [(b - a) * 1e3 for a, b in zip(ends, ends[1:])]
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -101,7 +114,9 @@ def build(side: str, case, overrides: dict) -> torch.nn.Module:
     return model
 
 
-def measure(side: str, case, overrides: dict, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
+def measure(side: str, case, overrides: dict, device: torch.device, *, steps: int, warmup: int, peak_flops: float,
+            callbacks: tuple = ()) -> dict:
+    """One side's row; ``callbacks`` join the Trainer's (the profiler's, in scripts/profile/trainer_steps.py)."""
     model = build(side, case, overrides)
     fpt = flops_per_token(model, case.seq_len)
     timer = _StepTimer(warmup)
@@ -113,9 +128,8 @@ def measure(side: str, case, overrides: dict, device: torch.device, *, steps: in
             use_cpu=device.type == "cpu", dataloader_pin_memory=device.type == "cuda", disable_tqdm=True, seed=0,
         )
         data = _Tokens(case.batch * (warmup + steps), case.seq_len, model.config.vocab_size)
-        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[timer]).train()
-    intervals = [b - a for a, b in zip(timer.ends[warmup - 1:], timer.ends[warmup:])]
-    step_ms = statistics.fmean(intervals) * 1e3
+        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[timer, *callbacks]).train()
+    step_ms = statistics.fmean(timer.intervals_ms())
     tokens_per_s = case.batch * case.seq_len / (step_ms * 1e-3)
     row = {"case": case.preset, "side": side, "batch": case.batch, "seq": case.seq_len, "step_ms": step_ms,
            "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * fpt / peak_flops,

@@ -73,3 +73,30 @@ def print_step(title: str, wall_ms: float, kernels: dict[str, list[float]]) -> N
     print(f"\n{title}: {wall_ms:.2f} ms wall, {total_us / 1e3:.2f} ms of kernels, "
           f"{sum(n for n, _ in kernels.values()):.0f} launches per step")
     print_top(kernels)
+
+
+def print_host_ops(prof, steps: int, top: int = 20) -> None:
+    """The host's self time per step by op (the profiler adds its own cost to each)."""
+    print("\nthe host's time per step by op (self time; the profiler adds its own cost to each):")
+    host = sorted(((e.key, e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()),
+                  key=lambda r: -r[2])
+    for key, count, us in host[:top]:
+        print(f"  {us / 1e3:7.3f} ms  x{count:5.0f}  {key[:90]}")
+
+
+def print_gaps(prof, steps: int, top: int = 20) -> None:
+    """The GPU's kernel time and idle time per step, and the longest idle gaps, named by the kernels around
+    them: a gap after a kernel whose result the host reads is a sync; gaps spread everywhere mean the host
+    cannot launch fast enough."""
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / steps / 1e3
+    gaps, end = [], None
+    for prev, e in zip([None] + kernels, kernels):
+        if end is not None and e.time_range.start > end:
+            gaps.append((e.time_range.start - end, prev.name[:50], e.name[:50]))
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    idle = sum(g[0] for g in gaps) / steps / 1e3
+    print(f"\nkernels {busy:.2f} ms per step; GPU idle {idle:.2f} ms per step (profiled), in {len(gaps) / steps:.0f} "
+          f"gaps; the longest over {steps} steps:")
+    for us, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {us:8.1f} us  after {before}  before {after}")

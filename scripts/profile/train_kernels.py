@@ -14,6 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flash_models.bench.train import CASES, step_for
+from kernel_table import print_gaps, print_host_ops
 
 
 def _our_frames(event) -> str:
@@ -54,36 +55,21 @@ def main():
     print_idle(step)
 
 
-def print_idle(step, steps: int = 3, top: int = 20) -> None:
-    """Wall time per step of back-to-back steps (no sync between them) against their kernel time, the host's
-    time by op, and the longest gaps in the GPU's timeline."""
+def print_idle(step, steps: int = 3) -> None:
+    """Wall time per step of back-to-back steps (no sync between them), then a profiled run of as many: the
+    host's time by op and the GPU's idle gaps."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(steps):
         step(i)
     torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    print(f"\nwall {(time.perf_counter() - start) * 1e3 / steps:.2f} ms per step")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
-    print(f"\nthe host's time per step by op (self time; the profiler adds its own cost to each):")
-    host = sorted(((e.key, e.count / steps, e.self_cpu_time_total / steps) for e in prof.key_averages()),
-                  key=lambda r: -r[2])
-    for key, count, us in host[:top]:
-        print(f"  {us / 1e3:7.3f} ms  x{count:5.0f}  {key[:90]}")
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    busy = sum(e.time_range.end - e.time_range.start for e in kernels) / steps / 1e3
-    gaps, end = [], None
-    for prev, e in zip([None] + kernels, kernels):
-        if end is not None and e.time_range.start > end:
-            gaps.append((e.time_range.start - end, prev.name[:50], e.name[:50]))
-        end = e.time_range.end if end is None else max(end, e.time_range.end)
-    idle = sum(g[0] for g in gaps) / steps / 1e3
-    print(f"\nwall {wall_ms:.2f} ms per step; kernels {busy:.2f} ms; GPU idle {idle:.2f} ms per step (profiled), "
-          f"in {len(gaps) / steps:.0f} gaps; the longest over {steps} steps:")
-    for us, before, after in sorted(gaps, reverse=True)[:top]:
-        print(f"  {us:8.1f} us  after {before}  before {after}")
+    print_host_ops(prof, steps)
+    print_gaps(prof, steps)
 
 
 if __name__ == "__main__":
