@@ -100,3 +100,43 @@ def print_gaps(prof, steps: int, top: int = 20) -> None:
           f"gaps; the longest over {steps} steps:")
     for us, before, after in sorted(gaps, reverse=True)[:top]:
         print(f"  {us:8.1f} us  after {before}  before {after}")
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaMemcpyAsync", "cudaMemsetAsync",
+             "cudaLaunchKernelExC")
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _python_chain(event, frames: int) -> str:
+    """The innermost ``frames`` Python functions above a host event, torch's own frames left out: the code that
+    was running when it happened."""
+    chain = []
+    while event is not None and len(chain) < frames:
+        name = event.name
+        if ".py(" in name and "/torch/" not in name and not name.startswith("torch/"):
+            chain.append(name.split("/")[-1])
+        event = event.cpu_parent
+    return " < ".join(chain) or "-"
+
+
+def print_gap_sources(prof, steps: int, top: int = 12, frames: int = 4) -> None:
+    """For the longest idle gaps of the GPU, what the host was doing: the Python code of the launch that ended
+    the gap, and of the sync that drained the GPU before it, if one did. Needs a profile taken with_stack=True
+    (its Python function events)."""
+    host = sorted((e for e in prof.events() if e.device_type.name == "CPU"), key=lambda e: e.time_range.start)
+    launches = [e for e in host if e.name in _LAUNCHES]
+    syncs = [e for e in host if e.name in _SYNCS or e.name == "aten::_local_scalar_dense"]
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    gaps, end = [], None
+    for e in kernels:
+        if end is not None and e.time_range.start > end:
+            gaps.append((e.time_range.start - end, end, e.time_range.start))
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
+    print(f"\nthe longest idle gaps, and the host code around them (over {steps} steps):")
+    for us, start, stop in sorted(gaps, reverse=True)[:top]:
+        launch = max((e for e in launches if e.time_range.start <= stop), key=lambda e: e.time_range.start, default=None)
+        sync = max((e for e in syncs if start - 50 <= e.time_range.end <= stop), key=lambda e: e.time_range.end,
+                   default=None)
+        print(f"  {us:8.1f} us: ended by the launch in {_python_chain(launch, frames)}")
+        if sync is not None:
+            print(f"             after the host waited in {_python_chain(sync, frames)}")

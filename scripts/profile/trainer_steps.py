@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from flash_models.bench.train import CASES, no_dropout
 from flash_models.bench.train_hf import measure
 from flash_models.train.metrics import measure_matmul_peak
-from kernel_table import kernels_per_step, print_gaps, print_host_ops, print_top
+from kernel_table import kernels_per_step, print_gap_sources, print_gaps, print_host_ops, print_top
 
 WARMUP, PROFILED = 4, 3
 
@@ -29,7 +29,7 @@ class _Profile(transformers.TrainerCallback):
         self.ends += 1
         if self.ends == WARMUP:
             torch.cuda.synchronize()
-            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True)
             self.prof.__enter__()
         elif self.ends == WARMUP + PROFILED:
             torch.cuda.synchronize()
@@ -43,12 +43,13 @@ def main():
     probe = _Profile()
     row = measure(side, case, no_dropout(case.preset), device, steps=PROFILED + 2, warmup=WARMUP,
                   peak_flops=measure_matmul_peak(device), callbacks=(probe,))
-    print(f"{name} {side} in transformers.Trainer: {row['step_ms']:.2f} ms per step (unprofiled steps)")
+    print(f"{name} {side} in transformers.Trainer: {row['step_ms']:.2f} ms per step (the profiled steps among them)")
     kernels = kernels_per_step(probe.prof, PROFILED)
     print(f"kernels {sum(t for _, t in kernels.values()) / 1e3:.2f} ms per step:")
     print_top(kernels, 30)
     print_host_ops(probe.prof, PROFILED)
     print_gaps(probe.prof, PROFILED)
+    print_gap_sources(probe.prof, PROFILED)
 
 
 if __name__ == "__main__":
