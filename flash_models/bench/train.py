@@ -186,9 +186,12 @@ def _batch(case: Case, vocab: int, device: torch.device, gen: torch.Generator) -
 
 
 def measure_loop(side: str, case: Case, device: torch.device, *, steps: int, warmup: int, peak_flops: float) -> dict:
-    """The plain loop README.md shows, timed over ``steps`` back-to-back steps after ``warmup`` (compilation)."""
+    """The plain loop README.md shows, timed over ``steps`` back-to-back steps after ``warmup`` (compilation).
+    The warmup takes each of the side's batches at least once: an SFT batch runs its real tokens, a count each
+    batch has its own, and the first launch at a new count (a kernel loaded, a specialization compiled) belongs
+    to no timed step."""
     step = loop_step(side, case, device)
-    for i in range(warmup):
+    for i in range(max(warmup, len(step.batches))):
         step(i)
     _sync(device)
     if device.type == "cuda":

@@ -113,7 +113,7 @@ def _python_chain(event, frames: int) -> str:
     chain = []
     while event is not None and len(chain) < frames:
         name = event.name
-        if ".py(" in name and "/torch/" not in name and not name.startswith("torch/"):
+        if ".py(" in name and "site-packages/torch/" not in name and not name.startswith("torch/"):
             chain.append(name.split("/")[-1])
         event = event.cpu_parent
     return " < ".join(chain) or "-"
