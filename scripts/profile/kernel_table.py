@@ -113,10 +113,23 @@ def _python_chain(event, frames: int) -> str:
     chain = []
     while event is not None and len(chain) < frames:
         name = event.name
-        if ".py(" in name and "site-packages/torch/" not in name and not name.startswith("torch/"):
+        if "): " in name and not name.startswith("<built-in") and "site-packages/torch/" not in name and not name.startswith("torch/"):
             chain.append(name.split("/")[-1])
         event = event.cpu_parent
     return " < ".join(chain) or "-"
+
+
+def _innermost_at(host: list, t: float):
+    """The host event (an op or a Python function) that encloses time ``t`` and starts last: the innermost.
+    The CUDA runtime's own events (a launch, a sync) are not nested under the op that made them, so their
+    code is found by time."""
+    inner = None
+    for e in host:
+        if e.time_range.start > t:
+            break
+        if e.time_range.end >= t and e.name not in _LAUNCHES and e.name not in _SYNCS:
+            inner = e
+    return inner
 
 
 def print_gap_sources(prof, steps: int, top: int = 12, frames: int = 4) -> None:
@@ -125,7 +138,7 @@ def print_gap_sources(prof, steps: int, top: int = 12, frames: int = 4) -> None:
     (its Python function events)."""
     host = sorted((e for e in prof.events() if e.device_type.name == "CPU"), key=lambda e: e.time_range.start)
     launches = [e for e in host if e.name in _LAUNCHES]
-    syncs = [e for e in host if e.name in _SYNCS or e.name == "aten::_local_scalar_dense"]
+    syncs = [e for e in host if e.name in _SYNCS]
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     gaps, end = [], None
     for e in kernels:
@@ -137,6 +150,7 @@ def print_gap_sources(prof, steps: int, top: int = 12, frames: int = 4) -> None:
         launch = max((e for e in launches if e.time_range.start <= stop), key=lambda e: e.time_range.start, default=None)
         sync = max((e for e in syncs if start - 50 <= e.time_range.end <= stop), key=lambda e: e.time_range.end,
                    default=None)
-        print(f"  {us:8.1f} us: ended by the launch in {_python_chain(launch, frames)}")
+        where = _python_chain(_innermost_at(host, launch.time_range.start), frames) if launch is not None else "-"
+        print(f"  {us:8.1f} us: ended by the launch in {where}")
         if sync is not None:
-            print(f"             after the host waited in {_python_chain(sync, frames)}")
+            print(f"             after the host waited in {_python_chain(_innermost_at(host, sync.time_range.start), frames)}")
