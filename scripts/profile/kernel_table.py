@@ -113,7 +113,8 @@ def _python_chain(event, frames: int) -> str:
     chain = []
     while event is not None and len(chain) < frames:
         name = event.name
-        if "): " in name and not name.startswith("<built-in") and "site-packages/torch/" not in name and not name.startswith("torch/"):
+        ours = "site-packages/torch/" not in name and not name.startswith(("torch/", "<built-in"))
+        if "): " in name and ours:
             chain.append(name.split("/")[-1])
         event = event.cpu_parent
     return " < ".join(chain) or "-"
