@@ -93,10 +93,13 @@ def _finetune_step(model, ids, mask, labels):
     return step
 
 
-def _finetune_sides(classifiers, ids, mask, labels) -> tuple[dict, dict]:
-    """({side: (model, step)}, {side: max_diff}) of the fine-tuning mode; the difference of our classifier
-    logits from HF's is taken first, before any step changes the weights."""
+def _finetune_sides(classifiers, initial, ids, mask, labels) -> tuple[dict, dict]:
+    """({side: (model, step)}, {side: max_diff}) of the fine-tuning mode. Each grid point starts from the
+    classifiers' ``initial`` weights (an earlier point's steps moved the two apart, each by its own rounding),
+    and the difference of our classifier logits from HF's is taken there, before any step."""
     hf, ours = classifiers
+    for model, state in zip(classifiers, initial):
+        model.load_state_dict(state)
     with torch.inference_mode():
         diff = (ours.eval()(ids, attention_mask=mask).logits.float()
                 - hf.eval()(input_ids=ids, attention_mask=mask).logits.float()).abs().max().item()
@@ -185,6 +188,7 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
         hf, ours = build_pair(preset, dtype=dtype, device=device, dry_run=dry_run)
         graphed = copy.deepcopy(ours)
         classifiers = build_classifier_pair(preset, device=device, dry_run=dry_run) if "finetune" in modes else None
+        initial = [{k: v.clone() for k, v in m.state_dict().items()} for m in classifiers] if classifiers else None
         vocab = hf.config.vocab_size
         for seq in seqlens:
             batch = max(1, tokens // seq)
@@ -195,7 +199,7 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                 labels = torch.randint(0, 2, (batch,), device=device, generator=torch.Generator(device).manual_seed(seq))
                 for mode in modes:
                     if mode == "finetune":
-                        sides, diffs = _finetune_sides(classifiers, ids, mask, labels)
+                        sides, diffs = _finetune_sides(classifiers, initial, ids, mask, labels)
                     else:
                         sides = _sides(mode, hf, ours, graphed, ids, mask, seq)
                         diffs = {"ours": diff, "ours+graphs": _packed_max_diff(graphed, hf, ids, mask, seq)
@@ -214,7 +218,7 @@ def bench(result: BenchResult, *, presets, seqlens, paddings, modes, tokens: int
                     log.info("%s S=%d pad=%.0f%% %s: %s", preset, seq, 100 * padding, mode,
                              ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
         graphed.use_cuda_graphs(False)
-        del hf, ours, graphed, classifiers
+        del hf, ours, graphed, classifiers, initial
         if cuda:
             torch.cuda.empty_cache()
 
