@@ -286,6 +286,8 @@ class DecoderConfig:
     norm: str  # "layer_norm" | "rms_norm"
     norm_eps: float
     norm_bias: bool = True
+    # Norm weights stored as offsets from one, the norms scaling by 1 + weight (Gemma's RMSNorm).
+    norm_zero_centered: bool = False
     max_position_embeddings: int = 2048
     learned_positions: bool = False  # absolute position table (GPT-2); else rotary
     rope: RopeConfig | None = None
@@ -301,6 +303,8 @@ class DecoderConfig:
     # How HF's forward numbers tokens without position_ids: from the attention mask (OPT), else 0..S-1.
     positions_from_mask: bool = False
     embed_dim: int | None = None  # token embedding width when it differs from hidden (OPT project_in/out)
+    # Token embeddings multiplied by this, rounded to the table's dtype (Gemma: sqrt(hidden_size)); None: not scaled.
+    embed_scale: float | None = None
     # HF's nn.Embedding(padding_idx=pad_token_id) (LLaMA, Mistral, Qwen, OPT): the pad token's row gets no gradient
     # (and is zero in a fresh model); negative counts from the end of the vocabulary, as in torch.
     padding_idx: int | None = None
@@ -316,7 +320,8 @@ class DecoderConfig:
         check_choice("norm", self.norm, ("layer_norm", "rms_norm"))
         check_choice("block", self.block, BLOCK_KINDS)
         check_positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                       max_position_embeddings=self.max_position_embeddings, embed_dim=self.embed_dim)
+                       max_position_embeddings=self.max_position_embeddings, embed_dim=self.embed_dim,
+                       embed_scale=self.embed_scale)
         if self.num_layers < 0 or self.norm_eps < 0 or self.initializer_range < 0:
             raise ValueError(f"num_layers ({self.num_layers}), norm_eps ({self.norm_eps}) and initializer_range "
                              f"({self.initializer_range}) must be >= 0")

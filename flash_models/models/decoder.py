@@ -68,7 +68,7 @@ class DecoderLM(HFModelProtocol, nn.Module):
         self.embed = Embeddings(
             dc.vocab_size, dc.hidden_size, max_positions=dc.max_position_embeddings if dc.learned_positions else None,
             token_dim=dc.embed_dim, position_offset=dc.position_offset, padding_idx=dc.padding_idx,
-            vocab_multiple=vocab_multiple,
+            vocab_multiple=vocab_multiple, token_scale=dc.embed_scale,
         )
         self.rotary = RotaryEmbedding(dc.rope) if dc.rope is not None else None
         self.blocks = nn.ModuleList(self._block(dc, i) for i in range(dc.num_layers))
@@ -84,7 +84,8 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
     def _norm(self) -> Norm:
         dc = self.decoder_config
-        return Norm(dc.hidden_size, kind=dc.norm, eps=dc.norm_eps, bias=dc.norm_bias, kernel_backend=self.kernel_backend)
+        return Norm(dc.hidden_size, kind=dc.norm, eps=dc.norm_eps, bias=dc.norm_bias, kernel_backend=self.kernel_backend,
+                    zero_centered=dc.norm_zero_centered)
 
     def _block(self, dc: DecoderConfig, i: int) -> nn.Module:
         """Block ``i`` of the kind the config names (see modules/block.py for each residual stream)."""

@@ -10,25 +10,28 @@ import flash_kernels
 from flash_kernels._backend import check_ids_in_range
 
 from .norm import Norm
+from .scaled_embedding import ScaledEmbedding
 from .vocab_padding import hide_vocab_padding, padded_vocab_size, zero_vocab_padding
 
 
-def _table(rows: int, dim: int, padding_idx: int | None = None) -> nn.Embedding:
-    """``nn.Embedding(rows, dim)``; on the meta device (a model built for loading) without its N(0, 1) init,
-    which means nothing there and whose meta implementation imports torch._dynamo (seconds of a program's
-    start, for nothing)."""
+def _table(rows: int, dim: int, padding_idx: int | None = None, scale: float | None = None) -> nn.Embedding:
+    """``nn.Embedding(rows, dim)`` (a ``ScaledEmbedding`` with ``scale``); on the meta device (a model built for
+    loading) without its N(0, 1) init, which means nothing there and whose meta implementation imports
+    torch._dynamo (seconds of a program's start, for nothing)."""
+    kwargs = dict(padding_idx=padding_idx)
     if torch.empty(0).is_meta:  # the device the surrounding ``torch.device`` context creates tensors on
-        return nn.Embedding(rows, dim, padding_idx=padding_idx, _weight=torch.empty(rows, dim))
-    return nn.Embedding(rows, dim, padding_idx=padding_idx)
+        kwargs["_weight"] = torch.empty(rows, dim)
+    return nn.Embedding(rows, dim, **kwargs) if scale is None else ScaledEmbedding(rows, dim, scale=scale, **kwargs)
 
 
 class Embeddings(nn.Module):
-    """hidden = project_in(tokens(ids)) + positions(position_ids + position_offset) + token_types(type_ids)."""
+    """hidden = project_in(tokens(ids)) + positions(position_ids + position_offset) + token_types(type_ids), with
+    ``tokens(ids)`` scaled by ``token_scale`` where given (Gemma: sqrt(hidden_size); see ``ScaledEmbedding``)."""
 
     def __init__(
         self, vocab_size: int, hidden_size: int, *, max_positions: int | None = None, padding_idx: int | None = None,
         token_dim: int | None = None, position_offset: int = 0, type_vocab_size: int | None = None,
-        vocab_multiple: int = 1,
+        vocab_multiple: int = 1, token_scale: float | None = None,
     ):
         """``vocab_multiple``: the token table holds rows up to that multiple (modules/vocab_padding.py), which
         state dicts never show; ids are checked against the real ``vocab_size``."""
@@ -37,7 +40,8 @@ class Embeddings(nn.Module):
         self.vocab_size = vocab_size
         if padding_idx is not None and padding_idx < 0:  # from the end of the real vocabulary, not of the padded table
             padding_idx += vocab_size
-        self.tokens = _table(padded_vocab_size(vocab_size, vocab_multiple), token_dim, padding_idx=padding_idx)
+        self.tokens = _table(padded_vocab_size(vocab_size, vocab_multiple), token_dim, padding_idx=padding_idx,
+                             scale=token_scale)
         if self.tokens.num_embeddings != vocab_size:
             zero_vocab_padding(self.tokens, vocab_size)
             hide_vocab_padding(self.tokens, vocab_size)
@@ -97,7 +101,8 @@ class Embeddings(nn.Module):
             backend=norm.kernel_backend, check_token_ids=False)
 
     def _fusable(self, norm: Norm, input_ids, position_ids, token_type_ids) -> bool:
-        return (not torch.is_grad_enabled() and input_ids.is_cuda and norm.kind == "layer_norm"
+        return (not torch.is_grad_enabled() and input_ids.is_cuda and norm.kind == "layer_norm" and not norm.zero_centered
+                and type(self.tokens) is nn.Embedding
                 and norm.kernel_backend != "reference" and self.project_in is None
                 and (self.positions is None or position_ids is not None)
                 and (self.token_types is None or token_type_ids is not None))

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .scaled_embedding import ScaledEmbedding
+
 VOCAB_MULTIPLE = 128
 
 
@@ -96,8 +98,9 @@ def resized_table(table: nn.Module, old: int, new: int, *, multiple: int, mean_r
     at the old rows' mean (``mean_resizing``) or N(0, std) (zero for a bias), the padding zero."""
     rows, weight = padded_vocab_size(new, multiple), table.weight
     if isinstance(table, nn.Embedding):  # the pad row keeps getting no gradient, as HF's resized table
-        resized = nn.Embedding(rows, weight.shape[1], padding_idx=table.padding_idx, device=weight.device,
-                               dtype=weight.dtype)
+        kwargs = dict(padding_idx=table.padding_idx, device=weight.device, dtype=weight.dtype)
+        resized = (ScaledEmbedding(rows, weight.shape[1], scale=table.scale, **kwargs) if isinstance(table, ScaledEmbedding)
+                   else nn.Embedding(rows, weight.shape[1], **kwargs))
     else:
         resized = nn.Linear(weight.shape[1], rows, bias=table.bias is not None, device=weight.device, dtype=weight.dtype)
     kept = min(old, new)

@@ -52,6 +52,7 @@ from ..modules.kv_cache import KVCache
 from ..modules.linear import plain_linear
 from ..modules.mlp import MLP, GatedMLP, activation
 from ..modules.norm import Norm
+from ..modules.scaled_embedding import ScaledEmbedding
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -92,7 +93,7 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
         # subclasses, and forward .weight to the base layer) must run its own forward.
         if not all(plain_linear(layer) for layer in (block.attn.qkv, block.attn.out_proj, *block.mlp.children())):
             return "adapted layers (LoRA and the like keep their own forward)"
-    if model.adapted_head() or type(model.embed.tokens) is not nn.Embedding:
+    if model.adapted_head() or type(model.embed.tokens) not in (nn.Embedding, ScaledEmbedding):
         return "an adapted LM head or token table (LoRA and the like keep their own forward)"
     if model.embed.token_types is not None:
         return "token type embeddings"
@@ -100,7 +101,7 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
         if _hooked(module):
             return "forward hooks, which the step would not call"
         if (isinstance(module, nn.Linear) and not plain_linear(module)) or (
-                isinstance(module, nn.Embedding) and type(module) is not nn.Embedding):
+                isinstance(module, nn.Embedding) and type(module) not in (nn.Embedding, ScaledEmbedding)):
             return "adapted layers (LoRA and the like keep their own forward)"
         if any(p.dtype != torch.float32 for p in module._parameters.values() if p is not None):
             return "not float32"
@@ -114,15 +115,18 @@ class _Norm:
     eps: float
     rms: bool
 
+    zero_centered: bool = False  # the norm scales by 1 + weight (Gemma)
+
     @classmethod
     def of(cls, norm: Norm) -> "_Norm":
-        return cls(norm.weight, norm.bias, norm.eps, norm.kind == "rms_norm")
+        return cls(norm.weight, norm.bias, norm.eps, norm.kind == "rms_norm", norm.zero_centered)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1.0 if self.zero_centered else self.weight  # (float32: the step runs float32 only)
         if self.rms:
-            y = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            y = F.rms_norm(x, weight.shape, weight, self.eps)
             return y if self.bias is None else y + self.bias
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, weight.shape, weight, self.bias, self.eps)
 
 
 def _version(weight: torch.Tensor) -> int:
@@ -279,6 +283,8 @@ class LeanCpuStep:
         model = self.model
         embed = model.embed
         x = F.embedding(tokens.reshape(-1), embed.tokens.weight)  # (B * S, token_dim)
+        if isinstance(embed.tokens, ScaledEmbedding):
+            x = x * embed.tokens.scale_in(x.dtype)
         if self.project_in is not None:
             x = self.project_in(x)
         if embed.positions is not None:

@@ -82,8 +82,9 @@ def programmatic_launch(enabled: bool = True, *, early_trigger: bool = False):
 
 def chains(block: nn.Module, hidden: torch.Tensor) -> bool:
     """Whether ``chained_block_step`` runs ``block`` for the residual stream ``hidden`` (nothing pending beside
-    it): a decode step in a chain through a LLaMA-style block (bias-free RMSNorms, the stream kept in the
-    model's dtype, a gated MLP) in eval mode, whose every projection is plain and passes ``gemv_in_chain``."""
+    it): a decode step in a chain through a LLaMA-style block (bias-free RMSNorms scaling by their weight, not
+    Gemma's 1 + weight, which the GEMV's norm prologue does not take; the stream kept in the model's dtype, a
+    gated MLP) in eval mode, whose every projection is plain and passes ``gemv_in_chain``."""
     if block.training or not programmatic_launch_enabled(hidden.device):
         return False  # cheap, and false off the chain
     if is_checkpointed(block):  # activation checkpointing's wrapper: in eval its forward is the block's
@@ -93,7 +94,8 @@ def chains(block: nn.Module, hidden: torch.Tensor) -> bool:
     attn, mlp = block.attn, block.mlp
     layers = (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down) if isinstance(mlp, GatedMLP) else ()
     return (not block.residual_in_fp32 and bool(layers)
-            and all(norm.kind == "rms_norm" and norm.bias is None for norm in (block.norm1, block.norm2))
+            and all(norm.kind == "rms_norm" and norm.bias is None and not norm.zero_centered
+                    for norm in (block.norm1, block.norm2))
             and all(plain_linear(layer) and gemv_in_chain(hidden, layer.weight, attn.kernel_backend) for layer in layers))
 
 
