@@ -63,7 +63,7 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
     """Why the lean CPU step cannot run ``model``'s decode steps against ``cache``, or None when it can:
     a float32 decoder on the CPU, nothing recording gradients, the "reference" or "auto" kernel backend and the
     "sdpa" or "auto" attention (an explicit "eager" or "triton" choice is the user's to keep), no dropout
-    (eval mode, or every dropout probability zero), pre-norm blocks (GPT-2, LLaMA, Mistral, Qwen2, Qwen3,
+    (eval mode, or every dropout probability zero), pre-norm blocks (GPT-2, LLaMA, Mistral, Qwen2, Qwen3, Gemma,
     OPT-125m style: LayerNorm or RMSNorm, gated or plain MLP, rotary or learned positions, q/k norms, sliding
     windows) built from the library's own modules with plain nn.Linear layers and no hooks (adapters such as
     LoRA keep their own forward), and a per-row (not paged) cache."""
