@@ -117,10 +117,13 @@ class RotaryEmbedding(nn.Module):
         cached = self._cache.get(key)
         if cached is not None and cached[0].shape[0] >= seq_len:
             return cached  # else a shorter table made for an earlier, shorter call: replaced by a longer one
-        inv_freq, scale = rope_inv_freq(cfg, max(seq_len, 1))
-        positions = torch.arange(length, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # (length, rotary_dim // 2)
-        cos, sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
+        # Never inference tensors, though generate (under torch.inference_mode) may be what grows them: a later
+        # training forward reads the same tables, and its rotary saves them for the backward.
+        with torch.inference_mode(False):
+            inv_freq, scale = rope_inv_freq(cfg, max(seq_len, 1))
+            positions = torch.arange(length, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)  # (length, rotary_dim // 2)
+            cos, sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
         self._cache[key] = (cos, sin)
         return cos, sin
 

@@ -283,3 +283,17 @@ def test_compiled_decode_step_traces_as_one_graph_and_generates_the_same(make_hf
     compiled = ours.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[], compile_decode="eager")
     assert torch.equal(compiled, plain)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompilation from step to step
+
+
+def test_a_model_that_generated_trains_next():
+    """Generation (under torch.inference_mode) past the rotary tables' length grows them; the training forward
+    after it (TRL's on-policy loop: generate, then train) reads the same tables, and on CUDA our rotary saves
+    them for the backward, which refuses inference tensors: the tables are never made as such."""
+    ours = ours_from_hf(llama_hf(seed=5, max_position_embeddings=16))
+    ids = torch.randint(2, VOCAB, (2, 9))
+    ours.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=[])
+    cos, sin = ours.rotary.tables(29, ids.device)
+    assert cos.shape[0] >= 29 and not cos.is_inference() and not sin.is_inference()
+    ours.train()
+    ours(ids, labels=ids).loss.backward()
+    assert ours.blocks[0].attn.qkv.weight.grad is not None
