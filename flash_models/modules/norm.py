@@ -45,7 +45,8 @@ class Norm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, kind={self.kind}, eps={self.eps}" + (", zero_centered" if self.zero_centered else "")
+        centered = ", zero_centered" if self.zero_centered else ""
+        return f"{self.weight.shape[0]}, kind={self.kind}, eps={self.eps}{centered}"
 
 
 def dual_norm(norm_a: Norm, norm_b: Norm, x, residual=None, *, dropout_p: float = 0.0, residual_in_fp32: bool = False):

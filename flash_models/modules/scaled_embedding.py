@@ -15,14 +15,14 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, *args, scale: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.scale = float(scale)
-        self._rounded = {}  # dtype -> the scale rounded to it
+        # The scale rounded to each floating dtype, worked out here: a Python float per dtype, no tensor or host
+        # read in the forward (torch.compile traces it as a constant).
+        self._rounded = {dtype: torch.tensor(self.scale, dtype=dtype).item()
+                         for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
     def scale_in(self, dtype: torch.dtype) -> float:
-        """The scale as the table's ``dtype`` holds it (a Python float: one rounding, no tensor per call)."""
-        rounded = self._rounded.get(dtype)
-        if rounded is None:
-            rounded = self._rounded[dtype] = torch.tensor(self.scale, dtype=dtype).item()
-        return rounded
+        """The scale as a table of ``dtype`` holds it (a floating dtype: an embedding table's)."""
+        return self._rounded[dtype]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids) * self.scale_in(self.weight.dtype)

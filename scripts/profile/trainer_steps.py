@@ -1,6 +1,8 @@
 """Steps of a `bench train --hf-trainer` side inside transformers.Trainer, profiled: where the step's time goes
 beyond the plain loop's. Kernel time by kernel, the host's time by op, and the GPU's idle gaps named by the
-kernels around them (the Trainer reads its loss on the host every step, so one gap per step is its sync).
+kernels around them. The Trainer drains the GPU's queue twice a step: it reads the loss on the host (its NaN
+filter), and accelerate copies each batch to the GPU with a blocking copy; the launches after each wait for the
+host.
 
     PYTHONPATH=.:kernels python scripts/profile/trainer_steps.py [case] [side]   # llama-1b ours; CUDA
 """
@@ -14,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from flash_models.bench.train import CASES, no_dropout
 from flash_models.bench.train_hf import measure
 from flash_models.train.metrics import measure_matmul_peak
-from kernel_table import kernels_per_step, print_gap_sources, print_gaps, print_host_ops, print_top
+from kernel_table import kernels_per_step, print_gaps, print_host_ops, print_top
 
 WARMUP, PROFILED = 4, 3
 
@@ -29,7 +31,7 @@ class _Profile(transformers.TrainerCallback):
         self.ends += 1
         if self.ends == WARMUP:
             torch.cuda.synchronize()
-            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True)
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
         elif self.ends == WARMUP + PROFILED:
             torch.cuda.synchronize()
@@ -49,7 +51,6 @@ def main():
     print_top(kernels, 30)
     print_host_ops(probe.prof, PROFILED)
     print_gaps(probe.prof, PROFILED)
-    print_gap_sources(probe.prof, PROFILED)
 
 
 if __name__ == "__main__":
