@@ -15,9 +15,9 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, *args, scale: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.scale = float(scale)
-        # The scale rounded to each floating dtype, worked out here: a Python float per dtype, no tensor or host
-        # read in the forward (torch.compile traces it as a constant).
-        self._rounded = {dtype: torch.tensor(self.scale, dtype=dtype).item()
+        # The scale rounded to each floating dtype, worked out here (on the CPU, whatever device a model is built
+        # on): a Python float per dtype, no tensor or host read in the forward (torch.compile traces a constant).
+        self._rounded = {dtype: torch.tensor(self.scale, dtype=dtype, device="cpu").item()
                          for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
     def scale_in(self, dtype: torch.dtype) -> float:
