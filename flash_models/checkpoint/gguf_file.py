@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp): metadata -> an HF config, tensors dequantized -> an HF-named state dict.
 
-Five architectures. Four share llama.cpp's LLaMA tensor names and HF's LLaMA module names:
+Six architectures. Five share llama.cpp's LLaMA tensor names and HF's LLaMA module names:
 - ``llama`` (LLaMA, and Mistral and SmolLM2, which llama.cpp writes as llama). llama.cpp's converter permutes
   the rows of the Q and K projections (it pairs rotary channels as interleaved, where HF pairs them
   half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
@@ -11,6 +11,9 @@ Five architectures. Four share llama.cpp's LLaMA tensor names and HF's LLaMA mod
 - ``phi3``: the LLaMA layout with fused ``attn_qkv`` and ``ffn_up`` ([gate; up]) as HF's Phi-3 holds them, rows
   unpermuted (llama.cpp runs its rotary half-split), part of each head rotating where ``rope.dimension_count``
   says so, an optional window, and LongRoPE (the 128k models) from its ``rope_factors_long/short`` tensors.
+- ``gemma``: the LLaMA layout, rows as HF has them (llama.cpp runs its rotary half-split), the head dim in
+  ``attention.key_length``; llama.cpp's converter stores each norm's weight plus one (the factor its RMSNorm
+  multiplies by), which the loader takes back to HF's offsets.
 And ``gpt2``, whose projections llama.cpp stores as (out, in) matrices where HF's Conv1D layers hold
 (in, out): they are transposed back.
 """
@@ -74,6 +77,7 @@ class _Architecture:
     names: dict[str, str]  # GGUF tensor name pattern -> HF name template
     permuted_rotary: bool = False  # llama.cpp interleaved the Q/K rows (see the module docstring)
     conv1d_transposed: bool = False  # 2-D projection weights stored (out, in) for HF's (in, out) Conv1D
+    norms_plus_one: bool = False  # norm weights stored as 1 + HF's weight (Gemma's zero-centered norms)
 
 
 _ARCHITECTURES = {
@@ -81,6 +85,7 @@ _ARCHITECTURES = {
     "qwen2": _Architecture(_LLAMA_NAMES),
     "qwen3": _Architecture(_LLAMA_NAMES),
     "phi3": _Architecture(_PHI3_NAMES),
+    "gemma": _Architecture(_LLAMA_NAMES, norms_plus_one=True),
     "gpt2": _Architecture(_GPT2_NAMES, conv1d_transposed=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
@@ -282,7 +287,8 @@ def check_gguf(path: str | Path) -> tuple[GGUFFile, dict]:
 
 def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a GGUF file: (HF config dict, float32 state dict with HF's names and layouts: a LLaMA's Q/K rows
-    un-permuted, GPT-2's projections transposed back to Conv1D's)."""
+    un-permuted, GPT-2's projections transposed back to Conv1D's, a Gemma's norm weights less the one llama.cpp
+    added)."""
     reader, config = check_gguf(path)
     arch = _ARCHITECTURES[config["model_type"]]
     permuted = {}
@@ -299,5 +305,7 @@ def load_gguf(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
             weight = unpermute_rotary(weight, permuted[projection])
         if arch.conv1d_transposed and weight.dim() == 2 and projection in ("c_attn", "c_proj", "c_fc"):
             weight = weight.t().contiguous()
+        if arch.norms_plus_one and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0
         state[hf_name] = weight
     return config, state

@@ -1,4 +1,4 @@
-"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, phi3, gpt2), written from random HF models:
+"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, phi3, gemma, gpt2), written from random HF models:
 ours equals transformers' own GGUF load of the same file (logits and config), tied and untied heads."""
 
 import math
@@ -64,6 +64,8 @@ def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
             continue
         if arch == "llama" and ("q_proj" in key or "k_proj" in key):
             tensor = permute_rotary(tensor, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
+        if arch == "gemma" and key.endswith("norm.weight"):  # llama.cpp's Gemma converter stores 1 + weight
+            tensor = tensor + 1
         add_tensor(w, names[key], tensor.float().numpy(), matrix_type)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
@@ -267,6 +269,27 @@ def test_phi3_longrope_gguf_matches_the_source_past_the_original_length(tmp_path
     prompt = torch.randint(2, 96, (1, 12))
     expected = hf.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(ours.generate(prompt, max_new_tokens=10, eos_token_id=[]), expected)
+
+
+@pytest.mark.parametrize("matrix_type", [Q.F32, Q.Q8_0], ids=lambda t: t.name)
+def test_gemma_gguf_matches_the_source(tmp_path, matrix_type):
+    """llama.cpp's gemma: the LLaMA names, rows as HF holds them, the head dim in key_length, each norm stored
+    as 1 + weight. Ours equals the source model (transformers' GGUF loader reads no gemma file to compare with)."""
+    config = transformers.GemmaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=64, pad_token_id=5)
+    hf = random_hf_model(config, seed=9)  # norm weights around 0: stored around 1
+    write_gguf(tmp_path / "m.gguf", hf, matrix_type)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    assert ours.config.model_type == "gemma" and ours.decoder_config.attention.head_dim == 16 and ours.head_is_tied()
+    torch.testing.assert_close(ours.norm_f.weight, hf.model.norm.weight, rtol=0, atol=1e-6)
+    ids = torch.randint(0, 96, (2, 11))
+    with torch.no_grad():
+        err = (ours(ids).logits - hf(ids).logits).abs().max().item()
+    assert err < (1e-4 if matrix_type == Q.F32 else 0.05), err
+    if matrix_type == Q.F32:
+        expected = hf.generate(ids[:1], max_new_tokens=5, do_sample=False)
+        assert torch.equal(ours.generate(ids[:1], max_new_tokens=5, do_sample=False), expected)
 
 
 def test_an_unsupported_gguf_architecture_is_named(tmp_path):
