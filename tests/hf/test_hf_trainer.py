@@ -20,6 +20,16 @@ def tiny_llama_config():
                                     tie_word_embeddings=False)
 
 
+def tiny_gemma_config():
+    """Gemma's norms (1 + weight), scaled embeddings and tied head, through the Trainer and its checkpoints."""
+    return transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                                    pad_token_id=0)
+
+
+CONFIGS = {"llama": tiny_llama_config, "gemma": tiny_gemma_config}
+
+
 def lm_dataset(n: int, *, seed: int) -> list[dict]:
     """Right-padded rows of random lengths; labels -100 on padding and on a random prompt part."""
     g = torch.Generator().manual_seed(seed)
@@ -45,8 +55,10 @@ def losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_matches_hf_and_checkpoints_load(tmp_path):
-    hf = random_hf_model(tiny_llama_config(), seed=1)
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_trainer_matches_hf_and_checkpoints_load(tmp_path, family):
+    config = CONFIGS[family]
+    hf = random_hf_model(config(), seed=1)
     ours = ours_from_hf(hf)  # before HF's model trains: the same starting weights
     data = lm_dataset(16, seed=2)
 
@@ -71,10 +83,10 @@ def test_trainer_matches_hf_and_checkpoints_load(tmp_path):
         torch.testing.assert_close(again(ids).logits, reference, atol=1e-5, rtol=0)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
         torch.testing.assert_close(theirs(ids).logits, reference, atol=1e-5, rtol=0)
-    assert json.loads((final / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((final / "config.json").read_text())["architectures"] == [type(hf).__name__]
 
     # Resume from the middle: the last two steps again, with the same losses as the uninterrupted run.
-    resumed = Trainer(model=ours_from_hf(random_hf_model(tiny_llama_config(), seed=5)), args=args(tmp_path / "ours"),
+    resumed = Trainer(model=ours_from_hf(random_hf_model(config(), seed=5)), args=args(tmp_path / "ours"),
                       train_dataset=data)
     resumed.train(resume_from_checkpoint=str(tmp_path / "ours" / "checkpoint-2"))
     assert losses(resumed)[-2:] == pytest.approx(got[2:], abs=1e-5, rel=0)
