@@ -82,9 +82,9 @@ def programmatic_launch(enabled: bool = True, *, early_trigger: bool = False):
 
 def chains(block: nn.Module, hidden: torch.Tensor) -> bool:
     """Whether ``chained_block_step`` runs ``block`` for the residual stream ``hidden`` (nothing pending beside
-    it): a decode step in a chain through a LLaMA-style block (bias-free RMSNorms scaling by their weight, not
-    Gemma's 1 + weight, which the GEMV's norm prologue does not take; the stream kept in the model's dtype, a
-    gated MLP) in eval mode, whose every projection is plain and passes ``gemv_in_chain``."""
+    it): a decode step in a chain through a LLaMA-style block (bias-free RMSNorms, Gemma's 1 + weight ones too,
+    the stream kept in the model's dtype, a gated MLP) in eval mode, whose every projection is plain and passes
+    ``gemv_in_chain``."""
     if block.training or not programmatic_launch_enabled(hidden.device):
         return False  # cheap, and false off the chain
     if is_checkpointed(block):  # activation checkpointing's wrapper: in eval its forward is the block's
@@ -94,8 +94,7 @@ def chains(block: nn.Module, hidden: torch.Tensor) -> bool:
     attn, mlp = block.attn, block.mlp
     layers = (attn.qkv, attn.out_proj, mlp.gate_up, mlp.down) if isinstance(mlp, GatedMLP) else ()
     return (not block.residual_in_fp32 and bool(layers)
-            and all(norm.kind == "rms_norm" and norm.bias is None and not norm.zero_centered
-                    for norm in (block.norm1, block.norm2))
+            and all(norm.kind == "rms_norm" and norm.bias is None for norm in (block.norm1, block.norm2))
             and all(plain_linear(layer) and gemv_in_chain(hidden, layer.weight, attn.kernel_backend) for layer in layers))
 
 
@@ -105,7 +104,8 @@ def chained_linear(x: torch.Tensor, layer: nn.Module, *, input_norm: nn.Module |
     first, applies SwiGLU to a packed [gate; up] ``layer``'s output (``swiglu_output``) and/or adds ``residual``
     to the result: the norm and activation kernels and the residual add folded into the projection (see
     flash_kernels.gemv)."""
-    norm = {} if input_norm is None else dict(norm_weight=input_norm.weight, norm_eps=input_norm.eps)
+    norm = {} if input_norm is None else dict(norm_weight=input_norm.weight, norm_eps=input_norm.eps,
+                                              norm_zero_centered=input_norm.zero_centered)
     return flash_kernels.gemv(x, layer.weight, layer.bias, residual=residual, swiglu_output=swiglu_output,
                               static_weight=True, backend="triton", **norm)
 

@@ -14,7 +14,7 @@ The ops next to those projections each read and write one row, yet cost a kernel
 plus a launch gap in the CUDA graph), about as much as a small projection. So the kernel can absorb them:
 - an RMSNorm prologue, ``rms_norm(x, norm_weight, norm_eps) @ weight.T``, for qkv and gate/up: every program
   recomputes the row's sum of squares (K elements, next to its BLOCK_N x K weight tile) instead of waiting
-  for a norm kernel;
+  for a norm kernel (Gemma's norm, scaling by 1 + weight, too);
 - a SwiGLU prologue, ``(silu(gate) * up) @ weight.T`` with x the packed row [gate; up], for down;
 - a residual epilogue, ``... + residual``, for o and down: it writes the new residual stream;
 - a SwiGLU epilogue, ``silu(x @ gate.T) * (x @ up.T)`` with weight the packed [gate; up] rows, for gate/up:
@@ -59,6 +59,7 @@ def gemv_ref(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
+    norm_zero_centered: bool = False,
     swiglu: bool = False,
     swiglu_output: bool = False,
 ) -> torch.Tensor:
@@ -66,7 +67,7 @@ def gemv_ref(
     product, the projection (and its SwiGLU), then the residual add in float32 (as the fused add+norm adds the
     stream)."""
     if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps=norm_eps)
+        x = rms_norm_ref(x, norm_weight, eps=norm_eps, zero_centered_weight=norm_zero_centered)
     elif swiglu:
         x = swiglu_ref(x)
     y = F.linear(x, weight, bias)
@@ -115,6 +116,9 @@ def _input_tile(X, offsets, NW, cols, mask, K, rstd, PROLOGUE: tl.constexpr):
     if PROLOGUE == "rms_norm":
         w = tl.load(NW + cols, mask=cols < K, other=0.0).to(tl.float32)
         x = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)  # the norm kernel's order: x * rstd, then * w
+    elif PROLOGUE == "rms_norm_zero_centered":  # Gemma's: 1 + weight, added in float32 as the norm kernel adds it
+        w = tl.load(NW + cols, mask=cols < K, other=0.0).to(tl.float32) + 1.0
+        x = (x * rstd * w).to(X.dtype.element_ty).to(tl.float32)
     elif PROLOGUE == "swiglu":
         up = tl.load(X + K + offsets, mask=mask, other=0.0)
         x = _swiglu_pair(x, up, X.dtype.element_ty).to(X.dtype.element_ty).to(tl.float32)
@@ -169,6 +173,8 @@ def _gemv_kernel(
     wait_for_predecessor(PDL)
     rstd = 0.0
     if PROLOGUE == "rms_norm":
+        rstd = _rms_rstd(X, K, eps, BLOCK_ROW)
+    elif PROLOGUE == "rms_norm_zero_centered":
         rstd = _rms_rstd(X, K, eps, BLOCK_ROW)
     y = tl.zeros([BLOCK_N], dtype=tl.float32)
     y_up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -260,6 +266,8 @@ def _gemv_rows_kernel(
     wait_for_predecessor(PDL)
     rstd = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
     if PROLOGUE == "rms_norm":
+        rstd = _rms_rstd_rows(X, x_rows, m_in, K, eps, BLOCK_M, BLOCK_ROW)
+    elif PROLOGUE == "rms_norm_zero_centered":
         rstd = _rms_rstd_rows(X, x_rows, m_in, K, eps, BLOCK_M, BLOCK_ROW)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -362,8 +370,12 @@ def _(x, weight, bias, residual, norm_weight, norm_eps, prologue, swiglu_output,
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if swiglu_output else weight.shape[0]))
 
 
-def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu, swiglu_output) -> str:
-    """Raise a ValueError for inconsistent inputs; return the prologue ("none", "rms_norm" or "swiglu")."""
+def _check(x, weight, bias, residual, norm_weight, norm_eps, norm_zero_centered, swiglu, swiglu_output) -> str:
+    """Raise a ValueError for inconsistent inputs; return the prologue ("none", "rms_norm",
+    "rms_norm_zero_centered" or "swiglu")."""
+    if norm_zero_centered and norm_weight is None:
+        raise ValueError("gemv: norm_zero_centered=True describes the RMSNorm prologue's weight: pass norm_weight "
+                         "and norm_eps too")
     if norm_weight is not None and swiglu:
         raise ValueError("gemv: norm_weight (an RMSNorm prologue) and swiglu=True (a SwiGLU prologue) exclude "
                          "each other; pass one")
@@ -396,7 +408,9 @@ def _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu, swiglu_outp
     if len(set(dtypes.values())) > 1:
         raise ValueError(f"gemv: {', '.join(dtypes)} must share a dtype, got "
                          + ", ".join(f"{name} {dt}" for name, dt in dtypes.items()))
-    return "rms_norm" if norm_weight is not None else "swiglu" if swiglu else "none"
+    if norm_weight is not None:
+        return "rms_norm_zero_centered" if norm_zero_centered else "rms_norm"
+    return "swiglu" if swiglu else "none"
 
 
 def _unsupported(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> str | None:
@@ -415,6 +429,7 @@ def gemv(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     norm_eps: float | None = None,
+    norm_zero_centered: bool = False,
     swiglu: bool = False,
     swiglu_output: bool = False,
     static_weight: bool = False,
@@ -424,6 +439,7 @@ def gemv(
     optionally with a prologue on x and a residual epilogue (see the module docstring):
 
     - ``norm_weight`` and ``norm_eps``: x is RMS-normed first, ``rms_norm(x, norm_weight, eps=norm_eps)``;
+      ``norm_zero_centered=True``: the norm scales by ``1 + norm_weight`` (Gemma's; ``zero_centered_weight``);
     - ``swiglu=True``: x is the packed [gate; up] (..., 2K) and ``silu(gate) * up`` is projected;
     - ``swiglu_output=True``: weight (and bias) are the packed [gate; up] rows (2N, K) and the result is
       ``silu(gate projection) * up projection`` (..., N);
@@ -435,10 +451,10 @@ def gemv(
     in a decode step): inside ``flash_kernels.programmatic_launch()`` the kernel then reads the first columns
     of its weight rows before waiting for its predecessor, so they stream in while that kernel still runs.
     """
-    prologue = _check(x, weight, bias, residual, norm_weight, norm_eps, swiglu, swiglu_output)
+    prologue = _check(x, weight, bias, residual, norm_weight, norm_eps, norm_zero_centered, swiglu, swiglu_output)
     if check_backend_name(backend) == "auto" or not use_triton(
             backend, x, op="gemv", unsupported=_unsupported(x, weight, bias, residual, norm_weight)):
         return gemv_ref(x, weight, bias, residual=residual, norm_weight=norm_weight, norm_eps=norm_eps,
-                        swiglu=swiglu, swiglu_output=swiglu_output)
+                        norm_zero_centered=norm_zero_centered, swiglu=swiglu, swiglu_output=swiglu_output)
     eps = 0.0 if norm_eps is None else float(norm_eps)
     return pick(_gemv_op, _gemv)(x, weight, bias, residual, norm_weight, eps, prologue, swiglu_output, static_weight)

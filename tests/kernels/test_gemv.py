@@ -27,7 +27,7 @@ def _operands(n, k, dtype, *, bias=True, leading=(1,), width=None):
 def _fused_operands(n, k, dtype, fusion, *, bias, leading=(1,)):
     """x, weight, bias and gemv's fusion keywords. fusion names what it fuses: "residual", "norm", "swiglu"
     (the prologue), "gated" (the SwiGLU epilogue: 2n packed weight rows) or a "+" of them; "plain" fuses
-    nothing."""
+    nothing. "centered" makes the norm Gemma's (its weight around 0, scaling by 1 + weight)."""
     rows = 2 * n if "gated" in fusion else n
     x, weight, b = _operands(rows, k, dtype, bias=bias, leading=leading,
                              width=2 * k if "swiglu" in fusion else k)  # [gate; up]
@@ -35,20 +35,24 @@ def _fused_operands(n, k, dtype, fusion, *, bias, leading=(1,)):
     if "residual" in fusion:
         extra["residual"] = torch.randn(*leading, n, device=DEVICE).to(dtype)
     if "norm" in fusion:
-        extra.update(norm_weight=(1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype), norm_eps=EPS)
+        centered = "centered" in fusion
+        extra.update(norm_weight=((0 if centered else 1) + 0.1 * torch.randn(k, device=DEVICE)).to(dtype), norm_eps=EPS)
+        if centered:
+            extra["norm_zero_centered"] = True
     if "swiglu" in fusion:
         extra["swiglu"] = True
     return x, weight, b, extra
 
 
-def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False,
-             swiglu_output=False):
+def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, norm_zero_centered=False,
+             swiglu=False, swiglu_output=False):
     """The unfused decode path in float32, rounded to x's dtype wherever it stores a tensor: the normed row or
     the SwiGLU product, the projection (and its SwiGLU), the new residual stream."""
     stored = lambda t: t.to(x.dtype).float()  # noqa: E731
     h = x.float()
     if norm_weight is not None:
-        h = stored(h * torch.rsqrt(h.square().mean(-1, keepdim=True) + norm_eps) * norm_weight.float())
+        scale = norm_weight.float() + (1.0 if norm_zero_centered else 0.0)
+        h = stored(h * torch.rsqrt(h.square().mean(-1, keepdim=True) + norm_eps) * scale)
     if swiglu:
         gate, up = h.chunk(2, dim=-1)
         h = stored(F.silu(gate) * up)
@@ -61,12 +65,12 @@ def _unfused(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=
     return y.to(x.dtype)
 
 
-def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None, swiglu=False,
-                     swiglu_output=False):
+def _unfused_kernels(x, weight, bias=None, *, residual=None, norm_weight=None, norm_eps=None,
+                     norm_zero_centered=False, swiglu=False, swiglu_output=False):
     """The unfused decode path through our own kernels: the norm or SwiGLU kernel, gemv, then the residual
     stream as the fused add+norm kernel stores it."""
     if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps=norm_eps, backend="triton")
+        x = rms_norm(x, norm_weight, eps=norm_eps, zero_centered_weight=norm_zero_centered, backend="triton")
     if swiglu:
         x = swiglu_kernel(x, backend="triton")
     y = gemv(x, weight, bias, backend="triton")
@@ -95,6 +99,7 @@ def test_matches_linear(dtype, n, k, bias, leading):
 @pytest.mark.parametrize("fusion,bias", [
     ("residual", False), ("residual", True), ("norm", False), ("norm+residual", True), ("swiglu+residual", False),
     ("swiglu+residual", True), ("gated", False), ("norm+gated", True), ("gated+residual", True),
+    ("norm+centered+residual", True),
 ])
 def test_fused(dtype, fusion, bias):
     """N = 77, K = 123: neither a multiple of the tiles (the interpreter's 16 x 32)."""
@@ -115,7 +120,7 @@ def test_fused(dtype, fusion, bias):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion,leading", [
     ("plain", (2,)), ("plain", (16, 1)), ("residual", (5, 1)), ("norm+gated", (3,)), ("swiglu+residual", (16,)),
-    ("norm+residual", (2, 2)),
+    ("norm+residual", (2, 2)), ("norm+centered+gated", (3,)),
 ])
 def test_few_rows(dtype, fusion, leading):
     """2-16 rows (a decode step's batch): the tensor-core kernel, bias on, N = 77 and K = 123 across several
@@ -195,6 +200,8 @@ def test_bad_inputs():
         gemv(x, weight, norm_weight=nw)
     with pytest.raises(ValueError, match="both norm_weight and norm_eps"):
         gemv(x, weight, norm_eps=EPS)
+    with pytest.raises(ValueError, match="norm_zero_centered=True .* pass norm_weight"):
+        gemv(x, weight, norm_zero_centered=True)
     with pytest.raises(ValueError, match="norm_weight shape"):
         gemv(x, weight, norm_weight=torch.randn(8, device=DEVICE), norm_eps=EPS)
     with pytest.raises(ValueError, match="norm_weight .*share a dtype"):

@@ -160,11 +160,17 @@ def test_a_block_chains_only_when_every_projection_is_a_gemv(gemv_calls, monkeyp
 
 
 def tiny_llama(dtype, activation="silu", preset="llama-1b"):
-    """One LLaMA-style layer at odd sizes (hidden 48, three query heads over one KV head, intermediate 80)."""
+    """One LLaMA-style layer at odd sizes (hidden 48, three query heads over one KV head, intermediate 80), its
+    norm weights moved off their init (a unit or zero weight would hide how the norm applies it)."""
     torch.manual_seed(0)
-    return fm.create_model(preset, dtype=dtype, num_hidden_layers=1, hidden_size=48, intermediate_size=80,
-                           num_attention_heads=3, num_key_value_heads=1, head_dim=16, vocab_size=96,
-                           max_position_embeddings=64, hidden_act=activation).eval()
+    model = fm.create_model(preset, dtype=dtype, num_hidden_layers=1, hidden_size=48, intermediate_size=80,
+                            num_attention_heads=3, num_key_value_heads=1, head_dim=16, vocab_size=96,
+                            max_position_embeddings=64, hidden_act=activation).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            for norm in (block.norm1, block.norm2):
+                norm.weight.add_(0.2 * torch.randn_like(norm.weight))
+    return model
 
 
 def check_step_against_plain_forward(model, batch: int, prompt_len: int = 5) -> None:
@@ -194,7 +200,8 @@ def check_step_against_plain_forward(model, batch: int, prompt_len: int = 5) -> 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("activation,preset", [("silu", "llama-1b"), ("gelu_pytorch_tanh", "llama-1b"),
-                                               ("silu", "qwen3-0.6b")])  # SwiGLU epilogue, GeGLU after, q/k norms
+                                               ("silu", "qwen3-0.6b"),  # SwiGLU epilogue, GeGLU after, q/k norms
+                                               ("gelu_pytorch_tanh", "gemma-2b")])  # norms scaling by 1 + weight
 @pytest.mark.parametrize("batch", [1, 3])  # the one-row GEMV, and the few-rows kernel
 @torch.no_grad()
 def test_chained_block_step_gives_the_plain_block_forward(dtype, activation, preset, batch):
@@ -202,12 +209,14 @@ def test_chained_block_step_gives_the_plain_block_forward(dtype, activation, pre
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset,batch", [("llama-1b", 1), ("smollm2-135m", 16)])  # the widths that chain there
+@pytest.mark.parametrize("preset,batch", [("llama-1b", 1), ("smollm2-135m", 16),  # the widths that chain there
+                                          ("gemma-2b", 1)])  # norms scaling by 1 + weight, head dim 256
 @torch.no_grad()
 def test_chained_block_step_at_real_sizes_gives_the_plain_forward(preset, batch):
     """The compiled kernels (not the interpreter) at a real model's widths (LLaMA-1.1B: hidden 2048, 32 query and
-    4 KV heads, intermediate 5632; SmolLM2-135M at batch 16, whose weights stay under FEW_ROWS_MAX_WEIGHT),
-    against the plain block on cuBLAS and our norm and SwiGLU kernels."""
+    4 KV heads, intermediate 5632; SmolLM2-135M at batch 16, whose weights stay under FEW_ROWS_MAX_WEIGHT; Gemma-2B,
+    one KV head of 256 and norms scaling by 1 + weight), against the plain block on cuBLAS and our norm and
+    SwiGLU kernels."""
     torch.manual_seed(0)
     model = fm.create_model(preset, dtype=torch.bfloat16, num_hidden_layers=1, vocab_size=256).cuda().eval()
     check_step_against_plain_forward(model, batch, prompt_len=37)
