@@ -20,7 +20,7 @@ ROTARY_DIM_FIELDS = "the config's rotary_dim, or head_dim x partial_rotary_facto
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Block variants (modules/block.py): pre-norm (GPT-2, LLaMA), parallel attention + MLP with two norms (GPT-NeoX)
 # or one shared norm (GPT-J), and post-norm (BERT, OPT-350m).
-BLOCK_KINDS = ("pre_norm", "parallel", "parallel_shared_norm", "post_norm")
+BLOCK_KINDS = ("pre_norm", "sandwich", "parallel", "parallel_shared_norm", "post_norm")
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -246,11 +246,12 @@ class AttentionConfig:
     sliding_window: int | None = None
     causal: bool = True
     qk_norm_eps: float | None = None  # Qwen3: each q and k head RMS-normalized over its channels, before rotary
+    softcap: float | None = None  # Gemma 2: scores soft-capped to softcap * tanh(scores / softcap) before the softmax
 
     def __post_init__(self):
         check_positive(hidden_size=self.hidden_size, num_attention_heads=self.num_heads,
                        num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim,
-                       softmax_scale=self.softmax_scale, sliding_window=self.sliding_window)
+                       softmax_scale=self.softmax_scale, sliding_window=self.sliding_window, softcap=self.softcap)
         check_probability(attention_dropout=self.dropout_p)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -305,6 +306,8 @@ class DecoderConfig:
     embed_dim: int | None = None  # token embedding width when it differs from hidden (OPT project_in/out)
     # Token embeddings multiplied by this, rounded to the table's dtype (Gemma: sqrt(hidden_size)); None: not scaled.
     embed_scale: float | None = None
+    # Logits soft-capped to cap * tanh(logits / cap) (Gemma 2), in the output, the loss and generation; None: not.
+    final_logit_softcap: float | None = None
     # HF's nn.Embedding(padding_idx=pad_token_id) (LLaMA, Mistral, Qwen, OPT): the pad token's row gets no gradient
     # (and is zero in a fresh model); negative counts from the end of the vocabulary, as in torch.
     padding_idx: int | None = None
@@ -321,7 +324,7 @@ class DecoderConfig:
         check_choice("block", self.block, BLOCK_KINDS)
         check_positive(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                        max_position_embeddings=self.max_position_embeddings, embed_dim=self.embed_dim,
-                       embed_scale=self.embed_scale)
+                       embed_scale=self.embed_scale, final_logit_softcap=self.final_logit_softcap)
         if self.num_layers < 0 or self.norm_eps < 0 or self.initializer_range < 0:
             raise ValueError(f"num_layers ({self.num_layers}), norm_eps ({self.norm_eps}) and initializer_range "
                              f"({self.initializer_range}) must be >= 0")

@@ -13,8 +13,8 @@ from flash_kernels._backend import capturing_cuda_graph
 
 from ..config import ATTN_IMPLS, DecoderConfig, check_choice
 from ..modules import (
-    Attention, Embeddings, KVCache, Norm, ParallelBlock, PostNormBlock, PreNormBlock, RotaryEmbedding, build_attention_mask,
-    build_mlp,
+    Attention, Embeddings, KVCache, Norm, ParallelBlock, PostNormBlock, PreNormBlock, RotaryEmbedding, SandwichBlock,
+    build_attention_mask, build_mlp,
 )
 from ..modules.attention import build_cached_attention_mask, without_padding
 from ..modules.linear import autocast_like, dense, plain_linear
@@ -101,6 +101,11 @@ class DecoderLM(HFModelProtocol, nn.Module):
             return PreNormBlock(norm1=self._norm(), attn=attn, norm2=self._norm(), mlp=mlp, input_dropout_p=input_dropout_p,
                                 residual_dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32,
                                 recompute_norm_outputs=dc.mlp.gated)
+        if dc.block == "sandwich":
+            attn.recompute_weight_casts = mlp.recompute_weight_casts = dc.mlp.gated
+            return SandwichBlock(norm1=self._norm(), attn=attn, post_attn_norm=self._norm(), norm2=self._norm(), mlp=mlp,
+                                 post_mlp_norm=self._norm(), input_dropout_p=input_dropout_p,
+                                 residual_dropout_p=dc.residual_dropout_p, residual_in_fp32=dc.residual_in_fp32)
         if dc.block in ("parallel", "parallel_shared_norm"):
             norm2 = self._norm() if dc.block == "parallel" else None
             return ParallelBlock(norm1=self._norm(), attn=attn, mlp=mlp, norm2=norm2, input_dropout_p=input_dropout_p,
@@ -301,6 +306,13 @@ class DecoderLM(HFModelProtocol, nn.Module):
         return hidden
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., hidden) -> (..., V), V the real vocabulary: the LM head's output (``_head_logits``), soft-capped
+        where the family caps its logits (Gemma 2), in HF's order of operations: divide, tanh, multiply."""
+        logits = self._head_logits(hidden)
+        cap = self.decoder_config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., hidden) -> (..., V), V the real vocabulary. On CUDA, with a padded head, a view of its output (row
         stride V_padded, aligned GEMMs), so the pad columns never reach a softmax or an argmax; on the CPU, the
         head's real rows alone.
@@ -403,10 +415,12 @@ class DecoderLM(HFModelProtocol, nn.Module):
 
     def _token_loss(self, hidden: torch.Tensor, targets: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
         """The LM loss of hidden states (..., H) against the token each predicts (...; -100: none): their mean, or
-        their sum / ``num_items_in_batch``. Through the fused LM head + loss, unless an adapter wraps the head."""
+        their sum / ``num_items_in_batch``. Through the fused LM head + loss, unless an adapter wraps the head (the
+        fused kernel would read the base weight only) or the logits are soft-capped (which the kernel does not do):
+        those compute the logits."""
         hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         reduction = "mean" if num_items_in_batch is None else "sum"
-        if self.adapted_head():  # the fused kernel would read the base weight only
+        if self.adapted_head() or self.decoder_config.final_logit_softcap is not None:
             loss = flash_kernels.cross_entropy(self._logits(hidden).contiguous(), targets, backend=self.kernel_backend,
                                                reduction=reduction)
         else:

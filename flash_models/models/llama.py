@@ -127,8 +127,13 @@ class LlamaForCausalLM(DecoderLM):
     config_class = LlamaConfig
 
 
-def llama_rules(config: LlamaConfig) -> RuleSet:
-    """HF's separate q/k/v and gate/up projections <-> our fused ones; Qwen2's bias on q/k/v only."""
+# A block's norms: ours <- HF's (LLaMA's two; Gemma 2 has four).
+LLAMA_NORMS = {"norm1.weight": "input_layernorm.weight", "norm2.weight": "post_attention_layernorm.weight"}
+
+
+def llama_rules(config: LlamaConfig, norms: dict[str, str] = LLAMA_NORMS) -> RuleSet:
+    """HF's separate q/k/v and gate/up projections <-> our fused ones; Qwen2's bias on q/k/v only; ``norms``
+    names each block norm's HF key."""
     hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     qkv_sizes = (hq * d, hkv * d, hkv * d)
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -147,14 +152,14 @@ def llama_rules(config: LlamaConfig) -> RuleSet:
     if config.mlp_bias:
         mlp["mlp.gate_up.bias"] = (("mlp.gate_proj.bias", "mlp.up_proj.bias"), concat((inter, inter)))
         mlp["mlp.down.bias"] = (("mlp.down_proj.bias",), IDENTITY)
-    return llama_layout_rules(config, attn, mlp)
+    return llama_layout_rules(config, attn, mlp, norms)
 
 
-def llama_layout_rules(config, attn: dict, mlp: dict) -> RuleSet:
-    """HF's LLaMA layout (``model.layers.N``, its two norms, embeddings, final norm, head) around a block's
+def llama_layout_rules(config, attn: dict, mlp: dict, norms: dict[str, str] = LLAMA_NORMS) -> RuleSet:
+    """HF's LLaMA layout (``model.layers.N``, the block's norms, embeddings, final norm, head) around a block's
     attention and MLP keys (``layer_rules`` dicts), which differ between the families that share the rest."""
     p = "model."
-    norms = {"norm1.weight": (("input_layernorm.weight",), IDENTITY), "norm2.weight": (("post_attention_layernorm.weight",), IDENTITY)}
+    norms = {ours: ((theirs,), IDENTITY) for ours, theirs in norms.items()}
     rules = layer_rules(p, "layers", attn, mlp, norms) + [
         Rule("embed.tokens.weight", f"{p}embed_tokens.weight"),
         Rule("norm_f.weight", f"{p}norm.weight"),

@@ -7,7 +7,8 @@ sliding windows, a KV cache, and explicit backends:
   unpadded into packed sequences so no work is spent on padding.
 - "auto": "flash" for CUDA tensors in fp16/bf16 with a head dim the kernels support, else "sdpa"; always "sdpa"
   with the "reference" kernel backend. The check is a cheap look at device/dtype at call time, so a model
-  moved with ``.to("cuda")`` picks it up.
+  moved with ``.to("cuda")`` picks it up. A soft-capped attention (Gemma 2) takes "eager" where "auto" would take
+  "sdpa", which cannot soft-cap.
 
 ``kernel_backend`` (the model's) goes to every other kernel the layer calls: rotary, the KV-cache writes, the
 projections.
@@ -199,10 +200,13 @@ def _decoding(mask: AttentionMask) -> bool:
     return not mask.cache_was_empty and mask.query_real is None
 
 
-def _eager_attention(q, k, v, mask, *, scale, dropout_p):
-    """Readable reference: scores in float32, softmax, weighted sum. q (B, H, Sq, D), k/v (B, H, Sk, D)."""
+def _eager_attention(q, k, v, mask, *, scale, dropout_p, softcap: float = 0.0):
+    """Readable reference: scores in float32 (soft-capped where ``softcap``), softmax, weighted sum.
+    q (B, H, Sq, D), k/v (B, H, Sk, D)."""
     with torch.autocast(q.device.type, enabled=False):  # autocast would round the float32 scores' matmul down
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     probs = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
@@ -221,6 +225,10 @@ class Attention(nn.Module):
         super().__init__()
         check_choice("attn_impl", attn_impl, ATTN_IMPLS)
         check_choice("kernel_backend", kernel_backend, flash_kernels.BACKENDS)
+        if attn_impl == "sdpa" and cfg.softcap:
+            raise ValueError(f"attn_impl='sdpa' has no soft-capping of the scores, which this model's attention "
+                             f"applies (softcap {cfg.softcap}); use attn_impl='auto' (our kernels on a GPU, 'eager' "
+                             "elsewhere), 'flash' or 'eager'")
         if attn_impl == "flash" and cfg.head_dim > FLASH_MAX_HEAD_DIM:
             raise ValueError(
                 f"attn_impl='flash' supports head dims up to {FLASH_MAX_HEAD_DIM}, this model has {cfg.head_dim}; "
@@ -236,6 +244,7 @@ class Attention(nn.Module):
             self.q_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False, kernel_backend=kernel_backend)
             self.k_norm = Norm(cfg.head_dim, kind="rms_norm", eps=cfg.qk_norm_eps, bias=False, kernel_backend=kernel_backend)
         self.softmax_scale = cfg.softmax_scale if cfg.softmax_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self.softcap = cfg.softcap or 0.0  # 0: none, as our kernels take it
         if cfg.scale_by_inverse_layer_idx:
             self.softmax_scale /= layer_idx + 1
 
@@ -311,8 +320,8 @@ class Attention(nn.Module):
             window = (mask.sliding_window - 1, 0) if mask.sliding_window is not None else (-1, -1)
             return flash_kernels.flash_attn_with_kvcache(
                 q, cache.k[layer], cache.v[layer], cache_seqlens=mask.cache_lengths, causal=True,
-                softmax_scale=self.softmax_scale, window_size=window, block_table=cache.block_table,
-                backend="triton" if self.attn_impl == "flash" else "auto",
+                softmax_scale=self.softmax_scale, window_size=window, softcap=self.softcap,
+                block_table=cache.block_table, backend="triton" if self.attn_impl == "flash" else "auto",
             )
         dense = mask.cache_dense(cache.max_len, q.device)  # (B, 1, Sq, max_len)
         keys, values = cache.layer_kv(layer)
@@ -333,7 +342,7 @@ class Attention(nn.Module):
             return self.attn_impl
         flash_ok = (self.kernel_backend != "reference" and device.type == "cuda" and dtype in FLASH_DTYPES
                     and self.cfg.head_dim <= FLASH_MAX_HEAD_DIM)
-        return "flash" if flash_ok else "sdpa"
+        return "flash" if flash_ok else "eager" if self.softcap else "sdpa"  # (sdpa cannot soft-cap)
 
     def dropout_p(self) -> float:
         return self.cfg.dropout_p if self.training else 0.0
@@ -360,7 +369,7 @@ class Attention(nn.Module):
         if backend == "eager":
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = _eager_attention(q, k, v, dense, scale=self.softmax_scale, dropout_p=dropout_p)
+            out = _eager_attention(q, k, v, dense, scale=self.softmax_scale, dropout_p=dropout_p, softcap=self.softcap)
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=dense, dropout_p=dropout_p, scale=self.softmax_scale,
@@ -381,8 +390,8 @@ class Attention(nn.Module):
         window = (-1, -1)
         if mask.sliding_window is not None:
             window = (mask.sliding_window - 1, 0 if mask.causal else mask.sliding_window - 1)
-        return dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, dropout_p=dropout_p,
-                    backend="triton" if self.attn_impl == "flash" else "auto")
+        return dict(causal=mask.causal, softmax_scale=self.softmax_scale, window_size=window, softcap=self.softcap,
+                    dropout_p=dropout_p, backend="triton" if self.attn_impl == "flash" else "auto")
 
     def _flash_packed(self, qkv, mask: AttentionMask, dropout_p: float) -> torch.Tensor:
         """qkv (B, S, Hq + 2 * Hkv, D), no padding -> (B, S, Hq, D)."""

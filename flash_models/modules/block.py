@@ -46,6 +46,33 @@ class PreNormBlock(nn.Module):
         return normed_input(normed, norm, stream) if self.recompute_norm_outputs else None
 
 
+class SandwichBlock(nn.Module):
+    """Gemma 2: each sublayer's output normalized too, before it joins the stream:
+    r = r + drop(h);  h = post_attn_norm(attn(norm1(r)));  r = r + h;  h = post_mlp_norm(mlp(norm2(r))).
+
+    The add of each sublayer's normalized output into the stream is folded into the next norm (the (hidden,
+    residual) contract), as in ``PreNormBlock``; the post-norms are plain norms of the sublayer outputs."""
+
+    def __init__(self, *, norm1: nn.Module, attn: nn.Module, post_attn_norm: nn.Module, norm2: nn.Module,
+                 mlp: nn.Module, post_mlp_norm: nn.Module, input_dropout_p: float, residual_dropout_p: float,
+                 residual_in_fp32: bool = False):
+        super().__init__()
+        self.norm1, self.attn, self.post_attn_norm = norm1, attn, post_attn_norm
+        self.norm2, self.mlp, self.post_mlp_norm = norm2, mlp, post_mlp_norm
+        self.input_dropout_p, self.residual_dropout_p = input_dropout_p, residual_dropout_p
+        self.residual_in_fp32 = residual_in_fp32
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, **attn_kwargs):
+        hidden, residual = self.norm1(
+            hidden, residual, prenorm=True, dropout_p=self.input_dropout_p, residual_in_fp32=self.residual_in_fp32
+        )
+        hidden = self.post_attn_norm(self.attn(hidden, **attn_kwargs))
+        hidden, residual = self.norm2(
+            hidden, residual, prenorm=True, dropout_p=self.residual_dropout_p, residual_in_fp32=self.residual_in_fp32
+        )
+        return self.post_mlp_norm(self.mlp(hidden)), residual
+
+
 class ParallelBlock(nn.Module):
     """GPT-NeoX (two norms) / GPT-J (``norm2=None``: one shared norm), attention and MLP side by side:
     r = r + drop(h);  h = attn(norm1(r)) + mlp(norm2(r)).

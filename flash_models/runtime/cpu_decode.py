@@ -80,6 +80,8 @@ def lean_step_unsupported(model, cache: KVCache) -> str | None:
         return f"{dc.block} blocks"
     if dc.full_attention_layers:
         return "a sliding window on some layers only"
+    if dc.attention.softcap is not None or dc.final_logit_softcap is not None:
+        return "soft-capped attention scores or logits"
     dropout = (dc.embed_dropout_p, dc.residual_dropout_p, dc.attention.dropout_p, dc.mlp.dropout_p)
     if model.training and any(dropout):
         return "dropout in training mode"
