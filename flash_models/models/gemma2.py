@@ -26,7 +26,7 @@ class Gemma2Config(GemmaConfig):
     num_hidden_layers: int = 26
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
-    query_pre_attn_scalar: float = 256
+    query_pre_attn_scalar: int = 256
     sliding_window: int | None = 4096
     layer_types: tuple[str, ...] | None = None  # None: HF's default, a window on every other layer from the first
     final_logit_softcapping: float | None = 30.0
