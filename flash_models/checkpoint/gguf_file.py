@@ -1,6 +1,6 @@
 """GGUF files (llama.cpp): metadata -> an HF config, tensors dequantized -> an HF-named state dict.
 
-Six architectures. Five share llama.cpp's LLaMA tensor names and HF's LLaMA module names:
+Seven architectures. Six share llama.cpp's LLaMA tensor names and HF's LLaMA module names:
 - ``llama`` (LLaMA, and Mistral and SmolLM2, which llama.cpp writes as llama). llama.cpp's converter permutes
   the rows of the Q and K projections (it pairs rotary channels as interleaved, where HF pairs them
   half-split); ``unpermute_rotary`` undoes that so the weights match HF's.
@@ -14,6 +14,7 @@ Six architectures. Five share llama.cpp's LLaMA tensor names and HF's LLaMA modu
 - ``gemma``: the LLaMA layout, rows as HF has them (llama.cpp runs its rotary half-split), the head dim in
   ``attention.key_length``; llama.cpp's converter stores each norm's weight plus one (the factor its RMSNorm
   multiplies by), which the loader takes back to HF's offsets.
+- ``gemma2``: Gemma's, with four norms a block, the soft-caps and the window in the metadata.
 And ``gpt2``, whose projections llama.cpp stores as (out, in) matrices where HF's Conv1D layers hold
 (in, out): they are transposed back.
 """
@@ -51,6 +52,14 @@ _LLAMA_NAMES = {
     r"blk\.(\d+)\.ffn_gate\.weight": "model.layers.{}.mlp.gate_proj.weight",
     r"blk\.(\d+)\.ffn_up\.weight": "model.layers.{}.mlp.up_proj.weight",
 }
+# Gemma 2's four norms a block: llama.cpp's ffn_norm is the norm before the MLP there (HF's
+# pre_feedforward_layernorm), and the outputs of the attention and the MLP have their own.
+_GEMMA2_NAMES = {
+    **_LLAMA_NAMES,
+    r"blk\.(\d+)\.ffn_norm\.weight": "model.layers.{}.pre_feedforward_layernorm.weight",
+    r"blk\.(\d+)\.post_attention_norm\.weight": "model.layers.{}.post_attention_layernorm.weight",
+    r"blk\.(\d+)\.post_ffw_norm\.weight": "model.layers.{}.post_feedforward_layernorm.weight",
+}
 # Phi-3's fused [q; k; v] and [gate; up] projections, as HF holds them.
 _PHI3_NAMES = {
     **_LLAMA_LAYOUT,
@@ -86,6 +95,7 @@ _ARCHITECTURES = {
     "qwen3": _Architecture(_LLAMA_NAMES),
     "phi3": _Architecture(_PHI3_NAMES),
     "gemma": _Architecture(_LLAMA_NAMES, norms_plus_one=True),
+    "gemma2": _Architecture(_GEMMA2_NAMES, norms_plus_one=True),
     "gpt2": _Architecture(_GPT2_NAMES, conv1d_transposed=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
@@ -155,7 +165,20 @@ def hf_config_dict(reader) -> dict:
     config = {**common, **_llama_style_config(a, tensor_names, arch)}
     if arch == "phi3":
         config.update(_phi3_config(a, config, tensors))
+    if arch == "gemma2":
+        config.update(_gemma2_config(a, config))
     return config
+
+
+def _gemma2_config(a, config: dict) -> dict:
+    """Gemma 2's fields over the LLaMA-style ones: the two soft-caps and the window llama.cpp writes, and the
+    score scale it does not write, which llama.cpp takes as 1 / sqrt(head dim) except for the 27B model (46
+    layers), whose scale is 1 / sqrt(hidden / heads): HF's query_pre_attn_scalar is that square."""
+    scalar = (config["hidden_size"] // config["num_attention_heads"] if config["num_hidden_layers"] == 46
+              else config["head_dim"])
+    return {"attn_logit_softcapping": a("attn_logit_softcapping", float, None),
+            "final_logit_softcapping": a("final_logit_softcapping", float, None),
+            "sliding_window": a("attention.sliding_window", int, None), "query_pre_attn_scalar": scalar}
 
 
 def _phi3_config(a, config: dict, tensors: dict) -> dict:

@@ -59,7 +59,7 @@ def test_unsupported_architecture_is_named_before_the_tokenizer(tmp_path):
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
     w.close()
     assert_short_error(run_cli("chat", str(path), "hi"), "GGUF architecture 'falcon' is not supported",
-                       "llama, qwen2, qwen3, phi3, gemma, gpt2")
+                       "llama, qwen2, qwen3, phi3, gemma, gemma2, gpt2")
 
 
 def test_unknown_tensor_is_named_before_any_dequantizing(tmp_path):

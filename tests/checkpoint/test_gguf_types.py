@@ -1,4 +1,4 @@
-"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, phi3, gemma, gpt2), written from random HF models:
+"""GGUF files of several tensor types and architectures (llama, qwen2, qwen3, phi3, gemma, gemma2, gpt2), written from random HF models:
 ours equals transformers' own GGUF load of the same file (logits and config), tied and untied heads."""
 
 import math
@@ -20,6 +20,9 @@ LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
                "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # (the last two: Phi-3's fused ones)
+# Gemma 2's: its post_attention_layernorm normalizes the attention's output, and ffn_norm is the one before the MLP.
+GEMMA2_LAYER_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                      "post_feedforward_layernorm": "post_ffw_norm"}
 
 
 def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
@@ -51,20 +54,23 @@ def write_gguf(path, hf, matrix_type, *, vocabulary=True, extra_tensors=None):
         w.add_key_length(head_dim), w.add_value_length(head_dim)
     if getattr(c, "sliding_window", None) is not None:
         w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping), w.add_final_logit_softcapping(c.final_logit_softcapping)
     if vocabulary:
         w.add_tokenizer_model("gpt2"), w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
         w.add_token_types([1] * c.vocab_size), w.add_token_merges([])
     w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(5)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
+    layer_names = {**LAYER_NAMES, **GEMMA2_LAYER_NAMES} if arch == "gemma2" else LAYER_NAMES
     names.update({f"model.layers.{i}.{hf_name}.{kind}": f"blk.{i}.{name}.{kind}" for kind in ("weight", "bias")
-                  for i in range(c.num_hidden_layers) for hf_name, name in LAYER_NAMES.items()})
+                  for i in range(c.num_hidden_layers) for hf_name, name in layer_names.items()})
     for key, tensor in hf.state_dict().items():
         if key == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if arch == "llama" and ("q_proj" in key or "k_proj" in key):
             tensor = permute_rotary(tensor, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
-        if arch == "gemma" and key.endswith("norm.weight"):  # llama.cpp's Gemma converter stores 1 + weight
+        if arch in ("gemma", "gemma2") and key.endswith("norm.weight"):  # llama.cpp's Gemma converters: 1 + weight
             tensor = tensor + 1
         add_tensor(w, names[key], tensor.float().numpy(), matrix_type)
     for name, array in (extra_tensors or {}).items():
@@ -290,6 +296,28 @@ def test_gemma_gguf_matches_the_source(tmp_path, matrix_type):
     if matrix_type == Q.F32:
         expected = hf.generate(ids[:1], max_new_tokens=5, do_sample=False)
         assert torch.equal(ours.generate(ids[:1], max_new_tokens=5, do_sample=False), expected)
+
+
+def test_gemma2_gguf_matches_the_source_and_transformers_gguf_load(tmp_path):
+    """llama.cpp's gemma2: four norms a block (each stored as 1 + weight), the soft-caps and the window in the
+    metadata, the score scale from the head dim. Ours equals the source model, and so does ``flash-models
+    compare``'s transformers side (transformers' GGUF loader alone keeps its config's default caps and scale)."""
+    config = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=16,
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=5)
+    hf = random_hf_model(config, seed=10, attn_implementation="eager")
+    write_gguf(tmp_path / "m.gguf", hf, Q.F32)
+    ours = fm.from_pretrained(tmp_path / "m.gguf")
+    assert ours.config.model_type == "gemma2" and ours.decoder_config.final_logit_softcap == 3.0
+    assert ours.decoder_config.attention.softcap == 2.0 and ours.decoder_config.attention.sliding_window == 5
+    theirs = load_hf(str(tmp_path / "m.gguf"), dtype=torch.float32, device="cpu")
+    ids = torch.randint(0, 96, (2, 13))
+    with torch.no_grad():
+        assert (ours(ids).logits - hf(ids).logits).abs().max().item() < 1e-4
+        assert (ours(ids).logits - theirs(ids).logits).abs().max().item() < 1e-4
+    expected = hf.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.generate(ids[:1], max_new_tokens=6, do_sample=False), expected)
 
 
 def test_an_unsupported_gguf_architecture_is_named(tmp_path):
