@@ -337,3 +337,11 @@ class DecoderConfig:
             raise ValueError(f"rotary_dim {self.rope.rotary_dim} exceeds the head dim {self.attention.head_dim} "
                              f"({ROTARY_DIM_FIELDS})")
         check_pad_token_id(self.padding_idx, self.vocab_size)
+
+    def cache_refill_length(self) -> int | None:
+        """The length past which generation recomputes the whole KV cache (LongRoPE's original length, where
+        ``recompute_cache_at_rope_switch``), or None where it never does."""
+        rope = self.rope
+        if self.recompute_cache_at_rope_switch and rope is not None and rope.rope_type == "longrope":
+            return rope.original_length
+        return None

@@ -47,9 +47,8 @@ def _rope_switches_next(model: CausalDecoder, cache) -> bool:
     model whose generation then recomputes the whole cache once with the long factors (Phi-3's 128k models, as
     HF's Phi-3 ``prepare_inputs_for_generation`` does), so that every cached key is rotated as one forward over
     the sequence rotates it. Other families keep the keys cached before the switch, as HF's do."""
-    dc = model.decoder_config
-    return (dc.recompute_cache_at_rope_switch and dc.rope is not None and dc.rope.rope_type == "longrope"
-            and cache.upper_bound == dc.rope.original_length)
+    length = model.decoder_config.cache_refill_length()
+    return length is not None and cache.upper_bound == length
 
 
 class Generation:

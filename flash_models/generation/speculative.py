@@ -47,10 +47,9 @@ def speculative_generate(target: CausalDecoder, draft: CausalDecoder, input_ids,
     B, S = input_ids.shape
     k, max_new, device = settings.num_draft_tokens, settings.max_new_tokens, input_ids.device
     for role, model in (("model", target), ("draft_model", draft)):
-        rope = model.decoder_config.rope
-        if (model.decoder_config.recompute_cache_at_rope_switch and rope is not None and rope.rope_type == "longrope"
-                and S <= rope.original_length < S + max_new + k):
-            raise ValueError(f"the {role} rotates with LongRoPE, whose frequencies change past {rope.original_length} "
+        length = model.decoder_config.cache_refill_length()
+        if length is not None and S <= length < S + max_new + k:
+            raise ValueError(f"the {role} rotates with LongRoPE, whose frequencies change past {length} "
                              "tokens, where its whole cache is recomputed (as HF's generate does), which speculative "
                              "decoding does not do: generate without draft_model, or fewer max_new_tokens")
     V = target.decoder_config.vocab_size

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import DecoderConfig
-from .family import Family, Preset, hf_class, hf_token_ids
+from .family import Family, Preset
 from .gemma import GemmaConfig, gemma_tiny
 from .llama import LlamaForCausalLM, llama_rules
 
@@ -53,14 +53,8 @@ class Gemma2Config(GemmaConfig):
         return dataclasses.replace(config, hidden_act=hf.hidden_activation,
                                    layer_types=tuple(hf.layer_types) if hf.layer_types is not None else None)
 
-    def to_hf(self):
-        return hf_class(self.hf_config_class)(
-            **{name: getattr(self, name) for name in self._PLAIN},
-            hidden_activation=self.hidden_act, layer_types=list(self.types()),
-            rope_parameters=self.hf_rope_parameters(),
-            bos_token_id=hf_token_ids(self.bos_token_id),
-            eos_token_id=hf_token_ids(self.eos_token_id),
-        )
+    def hf_extra_fields(self) -> dict:
+        return {"hidden_activation": self.hidden_act, "layer_types": list(self.types())}
 
     def types(self) -> tuple[str, ...]:
         """Each layer's attention, HF's default where the config names none."""

@@ -70,7 +70,12 @@ class LlamaConfig:
             rope_parameters=self.hf_rope_parameters(),
             bos_token_id=hf_token_ids(self.bos_token_id),
             eos_token_id=hf_token_ids(self.eos_token_id),
+            **self.hf_extra_fields(),
         )
+
+    def hf_extra_fields(self) -> dict:
+        """HF config fields a family writes beside the plain ones (under another name, or in another form)."""
+        return {}
 
     def hf_rope_parameters(self) -> dict:
         return self.rope_or_default().to_hf_parameters()
